@@ -1,0 +1,317 @@
+"""Run configuration: one frozen dataclass per concern under a root `Config`.
+
+Loaded from a TOML file (`--config path.toml`) and overridden on the command line
+with `--section.key=value` (the value is read as a TOML value, else as a string).
+`resolve()` fills the seed's derived values and validates once, at start-up, with
+errors that name the offending key. Functions receive only the section they need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad key, type or combination in the run configuration."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""  # local HF folder (config.json + weights) or hub id
+    tokenizer: str = ""  # defaults to `path`
+    random_init: bool = False  # build from config.json with random weights (tests, benchmarks)
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = ""  # file.jsonl | file.parquet | reasoning_gym:<task name>
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    task_config: dict[str, Any] = field(default_factory=dict)  # kwargs of a generated task
+    num_examples: int = 2000  # rows drawn from a generated task
+    prompt_template: str = "{prompt}"  # wraps the raw prompt text before the chat template
+    system_prompt: str = ""
+    apply_chat_template: bool = True
+    max_prompt_len: int = 512  # longer prompts are dropped (counted and logged)
+    shuffle: bool = True
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "native"
+    rollout_batch_size: int = 32  # prompts per rollout step
+    n_samples_per_prompt: int = 8
+    over_sampling_batch_size: int | None = None  # defaults to rollout_batch_size
+    max_new_tokens: int = 1024  # the seed's rollout_max_response_len
+    max_context_len: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer's EOS
+    max_batch_size: int = 256  # sequences decoded at once per engine
+    tensor_parallel_size: int = 1
+    sleep_level: int = 2  # 0: stay awake, 1: weights to host, 2: drop weights and KV
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    correct_weight: float = 1.0  # math answer matches the label
+    format_weight: float = 0.0  # response matches `format_pattern`
+    format_pattern: str = r"\\boxed\{.+\}"
+    length_penalty_weight: float = 0.0  # soft overlong penalty, 0 .. -1
+    length_penalty_buffer: int = 256  # tokens before max_new_tokens where the penalty ramps
+    user_fn: str = ""  # "pkg.module:function" replacing the math term
+    num_workers: int = 2
+    timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    advantage_estimator: str = "grpo"
+    grpo_std_normalization: bool = True
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None  # defaults to eps_clip
+    use_rollout_logprobs: bool = False  # old logprobs from the engine instead of a trainer forward
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    num_rollout: int = 100
+    num_steps_per_rollout: int = 1
+    global_batch_size: int | None = None  # derived: rollout_batch_size * n_samples // num_steps
+    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    lr: float = 1e-6
+    lr_warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 42
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    bucket_mb: float = 512.0  # parameters gathered and pushed to the engine per collective
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    output_dir: str = "runs/default"
+    wandb: bool = False
+    wandb_project: str = "rl"
+    run_name: str = ""
+    progress: bool = True  # tqdm bar over samples during rollout
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _check_type(key: str, value: Any, annotation: Any) -> Any:
+    """Returns `value` converted to `annotation` or raises a ConfigError naming `key`."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(key, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {value!r}")
+        return dict(value)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is Any:
+        return value
+    if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build_section(name: str, cls: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown key '{name}.{key}' (known: {', '.join(sorted(known))})")
+        kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, dict[str, Any]]]:
+    """Splits argv into the --config path and {section: {key: value}} overrides."""
+    config_path, overrides = None, {}
+    it = iter(args)
+    for arg in it:
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: use --config FILE or --section.key=value")
+        key, eq, value = arg[2:].partition("=")
+        if key == "config":
+            config_path = value if eq else next(it, None)
+            if not config_path:
+                raise ConfigError("--config needs a file path")
+            continue
+        if not eq:
+            value = next(it, None)
+            if value is None or value.startswith("--"):
+                raise ConfigError(f"--{key} needs a value (--{key}=VALUE)")
+        section, dot, name = key.partition(".")
+        if not dot or not name:
+            raise ConfigError(f"override --{key} must look like --section.key=value")
+        overrides.setdefault(section, {})[name] = _parse_value(value)
+    return config_path, overrides
+
+
+def load_config(args: list[str]) -> Config:
+    """Builds the resolved Config from argv (a TOML file plus --section.key=value overrides)."""
+    config_path, overrides = parse_overrides(args)
+    raw: dict[str, Any] = {}
+    if config_path is not None:
+        path = Path(config_path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from e
+    for section, values in overrides.items():
+        raw.setdefault(section, {}).update(values)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    hints = typing.get_type_hints(Config)
+    built = {}
+    for name, values in raw.items():
+        if name not in sections:
+            raise ConfigError(f"unknown section '{name}' (known: {', '.join(sections)})")
+        if not isinstance(values, dict):
+            raise ConfigError(f"'{name}' must be a table of keys")
+        built[name] = _build_section(name, hints[name], values)
+    return resolve(Config(**built))
+
+
+# ---------------------------------------------------------------------------- derived values
+
+
+def resolve(cfg: Config, world_size: int | None = None) -> Config:
+    """Fills the seed's derived values and checks combinations; `world_size` adds the DP checks."""
+    ro, tr, algo = cfg.rollout, cfg.train, cfg.algo
+    if ro.over_sampling_batch_size is None:
+        ro = dataclasses.replace(ro, over_sampling_batch_size=ro.rollout_batch_size)
+    if algo.eps_clip_high is None:
+        algo = dataclasses.replace(algo, eps_clip_high=algo.eps_clip)
+    if tr.num_steps_per_rollout < 1:
+        raise ConfigError("train.num_steps_per_rollout must be >= 1")
+    samples = ro.rollout_batch_size * ro.n_samples_per_prompt
+    derived = samples // tr.num_steps_per_rollout
+    if tr.global_batch_size is None:
+        tr = dataclasses.replace(tr, global_batch_size=derived)
+    cfg = dataclasses.replace(cfg, rollout=ro, train=tr, algo=algo)
+    validate(cfg, world_size)
+    return cfg
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    ro, tr, algo, rw, data = cfg.rollout, cfg.train, cfg.algo, cfg.reward, cfg.data
+    _require(bool(cfg.model.path), "model.path is required (a local HF model folder)")
+    _require(bool(data.source), "data.source is required (file.jsonl, file.parquet or reasoning_gym:<task>)")
+    _require(ro.engine in ("native",), f"rollout.engine must be 'native', got {ro.engine!r}")
+    for key in ("rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "max_batch_size"):
+        _require(getattr(ro, key) >= 1, f"rollout.{key} must be >= 1, got {getattr(ro, key)}")
+    _require(ro.over_sampling_batch_size >= ro.rollout_batch_size,
+             "rollout.over_sampling_batch_size must be >= rollout.rollout_batch_size")
+    _require(ro.temperature > 0, f"rollout.temperature must be > 0, got {ro.temperature}")
+    _require(0 < ro.top_p <= 1, f"rollout.top_p must be in (0, 1], got {ro.top_p}")
+    _require(ro.top_k == -1 or ro.top_k >= 1, f"rollout.top_k must be -1 or >= 1, got {ro.top_k}")
+    _require(ro.sleep_level in (0, 1, 2), f"rollout.sleep_level must be 0, 1 or 2, got {ro.sleep_level}")
+    _require(ro.dtype in ("auto", "bfloat16", "float16", "float32"),
+             f"rollout.dtype must be auto, bfloat16, float16 or float32, got {ro.dtype!r}")
+    _require(data.max_prompt_len + ro.max_new_tokens <= ro.max_context_len,
+             f"data.max_prompt_len + rollout.max_new_tokens ({data.max_prompt_len + ro.max_new_tokens}) "
+             f"exceeds rollout.max_context_len ({ro.max_context_len})")
+    _require("{prompt}" in data.prompt_template, "data.prompt_template must contain '{prompt}'")
+    samples = ro.rollout_batch_size * ro.n_samples_per_prompt
+    _require(samples % tr.num_steps_per_rollout == 0,
+             f"rollout_batch_size * n_samples_per_prompt ({samples}) is not divisible by "
+             f"train.num_steps_per_rollout ({tr.num_steps_per_rollout})")
+    _require(tr.global_batch_size * tr.num_steps_per_rollout == samples,
+             f"train.global_batch_size ({tr.global_batch_size}) * num_steps_per_rollout must equal "
+             f"rollout_batch_size * n_samples_per_prompt ({samples})")
+    _require(tr.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
+    _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
+    _require(tr.num_rollout >= 1, "train.num_rollout must be >= 1")
+    _require(algo.advantage_estimator in ("grpo",),
+             f"algo.advantage_estimator must be 'grpo', got {algo.advantage_estimator!r}")
+    _require(algo.eps_clip > 0 and algo.eps_clip_high > 0, "algo.eps_clip and algo.eps_clip_high must be > 0")
+    _require(rw.num_workers >= 1, "reward.num_workers must be >= 1")
+    _require(rw.timeout_s > 0, "reward.timeout_s must be > 0")
+    _require(rw.user_fn == "" or ":" in rw.user_fn, f"reward.user_fn must look like 'pkg.module:function', got {rw.user_fn!r}")
+    _require(cfg.weights.bucket_mb > 0, "weights.bucket_mb must be > 0")
+    if world_size is not None:
+        tp = ro.tensor_parallel_size
+        _require(tp == 1, f"rollout.tensor_parallel_size={tp}: the native engine runs TP=1")
+        engines = world_size // tp
+        _require(ro.rollout_batch_size % engines == 0,
+                 f"rollout.rollout_batch_size ({ro.rollout_batch_size}) must be divisible by the number of "
+                 f"engines ({engines} = world size {world_size} / tensor_parallel_size {tp}): whole prompt groups go to one engine")
+        _require(tr.global_batch_size % world_size == 0,
+                 f"train.global_batch_size ({tr.global_batch_size}) must be divisible by the data-parallel size ({world_size})")
+
+
+def dump(cfg: Config) -> str:
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=False)

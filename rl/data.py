@@ -1,0 +1,243 @@
+"""Samples and prompt sources.
+
+`Sample` carries one response through rollout, reward and training with the seed's
+fields. `PromptDataset` reads prompts (jsonl, parquet or a reasoning-gym task),
+applies the prompt template and chat template, drops over-long prompts (counted),
+and hands out whole groups of `n_samples_per_prompt` copies with global
+`group_index`/`index` numbering (seed step 16). Its cursor (epoch, offset, seeded
+shuffle) is a small dict, so a run can resume exactly where it stopped. Every rank
+builds the same dataset and draws the same groups; ranks then take their own slice.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rl.config import ConfigError, DataConfig
+
+
+class Status(str, enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"  # stopped on EOS or a stop id
+    TRUNCATED = "truncated"  # hit max_new_tokens
+    ABORTED = "aborted"  # cut off by the engine (e.g. a weight update)
+
+
+@dataclass
+class Sample:
+    prompt: str  # prompt text after templates
+    tokens: list[int]  # prompt + response token ids
+    label: Any = None  # gold answer handed to the reward
+    response: str = ""
+    response_length: int = 0
+    loss_mask: list[int] = field(default_factory=list)  # one entry per response token
+    rollout_log_probs: list[float] = field(default_factory=list)  # one entry per response token
+    reward: float | None = None
+    advantage: float = 0.0
+    status: Status = Status.PENDING
+    group_index: int = -1
+    index: int = -1
+    weight_version: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.tokens[: self.prompt_length]
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_length :]
+
+    def append_response_tokens(self, tokens: list[int], log_probs: list[float], trainable: bool = True) -> None:
+        if len(tokens) != len(log_probs):
+            raise ValueError(f"sample {self.index}: {len(tokens)} tokens but {len(log_probs)} logprobs")
+        self.tokens = self.tokens + list(tokens)
+        self.response_length += len(tokens)
+        self.loss_mask = self.loss_mask + [int(trainable)] * len(tokens)
+        self.rollout_log_probs = self.rollout_log_probs + list(log_probs)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    token_ids: list[int]
+    label: Any
+    metadata: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------- reading rows
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{line_no}: invalid JSON ({e.msg})") from e
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{line_no}: each line must be a JSON object")
+            rows.append(row)
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+def _generate_reasoning_gym(task: str, cfg: DataConfig) -> list[dict[str, Any]]:
+    import reasoning_gym
+
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=cfg.num_examples, seed=cfg.seed, **cfg.task_config)
+    except Exception as e:  # reasoning-gym raises a mix of KeyError/ValueError/TypeError
+        raise ConfigError(f"data.source=reasoning_gym:{task} with data.task_config={cfg.task_config}: {e}") from e
+    return [{"prompt": item["question"], "answer": item["answer"], "metadata": item.get("metadata", {})}
+            for item in dataset]
+
+
+def read_rows(cfg: DataConfig) -> tuple[list[dict[str, Any]], str, str]:
+    """Returns (rows, prompt_key, answer_key) for the configured source."""
+    if cfg.source.startswith("reasoning_gym:"):
+        return _generate_reasoning_gym(cfg.source.split(":", 1)[1], cfg), "prompt", "answer"
+    path = Path(cfg.source)
+    if not path.is_file():
+        raise ConfigError(f"data.source: file not found: {path}")
+    if path.suffix == ".jsonl":
+        rows = _read_jsonl(path)
+    elif path.suffix == ".parquet":
+        rows = _read_parquet(path)
+    else:
+        raise ConfigError(f"data.source: {path} must end in .jsonl or .parquet, or be reasoning_gym:<task>")
+    for i, row in enumerate(rows):
+        for key, name in ((cfg.prompt_key, "data.prompt_key"), (cfg.answer_key, "data.answer_key")):
+            if key not in row:
+                raise ConfigError(f"{path} row {i}: missing key {key!r} ({name}); row keys: {sorted(row)}")
+    return rows, cfg.prompt_key, cfg.answer_key
+
+
+# ---------------------------------------------------------------------------- templating
+
+
+def render_prompt(raw: Any, cfg: DataConfig, tokenizer) -> str:
+    """Raw prompt (text or chat messages) -> the text the engine continues."""
+    if isinstance(raw, list):  # already chat messages
+        messages = [dict(m) for m in raw]
+    else:
+        messages = [{"role": "user", "content": cfg.prompt_template.format(prompt=raw)}]
+    if cfg.system_prompt and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+    if not cfg.apply_chat_template:
+        return "\n".join(m["content"] for m in messages)
+    if tokenizer.chat_template is None:
+        raise ConfigError("data.apply_chat_template=true but the tokenizer has no chat template")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def tokenize_prompts(rows, prompt_key, answer_key, cfg: DataConfig, tokenizer) -> tuple[list[Prompt], int]:
+    """Templated, tokenized prompts and how many were dropped for exceeding max_prompt_len."""
+    prompts, dropped = [], 0
+    for row in rows:
+        text = render_prompt(row[prompt_key], cfg, tokenizer)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > cfg.max_prompt_len:
+            dropped += 1
+            continue
+        metadata = row.get("metadata") if isinstance(row.get("metadata"), dict) else {}
+        prompts.append(Prompt(text=text, token_ids=list(ids), label=row[answer_key], metadata=metadata))
+    return prompts, dropped
+
+
+# ---------------------------------------------------------------------------- dataset
+
+
+def expand_groups(prompts: list[Prompt], n_samples_per_prompt: int, group_start: int, index_start: int
+                  ) -> list[list[Sample]]:
+    """Seed step 16: each prompt becomes a group of n copies, numbered globally."""
+    groups, index = [], index_start
+    for g, prompt in enumerate(prompts):
+        template = Sample(prompt=prompt.text, tokens=list(prompt.token_ids), label=prompt.label,
+                          metadata=dict(prompt.metadata))
+        group = []
+        for _ in range(n_samples_per_prompt):
+            sample = copy.deepcopy(template)
+            sample.group_index = group_start + g
+            sample.index = index
+            index += 1
+            group.append(sample)
+        groups.append(group)
+    return groups
+
+
+class PromptDataset:
+    """Prompts in a seeded order that changes every epoch; `state_dict` is the resumable cursor."""
+
+    def __init__(self, prompts: list[Prompt], shuffle: bool, seed: int, num_filtered: int = 0):
+        if not prompts:
+            raise ConfigError("data.source yields no prompts (all filtered by data.max_prompt_len?)")
+        self.prompts = prompts
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_filtered = num_filtered
+        self.epoch = 0
+        self.offset = 0
+        self.next_group_index = 0
+        self.next_sample_index = 0
+        self._order = self._permutation(0)
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig, tokenizer) -> PromptDataset:
+        rows, prompt_key, answer_key = read_rows(cfg)
+        prompts, dropped = tokenize_prompts(rows, prompt_key, answer_key, cfg, tokenizer)
+        return cls(prompts, cfg.shuffle, cfg.seed, num_filtered=dropped)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def next_prompts(self, count: int) -> list[Prompt]:
+        out = []
+        while len(out) < count:
+            if self.offset >= len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._permutation(self.epoch)
+            take = min(count - len(out), len(self._order) - self.offset)
+            out.extend(self.prompts[i] for i in self._order[self.offset : self.offset + take])
+            self.offset += take
+        return out
+
+    def next_groups(self, count: int, n_samples_per_prompt: int) -> list[list[Sample]]:
+        groups = expand_groups(self.next_prompts(count), n_samples_per_prompt,
+                               self.next_group_index, self.next_sample_index)
+        self.next_group_index += count
+        self.next_sample_index += count * n_samples_per_prompt
+        return groups
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset, "next_group_index": self.next_group_index,
+                "next_sample_index": self.next_sample_index, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seed"] != self.seed:
+            raise ConfigError(f"data.seed={self.seed} differs from the checkpoint's {state['seed']}")
+        self.epoch, self.offset = state["epoch"], state["offset"]
+        self.next_group_index, self.next_sample_index = state["next_group_index"], state["next_sample_index"]
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,183 @@
+"""The RL loop, top to bottom: `torchrun --nproc-per-node N -m rl.main --config FILE [--section.key=value ...]`.
+
+Every rank runs this same program: it generates its share of prompt groups with its
+own engine, scores them, gathers the rollout, trains its length-balanced share with
+FSDP2, and pushes the new weights into its engine (seed steps 1-55, with Ray actors
+and HTTP calls replaced by function calls and collectives).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from rl import parallel
+from rl.algo import grpo_advantages
+from rl.config import Config, dump, load_config, resolve
+from rl.data import PromptDataset, Sample, Status
+from rl.metrics import make_logger
+from rl.parallel import print0
+from rl.reward import RewardInput, RewardPool
+from rl.reward import metrics as reward_metrics
+from rl.rollout import SamplingParams, build_engine, engine_dtype, generate_rollout
+from rl.train import build_optimizer, collate, load_hf_model, shard_policy, train_on_rollout
+from rl.weights import sync_weights
+
+
+def score(pool: RewardPool, samples: list[Sample], max_new_tokens: int) -> dict[str, float]:
+    inputs = [RewardInput(s.prompt, s.response, s.label, s.response_length, max_new_tokens, s.metadata)
+              for s in samples]
+    result = pool.score(inputs)
+    for sample, reward in zip(samples, result.rewards, strict=True):
+        sample.reward = reward
+    return reward_metrics(result)
+
+
+def assign_advantages(samples: list[Sample], std_normalization: bool) -> None:
+    rewards = torch.tensor([s.reward for s in samples])
+    groups = torch.tensor([s.group_index for s in samples])
+    for sample, adv in zip(samples, grpo_advantages(rewards, groups, std_normalization).tolist()):
+        sample.advantage = adv
+
+
+def build_schedule(samples: list[Sample], cfg: Config, rank: int, world_size: int, device
+                   ) -> tuple[list[list], list[int]]:
+    """Seed step 31: global batches in order, each split across DP ranks by balanced length, then
+    this rank's share cut into micro-batches. Returns (micro-batches per step, loss tokens per step)."""
+    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    steps, step_tokens = [], []
+    for start in range(0, len(samples), gbs):
+        batch = samples[start : start + gbs]
+        parts = parallel.balanced_partition([float(len(s.tokens)) for s in batch], world_size)
+        mine = sorted((batch[i] for i in parts[rank]), key=lambda s: len(s.tokens))  # less padding
+        steps.append([collate(mine[i : i + mbs], device) for i in range(0, len(mine), mbs)])
+        step_tokens.append(sum(sum(s.loss_mask) for s in batch))
+    return steps, step_tokens
+
+
+def rollout_metrics(samples: list[Sample], n_samples_per_prompt: int) -> dict[str, float]:
+    rewards = torch.tensor([s.reward for s in samples])
+    lengths = torch.tensor([float(s.response_length) for s in samples])
+    group_std = rewards.view(-1, n_samples_per_prompt).std(dim=1)
+    return {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
+        "rollout/response_length_mean": lengths.mean().item(),
+        "rollout/response_length_max": lengths.max().item(),
+        "rollout/truncated_frac": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
+        "rollout/zero_std_group_frac": (group_std == 0).float().mean().item(),
+        "rollout/num_samples": float(len(samples)),
+    }
+
+
+def reduce_reward_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    out = {}
+    for key in per_rank[0]:
+        values = [m[key] for m in per_rank]
+        out[key] = sum(values) if key.endswith(("num_errors", "num_timeouts")) else sum(values) / len(values)
+    return out
+
+
+def train_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str, float]:
+    tokens = sum(m["tokens"] for m in per_rank)
+    return {
+        "train/loss": sum(m["loss_sum"] for m in per_rank) / num_steps,
+        "train/clip_frac": sum(m["clipped_tokens"] for m in per_rank) / max(tokens, 1),
+        "train/entropy": sum(m["entropy_sum"] for m in per_rank) / max(tokens, 1),
+        "train/grad_norm": per_rank[0]["grad_norm"],
+        "train/lr": per_rank[0]["lr"],
+        "train/tokens": tokens,
+    }
+
+
+def main(argv: list[str]) -> None:
+    cfg = load_config(argv)  # config errors surface before any process group or model exists
+    dist = parallel.init_distributed()
+    cfg = resolve(cfg, dist.world_size)
+    out_dir = Path(cfg.log.output_dir)
+    if dist.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(dump(cfg))
+    print0(f"rl: world_size={dist.world_size} device={dist.device.type}\n{dump(cfg)}")
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    dataset = PromptDataset.from_config(cfg.data, tokenizer)
+    print0(f"data: {len(dataset.prompts)} prompts, {dataset.num_filtered} dropped by max_prompt_len")
+    reward_pool = RewardPool(cfg.reward)
+    logger = make_logger(dist.is_main, cfg.log.output_dir, cfg.to_dict(), cfg.log.wandb,
+                         cfg.log.wandb_project, cfg.log.run_name)
+
+    policy = shard_policy(load_hf_model(cfg.model, cfg.train.seed), dist.mesh, dist.device,
+                          cfg.model.gradient_checkpointing)
+    optimizer, scheduler = build_optimizer(policy, cfg.train)
+    engine = build_engine(cfg.rollout, policy.config, dist.device, cfg.rollout.seed + dist.rank)
+    dtype = engine_dtype(cfg.rollout.dtype, dist.device)
+    eos = tokenizer.eos_token_id
+    sampling = SamplingParams.from_config(cfg.rollout, [eos] if isinstance(eos, int) else eos or [])
+
+    sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)  # seed step 8: first push is version 1
+    weight_version = 1
+    try:
+        for rollout_id in range(cfg.train.num_rollout):
+            step_start = time.perf_counter()
+            # B. rollout: every rank draws the same groups and generates its contiguous share
+            groups = dataset.next_groups(cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt)
+            mine = parallel.shard_groups(groups, dist.rank, dist.world_size)
+            t = time.perf_counter()
+            local = generate_rollout(engine, mine, sampling, weight_version, tokenizer,
+                                     progress=cfg.log.progress and dist.is_main)
+            rollout_s = time.perf_counter() - t
+            t = time.perf_counter()
+            reward_stats = score(reward_pool, local, cfg.rollout.max_new_tokens)
+            reward_s = time.perf_counter() - t
+            samples = parallel.all_gather_objects(local)
+            reward_stats = reduce_reward_metrics(parallel.all_gather_objects([reward_stats]))
+            assign_advantages(samples, cfg.algo.grpo_std_normalization)
+
+            # C. the engine yields its memory
+            t = time.perf_counter()
+            engine.sleep(cfg.rollout.sleep_level)
+            offload_s = time.perf_counter() - t
+
+            # D. train
+            t = time.perf_counter()
+            steps, step_tokens = build_schedule(samples, cfg, dist.rank, dist.world_size, dist.device)
+            local_stats = train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, dist.world_size,
+                                           cfg.train, cfg.algo, cfg.rollout.temperature)
+            train_stats = train_metrics(parallel.all_gather_objects([local_stats]), len(steps))
+            train_s = time.perf_counter() - t
+
+            # E. weights into the engine, version + 1
+            t = time.perf_counter()
+            engine.wake_up(["weights"])
+            onload_weights_s = time.perf_counter() - t
+            sync_stats = sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)
+            weight_version += 1
+            engine.reset_prefix_cache()
+            t = time.perf_counter()
+            engine.wake_up(["kv_cache"])
+            onload_kv_s = time.perf_counter() - t
+
+            metrics = {"rollout_id": rollout_id, "weight_version": weight_version,
+                       **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **reward_stats,
+                       **train_stats, **sync_stats,
+                       "perf/rollout_s": parallel.all_reduce_max(rollout_s), "perf/reward_s": reward_s,
+                       "perf/offload_s": offload_s, "perf/train_s": train_s,
+                       "perf/onload_weights_s": onload_weights_s, "perf/onload_kv_s": onload_kv_s,
+                       "perf/step_s": time.perf_counter() - step_start,
+                       "data/epoch": dataset.epoch, "data/prompts_filtered": dataset.num_filtered}
+            metrics["perf/rollout_tokens_per_s"] = (
+                metrics["rollout/response_length_mean"] * len(samples) / max(metrics["perf/rollout_s"], 1e-9))
+            logger.log(metrics)
+    finally:
+        logger.close()
+        reward_pool.close()
+    parallel.teardown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

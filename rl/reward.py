@@ -1,0 +1,397 @@
+"""Verifiable rewards: answer extraction, math checking, and the pool that scores a batch.
+
+Owns the reward of one response. `score_one` is a weighted sum of three terms:
+correctness (math_verify on the extracted answer, or a user function named by
+import path), format (a regex) and DAPO's soft overlong penalty. `RewardPool` runs
+`score_one` in worker processes so that a reward function that raises, hangs or
+crashes costs that sample a 0.0 and a count, not the run.
+
+How it departs from the textbook, where the reward is a function called inline:
+- Workers are `spawn`ed, never forked: the trainer holds torch and NCCL thread
+  pools that a fork would copy half-locked. Nothing here imports torch, so a
+  worker starts in about half a second (importing math_verify and sympy).
+- A timeout is per input, counted from when a worker was handed it. It is
+  enforced by killing that worker and starting a fresh one, because a hung
+  Python call cannot be interrupted from outside. So k hanging inputs cost about
+  ceil(k / num_workers) * timeout_s, and other inputs keep flowing meanwhile.
+- Errors never propagate: a failed input gets 0.0 in every term, is counted
+  and logged once (grouped by message) with its traceback.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import numbers
+import re
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rl.config import ConfigError, RewardConfig
+
+# ---------------------------------------------------------------------------- answers
+
+
+def find_boxed(text: str) -> str | None:
+    """Content of the last closed `\\boxed{...}` or `\\fbox{...}`, nested braces included."""
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    for start in reversed(starts):  # a truncated response may leave the last box open
+        depth = 1
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                content = text[start:i].strip()
+                if content:
+                    return content
+                break
+    return None
+
+
+def clean_number(text: str) -> str:
+    """'1,234.' -> '1234': drops a trailing period and thousands separators of a plain number."""
+    text = text.strip().rstrip(".").strip()
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", text):
+        text = text.replace(",", "")
+    return text
+
+
+def find_last_number(text: str) -> str | None:
+    # A minus only counts when it is not a binary minus ("3-5" ends in 5, not -5).
+    pattern = r"(?:(?<![\w)\]])-)?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+    numbers_found = re.findall(pattern, text)
+    return clean_number(numbers_found[-1]) if numbers_found else None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer: last `\\boxed{}`, else what follows the last `####`, else the last number."""
+    boxed = find_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        after = clean_number(text.rsplit("####", 1)[1].strip().split("\n", 1)[0])
+        if after:
+            return after
+    return find_last_number(text)
+
+
+# ---------------------------------------------------------------------------- terms
+
+
+def normalize_text(text: str) -> str:
+    return re.sub(r"\s+", "", clean_number(str(text))).strip("$").lower()
+
+
+def parse_math(text: str, timeout_s: int | None) -> list:
+    """math_verify's parse of a bare answer: `$...$` makes it read as LaTeX, not as prose."""
+    from math_verify import parse  # imported here so the parent and user-fn workers never pay for sympy
+
+    if "$" not in text:
+        parsed = parse(f"${text}$", parsing_timeout=timeout_s)
+        if parsed:
+            return parsed
+    return parse(text, parsing_timeout=timeout_s)
+
+
+def math_correct(response: str, label: Any) -> float:
+    """1.0 if the response's final answer equals `label` under math_verify, else 0.0."""
+    from math_verify import verify
+
+    answer = extract_answer(response)
+    if answer is None:
+        return 0.0
+    gold_text = clean_number(str(label))
+    # math_verify times itself out with SIGALRM, which only the main thread may set;
+    # elsewhere the caller (RewardPool) is the one bounding the time.
+    timeout_s = 5 if threading.current_thread() is threading.main_thread() else None
+    gold, pred = parse_math(gold_text, timeout_s), parse_math(answer, timeout_s)
+    if not gold or not pred:
+        return float(normalize_text(gold_text) == normalize_text(answer))
+    return float(verify(gold, pred, timeout_seconds=timeout_s))
+
+
+def format_score(response: str, pattern: str) -> float:
+    return float(re.search(pattern, response, re.DOTALL) is not None)
+
+
+def length_penalty(response_length: int, max_new_tokens: int, buffer: int) -> float:
+    """DAPO soft overlong punishment: 0 up to max - buffer, a linear ramp to -1 at max."""
+    if response_length >= max_new_tokens:
+        return -1.0  # checked first so buffer=0 still punishes a truncated response
+    start = max_new_tokens - buffer
+    if response_length <= start:
+        return 0.0
+    return -(response_length - start) / buffer
+
+
+# ---------------------------------------------------------------------------- one input
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """One response to score; everything here crosses to a worker process, so it must pickle."""
+
+    prompt: str
+    response: str
+    label: Any
+    response_length: int  # tokens
+    max_new_tokens: int
+    metadata: dict = field(default_factory=dict)
+
+
+def load_user_fn(path: str) -> Callable[..., Any]:
+    """Imports "pkg.module:function"; a ConfigError names reward.user_fn and the path."""
+    module_name, colon, fn_name = path.partition(":")
+    if not colon or not module_name or not fn_name:
+        raise ConfigError(f"reward.user_fn must look like 'pkg.module:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise ConfigError(f"reward.user_fn={path!r}: cannot import module {module_name!r} "
+                          f"({type(e).__name__}: {e})") from e
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ConfigError(f"reward.user_fn={path!r}: module {module_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def call_user_fn(path: str, inp: RewardInput) -> float:
+    fn = load_user_fn(path)  # sys.modules makes this a dict lookup after the first call
+    value = fn(prompt=inp.prompt, response=inp.response, label=inp.label, metadata=inp.metadata)
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"reward.user_fn {path} returned {type(value).__name__} {value!r}, expected a float")
+    if not math.isfinite(value):
+        raise ValueError(f"reward.user_fn {path} returned {value}, expected a finite float")
+    return float(value)
+
+
+def score_one(inp: RewardInput, cfg: RewardConfig) -> dict[str, float]:
+    """The terms of one response and their weighted sum under "reward"."""
+    if cfg.user_fn:
+        correct = call_user_fn(cfg.user_fn, inp)
+    else:
+        correct = math_correct(inp.response, inp.label)
+    terms = {
+        "correct": correct,
+        "format": format_score(inp.response, cfg.format_pattern),
+        "length": length_penalty(inp.response_length, inp.max_new_tokens, cfg.length_penalty_buffer),
+    }
+    terms["reward"] = (cfg.correct_weight * terms["correct"] + cfg.format_weight * terms["format"]
+                       + cfg.length_penalty_weight * terms["length"])
+    return terms
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+def warm_up(cfg: RewardConfig) -> None:
+    """Pays the imports before the worker reports ready, so no input's timeout is spent on them."""
+    if cfg.user_fn:
+        load_user_fn(cfg.user_fn)
+    else:
+        math_correct(r"\boxed{\frac{1}{2}}", "0.5")
+
+
+def serve(conn: multiprocessing.connection.Connection, cfg: RewardConfig) -> None:
+    """Worker main: scores (index, RewardInput) messages until the parent closes the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills us
+    try:
+        warm_up(cfg)
+    except Exception as e:
+        conn.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            index, inp = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", index, score_one(inp, cfg)))
+        except Exception as e:
+            conn.send(("error", index, f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+# ---------------------------------------------------------------------------- pool
+
+
+@dataclass
+class RewardResult:
+    rewards: list[float]
+    terms: dict[str, list[float]]  # "correct", "format", "length"; 0.0 where the input failed
+    num_errors: int = 0
+    num_timeouts: int = 0
+
+
+@dataclass(eq=False)  # identity, so `self.workers.index` finds this very worker
+class Worker:
+    process: multiprocessing.process.BaseProcess
+    conn: multiprocessing.connection.Connection
+    started_at: float
+    ready: bool = False
+    index: int | None = None  # the input it is scoring
+    deadline: float = math.inf
+
+
+@dataclass
+class Failures:
+    """What went wrong in one `score` call, kept to log once per distinct message."""
+
+    errors: dict[str, list[int]] = field(default_factory=lambda: collections.defaultdict(list))
+    tracebacks: dict[str, str] = field(default_factory=dict)
+    timeouts: list[int] = field(default_factory=list)
+
+    def add_error(self, index: int, message: str, tb: str) -> None:
+        self.errors[message].append(index)
+        self.tracebacks.setdefault(message, tb)
+
+
+def log_failures(failures: Failures, timeout_s: float) -> None:
+    log = logging.getLogger(__name__)
+    for message, indices in failures.errors.items():
+        log.warning("reward: %d input(s) scored 0.0 after %s (inputs %s)\n%s",
+                    len(indices), message, indices[:10], failures.tracebacks[message])
+    if failures.timeouts:
+        log.warning("reward: %d input(s) scored 0.0 after exceeding reward.timeout_s=%g s (inputs %s); "
+                    "their workers were killed and replaced", len(failures.timeouts), timeout_s,
+                    failures.timeouts[:10])
+
+
+class RewardPool:
+    """`cfg.num_workers` spawned processes running `score_one`, each input bounded by `cfg.timeout_s`.
+
+    Use as a context manager (or call `close()`). Not thread-safe: one `score` at a time.
+    """
+
+    def __init__(self, cfg: RewardConfig, start_timeout_s: float = 60.0):
+        if cfg.num_workers < 1 or cfg.timeout_s <= 0:
+            raise ConfigError("reward.num_workers must be >= 1 and reward.timeout_s > 0")
+        if cfg.user_fn:
+            load_user_fn(cfg.user_fn)  # a bad path fails here, in the parent, not as N worker errors
+        self.cfg = cfg
+        self.start_timeout_s = start_timeout_s
+        self.ctx = multiprocessing.get_context("spawn")
+        # Started without waiting: workers import while the caller does other work; `score` waits.
+        self.workers = [self.start_worker() for _ in range(cfg.num_workers)]
+
+    def start_worker(self) -> Worker:
+        parent_conn, child_conn = self.ctx.Pipe()
+        process = self.ctx.Process(target=serve, args=(child_conn, self.cfg), name="reward-worker", daemon=True)
+        process.start()
+        child_conn.close()  # so the parent sees EOF when the worker dies
+        return Worker(process, parent_conn, started_at=time.monotonic())
+
+    def replace(self, worker: Worker) -> None:
+        worker.process.kill()  # SIGKILL: a hung reward function may ignore anything gentler
+        worker.process.join(timeout=5)
+        worker.conn.close()
+        self.workers[self.workers.index(worker)] = self.start_worker()
+
+    def score(self, inputs: list[RewardInput]) -> RewardResult:
+        """Scores every input; one that raises, crashes its worker or times out gets 0.0 and a count."""
+        if not self.workers:
+            raise RuntimeError("RewardPool.score called after close()")
+        outcomes: list[dict[str, float] | None] = [None] * len(inputs)
+        failures = Failures()
+        pending = collections.deque(range(len(inputs)))
+        while pending or any(w.index is not None for w in self.workers):
+            self.dispatch(inputs, pending)
+            self.wait()
+            for worker in list(self.workers):
+                self.collect(worker, outcomes, failures)
+        log_failures(failures, self.cfg.timeout_s)
+        return gather(outcomes, len(failures.timeouts))
+
+    def dispatch(self, inputs: list[RewardInput], pending: collections.deque) -> None:
+        for worker in self.workers:
+            if pending and worker.ready and worker.index is None:
+                index = pending.popleft()
+                try:
+                    worker.conn.send((index, inputs[index]))
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # it died while idle; `collect` sees the dead process and replaces it
+                worker.index, worker.deadline = index, time.monotonic() + self.cfg.timeout_s
+
+    def wait(self) -> None:
+        """Blocks until a worker has news or the nearest deadline passes."""
+        deadlines = [w.deadline if w.ready else w.started_at + self.start_timeout_s for w in self.workers]
+        timeout = max(0.0, min(deadlines) - time.monotonic())
+        handles = [w.conn for w in self.workers] + [w.process.sentinel for w in self.workers]
+        multiprocessing.connection.wait(handles, timeout=timeout)
+
+    def collect(self, worker: Worker, outcomes: list, failures: Failures) -> None:
+        """Takes one worker's messages, and replaces it if it died or ran past its deadline."""
+        try:
+            while worker.conn.poll():
+                message = worker.conn.recv()
+                if message[0] == "failed":
+                    raise RuntimeError(f"reward worker could not start: {message[1]}\n{message[2]}")
+                if message[0] == "ready":
+                    worker.ready = True
+                    continue
+                outcomes[message[1]] = message[2] if message[0] == "ok" else None
+                if message[0] == "error":
+                    failures.add_error(message[1], message[2], message[3])
+                worker.index, worker.deadline = None, math.inf
+        except (EOFError, OSError):
+            pass  # the pipe closed under us: the process check below handles it
+        now = time.monotonic()
+        if not worker.process.is_alive():
+            if not worker.ready:
+                raise RuntimeError(f"reward worker exited with code {worker.process.exitcode} while starting")
+            if worker.index is not None:
+                failures.add_error(worker.index, f"WorkerDied: reward worker exited with code "
+                                   f"{worker.process.exitcode}", "(no traceback: the process died)\n")
+            self.replace(worker)
+        elif worker.index is not None and now >= worker.deadline:
+            failures.timeouts.append(worker.index)
+            self.replace(worker)
+        elif not worker.ready and now >= worker.started_at + self.start_timeout_s:
+            raise RuntimeError(f"reward worker did not start within {self.start_timeout_s} s")
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.process.terminate()
+        for worker in self.workers:
+            worker.process.join(timeout=5)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.conn.close()
+        self.workers = []
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def gather(outcomes: list[dict[str, float] | None], num_timeouts: int) -> RewardResult:
+    """Outcomes (None where an input failed) -> a RewardResult with 0.0 for the failures."""
+    names = ("correct", "format", "length")
+    filled = [o if o is not None else dict.fromkeys(names + ("reward",), 0.0) for o in outcomes]
+    return RewardResult(
+        rewards=[o["reward"] for o in filled],
+        terms={name: [o[name] for o in filled] for name in names},
+        num_errors=sum(o is None for o in outcomes) - num_timeouts,
+        num_timeouts=num_timeouts,
+    )
+
+
+def metrics(result: RewardResult) -> dict[str, float]:
+    n = max(len(result.rewards), 1)
+    return {
+        "reward/correct_mean": sum(result.terms["correct"]) / n,
+        "reward/format_mean": sum(result.terms["format"]) / n,
+        "reward/length_mean": sum(result.terms["length"]) / n,
+        "reward/num_errors": float(result.num_errors),
+        "reward/num_timeouts": float(result.num_timeouts),
+    }

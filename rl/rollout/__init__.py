@@ -1,0 +1,80 @@
+"""Rollout: the engine interface and the function that turns prompt groups into responses.
+
+Every engine speaks token ids in and token ids out (no re-tokenisation) and
+reports, per sampled token, its log-probability under the temperature-scaled
+full-vocabulary distribution: exactly what the trainer recomputes, so the two can
+be compared token by token. Engines sleep and wake by tags like vLLM's
+("weights", "kv_cache") so the trainer can borrow their memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from tqdm import tqdm
+
+from rl.config import RolloutConfig
+from rl.data import Sample, Status
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig, eos_token_ids: Iterable[int]) -> SamplingParams:
+        stops = tuple(dict.fromkeys([*cfg.stop_token_ids, *eos_token_ids]))
+        return cls(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, stops)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+class Engine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 on_finish: Callable[[int], None] | None = None) -> list[Completion]: ...
+    def sleep(self, level: int) -> None: ...
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def reset_prefix_cache(self) -> None: ...
+
+
+def generate_rollout(engine: Engine, groups: list[list[Sample]], params: SamplingParams, weight_version: int,
+                     tokenizer, progress: bool = False) -> list[Sample]:
+    """Generates every sample of `groups` (whole groups together so prompts can share KV)."""
+    samples = [s for group in groups for s in group]
+    bar = tqdm(total=len(samples), desc="rollout", unit="sample", disable=not progress, leave=False)
+    completions = engine.generate([s.tokens for s in samples], params, on_finish=bar.update)
+    bar.close()
+    for sample, out in zip(samples, completions, strict=True):
+        sample.append_response_tokens(out.token_ids, out.logprobs)
+        sample.response = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        sample.status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}.get(out.finish_reason, Status.ABORTED)
+        sample.weight_version = weight_version
+    return samples
+
+
+def build_engine(cfg: RolloutConfig, hf_config, device: torch.device, seed: int):
+    """The configured engine, built empty: weights arrive with the first sync."""
+    if cfg.engine == "native":
+        from rl.rollout.native import NativeEngine
+
+        return NativeEngine(hf_config, device, engine_dtype(cfg.dtype, device), cfg.max_batch_size, seed)
+    raise ValueError(f"rollout.engine={cfg.engine!r} is not available")
+
+
+def engine_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)

@@ -1,0 +1,174 @@
+"""The policy under FSDP2 and one rollout's worth of optimizer steps.
+
+The model is a plain `transformers` causal LM loaded in fp32 on every rank, then
+`fully_shard` is applied per decoder block and at the root (torchtitan's recipe):
+on GPU with bf16 compute and fp32 master weights and gradient reduction, on CPU in
+fp32. The loss is a token mean over the whole global batch of a step (every rank
+divides by the same global token count), so results do not depend on how samples
+were split into micro-batches or ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rl.algo import can_reuse_old_logprobs, ppo_clip_loss, masked_sum
+from rl.config import AlgoConfig, ModelConfig, TrainConfig
+from rl.data import Sample
+
+
+def load_hf_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
+    """fp32 model on the CPU: pretrained weights, or random ones (identical on every rank) from the config."""
+    if cfg.random_init:
+        hf_config = AutoConfig.from_pretrained(cfg.path)
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                attn_implementation=cfg.attn_implementation)
+    return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32,
+                                                attn_implementation=cfg.attn_implementation)
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    block_types = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_types]
+    if not blocks:
+        raise ValueError(f"cannot find decoder blocks of {type(model).__name__} to shard")
+    return blocks
+
+
+def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    warmup = cfg.lr_warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+    return optimizer, scheduler
+
+
+# ---------------------------------------------------------------------------- batches and logprobs
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor  # (B, T)
+    position_ids: torch.Tensor  # (B, T)
+    loss_mask: torch.Tensor  # (B, T-1), 1 where target t+1 is a trained response token
+    advantages: torch.Tensor  # (B, T-1)
+    rollout_logprobs: torch.Tensor  # (B, T-1)
+    indices: list[int]  # Sample.index of each row
+
+
+def collate(samples: list[Sample], device: torch.device, pad_token_id: int = 0) -> MicroBatch:
+    """Right-padded micro-batch; targets are shifted by one so row t predicts token t+1."""
+    width = max(len(s.tokens) for s in samples)
+    b = len(samples)
+    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, width), dtype=torch.long)
+    loss_mask = torch.zeros((b, width - 1))
+    advantages = torch.zeros((b, width - 1))
+    rollout_logprobs = torch.zeros((b, width - 1))
+    for i, s in enumerate(samples):
+        n, start = len(s.tokens), s.prompt_length - 1
+        input_ids[i, :n] = torch.tensor(s.tokens)
+        attention_mask[i, :n] = 1
+        loss_mask[i, start : start + s.response_length] = torch.tensor(s.loss_mask, dtype=torch.float)
+        advantages[i, start : start + s.response_length] = s.advantage
+        rollout_logprobs[i, start : start + s.response_length] = torch.tensor(s.rollout_log_probs)
+    position_ids = torch.arange(width).expand(b, width).contiguous()
+    return MicroBatch(input_ids.to(device), attention_mask.to(device), position_ids.to(device),
+                      loss_mask.to(device), advantages.to(device), rollout_logprobs.to(device),
+                      [s.index for s in samples])
+
+
+def token_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy), both (B, T-1): log p(token t+1 | <= t) under logits / temperature."""
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                   use_cache=False).logits
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # (B, T-1, V)
+    target = mb.input_ids[:, 1:]
+    logprobs = logp.gather(-1, target[..., None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logprobs, entropy
+
+
+# ---------------------------------------------------------------------------- the train step
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+    return float(total)
+
+
+@torch.no_grad()
+def compute_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float) -> dict[int, torch.Tensor]:
+    return {i: row for mb in micro_batches
+            for i, row in zip(mb.indices, token_logprobs(model, mb, temperature)[0])}
+
+
+def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]], step_tokens: list[int],
+                     dp_size: int, train: TrainConfig, algo: AlgoConfig, temperature: float) -> dict[str, float]:
+    """Runs one optimizer step per entry of `steps` (this rank's micro-batches of each global batch).
+
+    `step_tokens[k]` is the number of loss tokens of global batch k summed over all ranks.
+    Returns this rank's sums (loss, clipped tokens, entropy) and the grad norms, for the caller
+    to reduce across ranks.
+    """
+    model.train()
+    reuse = can_reuse_old_logprobs(train, algo)
+    old: dict[int, torch.Tensor] = {}
+    if not reuse and not algo.use_rollout_logprobs:  # seed step 38: policy moves between steps
+        old = compute_old_logprobs(model, [mb for step in steps for mb in step], temperature)
+    sums = {"loss_sum": 0.0, "clipped_tokens": 0.0, "entropy_sum": 0.0, "tokens": 0.0}
+    grad_norms = []
+    for micro_batches, global_tokens in zip(steps, step_tokens, strict=True):
+        denom = max(global_tokens, 1)
+        for mb in micro_batches:
+            logprobs, entropy = token_logprobs(model, mb, temperature)
+            if reuse:
+                old_lp = logprobs.detach()
+            elif algo.use_rollout_logprobs:
+                old_lp = mb.rollout_logprobs
+            else:
+                old_lp = torch.stack([old[i] for i in mb.indices])
+            token_loss, clipped = ppo_clip_loss(logprobs, old_lp, mb.advantages, algo.eps_clip, algo.eps_clip_high)
+            loss = masked_sum(token_loss, mb.loss_mask) / denom
+            # FSDP averages gradients over ranks; scale so the result is the global token mean.
+            (loss * dp_size).backward()
+            sums["loss_sum"] += float(loss.detach())
+            sums["clipped_tokens"] += float(masked_sum(clipped, mb.loss_mask))
+            sums["entropy_sum"] += float(masked_sum(entropy, mb.loss_mask))
+            sums["tokens"] += float(mb.loss_mask.sum())
+        grad_norms.append(clip_grad_norm(model, train.clip_grad))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    if isinstance(model, FSDPModule):
+        model.reshard()
+    sums["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    sums["lr"] = scheduler.get_last_lr()[0]
+    return sums

@@ -1,0 +1,28 @@
+"""Reward functions named by import path in tests/test_reward.py; spawned workers import them."""
+
+import os
+import time
+
+
+def exact(prompt, response, label, metadata):
+    return 1.0 if response.strip() == str(label) else 0.0
+
+
+def by_kind(prompt, response, label, metadata):
+    """Behaves as metadata["kind"] says: "good" scores exact match, "raise", "hang", "die" or "none" misbehave."""
+    kind = metadata.get("kind", "good")
+    if kind == "raise":
+        raise ZeroDivisionError(f"bad input {response!r}")
+    if kind == "hang":
+        time.sleep(1000)
+    if kind == "die":
+        os._exit(3)
+    if kind == "none":
+        return None
+    return exact(prompt, response, label, metadata)
+
+
+
+def digit_fraction(prompt, response, label, metadata):
+    """A dense reward that random tiny models already vary on: the share of digits in the response."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)

@@ -1,0 +1,85 @@
+import json
+import tomllib
+
+import pytest
+
+from rl.config import ConfigError, config_from_dict, load_config, parse_overrides, resolve
+
+BASE = {"model": {"path": "m"}, "data": {"source": "d.jsonl"}}
+
+
+def make(**sections):
+    raw = {k: dict(v) for k, v in BASE.items()}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return config_from_dict(raw)
+
+
+def test_seed_derived_values():
+    cfg = make(rollout={"rollout_batch_size": 32, "n_samples_per_prompt": 8}, train={"num_steps_per_rollout": 1},
+               algo={"eps_clip": 0.2})
+    assert cfg.train.global_batch_size == 32 * 8 // 1 == 256
+    assert cfg.algo.eps_clip_high == 0.2
+    assert cfg.rollout.over_sampling_batch_size == 32
+
+
+def test_derived_values_follow_inputs():
+    cfg = make(rollout={"rollout_batch_size": 32, "n_samples_per_prompt": 8}, train={"num_steps_per_rollout": 4},
+               algo={"eps_clip": 0.2, "eps_clip_high": 0.28})
+    assert cfg.train.global_batch_size == 64
+    assert cfg.algo.eps_clip_high == 0.28
+
+
+def test_unknown_key_names_the_key():
+    with pytest.raises(ConfigError, match=r"unknown key 'rollout.temprature'"):
+        make(rollout={"temprature": 1.0})
+    with pytest.raises(ConfigError, match=r"unknown section 'rollouts'"):
+        config_from_dict({**BASE, "rollouts": {}})
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"rollout.n_samples_per_prompt: expected int"):
+        make(rollout={"n_samples_per_prompt": "8"})
+    with pytest.raises(ConfigError, match=r"log.wandb: expected bool"):
+        make(log={"wandb": 1})
+    assert make(train={"lr": 1}).train.lr == 1.0  # ints are fine where floats are expected
+
+
+def test_impossible_combinations():
+    with pytest.raises(ConfigError, match="num_steps_per_rollout"):
+        make(rollout={"rollout_batch_size": 3, "n_samples_per_prompt": 3}, train={"num_steps_per_rollout": 2})
+    with pytest.raises(ConfigError, match="data-parallel size"):
+        resolve(make(rollout={"rollout_batch_size": 8, "n_samples_per_prompt": 3}, train={"num_steps_per_rollout": 2}), world_size=8)
+    with pytest.raises(ConfigError, match="rollout.rollout_batch_size .* number of engines"):
+        resolve(make(rollout={"rollout_batch_size": 3, "n_samples_per_prompt": 4}), world_size=2)
+    with pytest.raises(ConfigError, match="rollout.temperature"):
+        make(rollout={"temperature": 0.0})
+    with pytest.raises(ConfigError, match="max_context_len"):
+        make(rollout={"max_new_tokens": 4000}, data={"max_prompt_len": 512})
+    with pytest.raises(ConfigError, match="model.path is required"):
+        config_from_dict({"data": {"source": "x.jsonl"}})
+
+
+def test_overrides_and_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\npath = "m"\n[data]\nsource = "d.jsonl"\n[rollout]\ntemperature = 0.7\n')
+    cfg = load_config(["--config", str(path), "--rollout.temperature=0.9", "--log.wandb=true",
+                       "--data.source=other.jsonl", "--rollout.stop_token_ids=[1, 2]"])
+    assert cfg.rollout.temperature == 0.9
+    assert cfg.log.wandb is True
+    assert cfg.data.source == "other.jsonl"
+    assert cfg.rollout.stop_token_ids == [1, 2]
+    with pytest.raises(ConfigError, match="section.key"):
+        parse_overrides(["--temperature=1"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(["--config", str(tmp_path / "missing.toml")])
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).parents[1].glob("configs/*.toml")):
+        raw = tomllib.loads(path.read_text())
+        extra = [f"--{k}=x" for k in ("model.path", "data.source") if not raw[k.split(".")[0]][k.split(".")[1]]]
+        cfg = load_config(["--config", str(path), *extra])  # tiny.toml gets its paths on the command line
+        json.dumps(cfg.to_dict())

@@ -1,0 +1,81 @@
+import json
+
+import pytest
+
+from rl.config import ConfigError, DataConfig
+from rl.data import Prompt, PromptDataset, Sample, expand_groups, read_rows
+from tests.tiny import tiny_tokenizer, write_arithmetic_jsonl
+
+
+def prompts(n):
+    return [Prompt(text=f"p{i}", token_ids=[i], label=str(i), metadata={}) for i in range(n)]
+
+
+def test_group_expansion_seed_numbers():
+    groups = expand_groups(prompts(32), 8, group_start=0, index_start=0)
+    assert len(groups) == 32 and all(len(g) == 8 for g in groups)
+    assert [s.group_index for s in groups[0]] == [0] * 8
+    assert [s.index for s in groups[0]] == list(range(8))
+    assert [s.index for s in groups[31]] == list(range(248, 256))
+    assert groups[31][0].group_index == 31
+    groups[0][0].tokens.append(99)  # deep copies: samples never share lists
+    assert groups[0][1].tokens == [0]
+
+
+def test_dataset_numbering_continues_and_cursor_resumes():
+    ds = PromptDataset(prompts(10), shuffle=True, seed=3)
+    first = ds.next_groups(4, 2)
+    second = ds.next_groups(4, 2)
+    assert second[0][0].group_index == 4 and second[0][0].index == 8
+    state = ds.state_dict()
+    expected = [g[0].prompt for g in ds.next_groups(6, 2)]  # crosses into epoch 1
+    assert ds.epoch == 1
+    resumed = PromptDataset(prompts(10), shuffle=True, seed=3)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert [g[0].prompt for g in resumed.next_groups(6, 2)] == expected
+    seen = [g[0].prompt for g in first + second]
+    assert len(set(seen)) == 8  # no repeats within an epoch
+
+
+def test_append_response_tokens():
+    s = Sample(prompt="x", tokens=[1, 2])
+    s.append_response_tokens([101, 202, 7], [-0.42, -1.10, -0.08])
+    assert s.tokens == [1, 2, 101, 202, 7] and s.response_length == 3
+    assert s.loss_mask == [1, 1, 1] and s.prompt_tokens == [1, 2] and s.response_tokens == [101, 202, 7]
+    with pytest.raises(ValueError, match="logprobs"):
+        s.append_response_tokens([1], [])
+
+
+def test_jsonl_source_templates_and_filters(tmp_path):
+    path = write_arithmetic_jsonl(tmp_path / "train.jsonl", rows=8)
+    with path.open("a") as f:
+        f.write(json.dumps({"question": "What is 1 + 1? " * 40, "answer": "2"}) + "\n")
+    cfg = DataConfig(source=str(path), prompt_key="question", answer_key="answer", max_prompt_len=64,
+                     prompt_template="{prompt} Answer with just the number.")
+    ds = PromptDataset.from_config(cfg, tiny_tokenizer())
+    assert len(ds.prompts) == 8 and ds.num_filtered == 1
+    p = ds.prompts[0]
+    assert p.text.startswith("<|im_start|>user\nWhat is") and p.text.endswith("<|im_start|>assistant\n")
+    assert "Answer with just the number." in p.text and p.label == "0"
+
+
+def test_bad_sources_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        read_rows(DataConfig(source=str(tmp_path / "nope.jsonl")))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "1"}\n{not json}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: invalid JSON"):
+        read_rows(DataConfig(source=str(bad)))
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
+    with pytest.raises(ConfigError, match=r"missing.jsonl row 1: missing key 'answer' \(data.answer_key\)"):
+        read_rows(DataConfig(source=str(missing)))
+    with pytest.raises(ConfigError, match="reasoning_gym:no_such_task"):
+        read_rows(DataConfig(source="reasoning_gym:no_such_task"))
+
+
+def test_reasoning_gym_source():
+    cfg = DataConfig(source="reasoning_gym:basic_arithmetic", num_examples=5,
+                     task_config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
+    rows, pk, ak = read_rows(cfg)
+    assert len(rows) == 5 and rows[0][pk] and rows[0][ak] is not None

@@ -1,0 +1,101 @@
+import pytest
+import torch
+
+from rl.rollout import SamplingParams
+from rl.rollout.native import NativeEngine, sample_tokens
+from tests.tiny import tiny_model
+
+
+def full_weights(model):
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    return named.items()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=1).eval()
+
+
+@pytest.fixture
+def engine(model):
+    eng = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=8, seed=0)
+    eng.load_weights(full_weights(model))
+    return eng
+
+
+PROMPTS = [[1, 5, 9, 13], [1, 7], [1, 3, 3, 3, 3, 3, 8], [2]]
+GREEDY = dict(temperature=1.0, top_k=1)
+
+
+def reference_logprobs(model, prompt, response, temperature=1.0):
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float() / temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return lp[len(prompt) - 1:].tolist()
+
+
+def test_sampler_top_k_top_p_and_logprob():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 64)
+    g = torch.Generator().manual_seed(0)
+    tok, lp = sample_tokens(logits, 1.0, 1.0, 1, g)
+    assert tok.unique().tolist() == [1]
+    assert lp[0].item() == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+    tok, _ = sample_tokens(logits, 1.0, 1.0, 2, g)
+    assert set(tok.tolist()) <= {1, 3}
+    tok, _ = sample_tokens(logits, 1.0, 0.5, -1, g)  # p(token 1) = 0.64 > 0.5: only it survives
+    assert tok.unique().tolist() == [1]
+    tok, lp = sample_tokens(logits, 0.5, 1.0, -1, g)
+    assert torch.allclose(lp, torch.log_softmax(logits * 2, -1).gather(-1, tok[:, None]).squeeze(-1))
+
+
+def test_logprobs_match_reference_forward(engine, model):
+    params = SamplingParams(max_new_tokens=12, temperature=0.8)
+    for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, params)):
+        assert out.logprobs == pytest.approx(reference_logprobs(model, prompt, out.token_ids, 0.8), abs=1e-4)
+
+
+def test_batched_equals_one_at_a_time(engine):
+    params = SamplingParams(max_new_tokens=10, **GREEDY)
+    batched = [o.token_ids for o in engine.generate(PROMPTS, params)]
+    single = [engine.generate([p], params)[0].token_ids for p in PROMPTS]
+    assert batched == single
+
+
+def test_stop_conditions(engine):
+    free = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, **GREEDY))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in free)
+    stop_id = free[0].token_ids[2]  # greedy decoding reaches this token at step 3
+    out = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=6, stop_token_ids=(stop_id,), **GREEDY))[0]
+    first = free[0].token_ids.index(stop_id)
+    assert out.finish_reason == "stop" and out.token_ids == free[0].token_ids[: first + 1]
+    assert len(out.logprobs) == len(out.token_ids)
+
+
+def test_sleep_wake_round_trip(engine, model):
+    params = SamplingParams(max_new_tokens=8, **GREEDY)
+    before = [o.token_ids for o in engine.generate(PROMPTS, params)]
+    engine.sleep(1)
+    with pytest.raises(RuntimeError, match="sleeping"):
+        engine.generate(PROMPTS, params)
+    engine.wake_up()
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == before  # level 1 keeps weights
+    engine.sleep(2)
+    engine.wake_up(["weights"])
+    with pytest.raises(RuntimeError, match="sleeping"):
+        engine.generate(PROMPTS, params)  # kv_cache still asleep
+    engine.wake_up(["kv_cache"])
+    with pytest.raises(RuntimeError, match="weights incomplete"):
+        engine.generate(PROMPTS, params)  # level 2 dropped the weights
+    engine.load_weights(full_weights(model))
+    engine.reset_prefix_cache()
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == before
+
+
+def test_load_weights_rejects_unknown_names(engine):
+    with pytest.raises(KeyError, match="no tensor named"):
+        engine.load_weights([("model.nope.weight", torch.zeros(1))])
+    name, tensor = next(iter(full_weights(tiny_model())))
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights([(name, torch.zeros(tensor.shape[0] + 1))])

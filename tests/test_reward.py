@@ -1,0 +1,172 @@
+import logging
+import pickle
+import time
+
+import pytest
+
+from rl.config import ConfigError, RewardConfig
+from rl.reward import (
+    RewardInput,
+    RewardPool,
+    extract_answer,
+    format_score,
+    length_penalty,
+    math_correct,
+    metrics,
+    score_one,
+)
+
+
+def make_input(response, label, kind="good", length=10, max_new_tokens=1000):
+    return RewardInput(prompt="q", response=response, label=label, response_length=length,
+                       max_new_tokens=max_new_tokens, metadata={"kind": kind})
+
+
+# ---------------------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize("text, expected", [
+    (r"so \boxed{42}.", "42"),
+    (r"\boxed{1} then \boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+    (r"\boxed{\frac{\sqrt{3}}{2}} done", r"\frac{\sqrt{3}}{2}"),
+    (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
+    (r"\fbox{7}", "7"),
+    (r"\boxed{3} and then \boxed{4", "3"),  # truncated last box: the last closed one wins
+    ("she pays 3 + 4 = 7\n#### 7", "7"),
+    ("#### 1,234.", "1234"),
+    ("#### 5 then 99", "5 then 99"),
+    ("The answer is 42.", "42"),
+    ("costs 1,234,567 dollars", "1234567"),
+    ("x = -3.5 at the end", "-3.5"),
+    ("3-5 is not negative", "5"),
+    ("first 12, then 1,2,3", "3"),
+    ("value .5", ".5"),
+    ("no digits here", None),
+    ("", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+# ---------------------------------------------------------------------------- terms
+
+
+@pytest.mark.parametrize("response, label, expected", [
+    (r"\boxed{12}", "12", 1.0),
+    (r"\boxed{12.0}", "12", 1.0),
+    ("the answer is 12.0", 12, 1.0),
+    (r"\boxed{$12$}", "12", 1.0),
+    ("#### 12", "$12$", 1.0),
+    (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+    (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+    (r"\boxed{0.5}", 0.5, 1.0),
+    ("total: 1,234", "1234", 1.0),
+    (r"\boxed{x^2+1}", "1+x^2", 1.0),
+    (r"\boxed{13}", "12", 0.0),
+    (r"\boxed{\frac{1}{3}}", "0.5", 0.0),
+    ("no answer", "12", 0.0),
+    (r"\boxed{yes}", "yes", 1.0),
+    (r"\boxed{}", "12", 0.0),
+])
+def test_math_correct(response, label, expected):
+    assert math_correct(response, label) == expected
+
+
+def test_format_score():
+    assert format_score("think... \\boxed{3}", RewardConfig().format_pattern) == 1.0
+    assert format_score("3", RewardConfig().format_pattern) == 0.0
+    assert format_score("<think>a\nb</think> 3", r"<think>.*</think>") == 1.0  # DOTALL spans lines
+
+
+@pytest.mark.parametrize("length, max_new_tokens, buffer, expected", [
+    (50, 100, 20, 0.0),
+    (80, 100, 20, 0.0),
+    (85, 100, 20, -0.25),
+    (90, 100, 20, -0.5),
+    (99, 100, 20, -0.95),
+    (100, 100, 20, -1.0),
+    (130, 100, 20, -1.0),
+    (99, 100, 0, 0.0),
+    (100, 100, 0, -1.0),
+])
+def test_length_penalty(length, max_new_tokens, buffer, expected):
+    assert length_penalty(length, max_new_tokens, buffer) == pytest.approx(expected)
+
+
+def test_score_one_weighted_sum():
+    cfg = RewardConfig(correct_weight=1.0, format_weight=0.5, length_penalty_weight=2.0, length_penalty_buffer=20)
+    terms = score_one(make_input(r"\boxed{12}", 12, length=90, max_new_tokens=100), cfg)
+    # 1.0 * 1 + 0.5 * 1 + 2.0 * -0.5
+    assert terms == {"correct": 1.0, "format": 1.0, "length": -0.5, "reward": pytest.approx(0.5)}
+    terms = score_one(make_input("12", 13, length=10), cfg)
+    assert terms == {"correct": 0.0, "format": 0.0, "length": 0.0, "reward": 0.0}
+
+
+def test_score_one_user_fn_replaces_math():
+    cfg = RewardConfig(user_fn="tests.reward_fns:exact", format_weight=1.0)
+    assert score_one(make_input("abc", "abc"), cfg) == {"correct": 1.0, "format": 0.0, "length": 0.0, "reward": 1.0}
+    assert score_one(make_input(r"\boxed{1}", "1"), cfg)["correct"] == 0.0  # no math extraction
+    with pytest.raises(TypeError, match="returned NoneType"):
+        score_one(make_input("a", "a", kind="none"), RewardConfig(user_fn="tests.reward_fns:by_kind"))
+
+
+def test_reward_input_pickles():
+    inp = make_input(r"\boxed{1}", 1)
+    assert pickle.loads(pickle.dumps(inp)) == inp
+
+
+# ---------------------------------------------------------------------------- pool
+
+
+@pytest.mark.parametrize("path, fragment", [
+    ("tests.no_such_module:fn", "cannot import module 'tests.no_such_module'"),
+    ("tests.reward_fns:no_such_fn", "has no function 'no_such_fn'"),
+    ("tests.reward_fns", "must look like 'pkg.module:function'"),
+])
+def test_bad_user_fn_fails_at_construction(path, fragment):
+    with pytest.raises(ConfigError, match="reward.user_fn") as info:
+        RewardPool(RewardConfig(user_fn=path))
+    assert path in str(info.value) and fragment in str(info.value)
+
+
+def test_pool_scores_math():
+    cfg = RewardConfig(num_workers=2, format_weight=0.5)
+    inputs = [make_input(r"\boxed{12}", "12"), make_input(r"\boxed{\frac12}", "0.5"),
+              make_input("#### 7", 8), make_input("no answer", "1", length=1000)]
+    with RewardPool(cfg) as pool:
+        result = pool.score(inputs)
+        assert pool.score([]).rewards == []
+    with pytest.raises(RuntimeError, match="after close"):
+        pool.score(inputs)
+    assert result.rewards == [1.5, 1.5, 0.0, 0.0]
+    assert result.terms == {"correct": [1.0, 1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0, 0.0],
+                            "length": [0.0, 0.0, 0.0, -1.0]}
+    assert (result.num_errors, result.num_timeouts) == (0, 0)
+    assert metrics(result) == {"reward/correct_mean": 0.5, "reward/format_mean": 0.5, "reward/length_mean": -0.25,
+                               "reward/num_errors": 0.0, "reward/num_timeouts": 0.0}
+
+
+def test_reward_function_that_raises_or_hangs_yields_zero_and_a_count(caplog):
+    cfg = RewardConfig(user_fn="tests.reward_fns:by_kind", num_workers=2, timeout_s=1.0)
+    kinds = ["good", "raise", "hang", "good", "die", "none", "good", "good"]
+    inputs = [make_input("a", "a" if i % 2 == 0 else "b", kind=kind) for i, kind in enumerate(kinds)]
+    with RewardPool(cfg) as pool:
+        pool.score([make_input("a", "a")])  # workers started, so the timing below is the batch alone
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="rl.reward"):
+            result = pool.score(inputs)
+        elapsed = time.monotonic() - start
+        assert result.rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+        assert result.terms["correct"] == result.rewards
+        assert (result.num_errors, result.num_timeouts) == (3, 1)  # raise, die, none; hang
+        assert elapsed < cfg.timeout_s + 5, f"batch took {elapsed:.1f} s"
+        log = caplog.text
+        assert "ZeroDivisionError: bad input 'a'" in log and "WorkerDied" in log and "NoneType" in log
+        assert "reward.timeout_s=1" in log
+
+        again = pool.score([make_input("a", "a"), make_input("a", "b")])  # killed worker was replaced
+        assert again.rewards == [1.0, 0.0]
+        assert (again.num_errors, again.num_timeouts) == (0, 0)
+        assert all(w.process.is_alive() for w in pool.workers)
+        workers = pool.workers
+    assert not any(w.process.is_alive() for w in workers)
