@@ -51,7 +51,9 @@ class RolloutConfig:
     engine: str = "native"
     rollout_batch_size: int = 32  # prompts per rollout step
     n_samples_per_prompt: int = 8
-    over_sampling_batch_size: int | None = None  # defaults to rollout_batch_size
+    over_sampling_batch_size: int | None = None  # prompts drawn per sampling round; defaults to rollout_batch_size
+    dynamic_filter: str = ""  # "" keeps every group; "nonzero_std" drops groups whose rewards are all equal
+    max_sampling_rounds: int = 8  # bound on refill rounds when the filter drops groups
     max_new_tokens: int = 1024  # the seed's rollout_max_response_len
     max_context_len: int = 4096
     temperature: float = 1.0
@@ -273,8 +275,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(ro.engine in ("native",), f"rollout.engine must be 'native', got {ro.engine!r}")
     for key in ("rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "max_batch_size"):
         _require(getattr(ro, key) >= 1, f"rollout.{key} must be >= 1, got {getattr(ro, key)}")
-    _require(ro.over_sampling_batch_size >= ro.rollout_batch_size,
-             "rollout.over_sampling_batch_size must be >= rollout.rollout_batch_size")
+    _require(ro.over_sampling_batch_size >= 1, "rollout.over_sampling_batch_size must be >= 1")
+    _require(ro.dynamic_filter in ("", "nonzero_std"),
+             f"rollout.dynamic_filter must be '' or 'nonzero_std', got {ro.dynamic_filter!r}")
+    _require(ro.max_sampling_rounds >= 1, "rollout.max_sampling_rounds must be >= 1")
     _require(ro.temperature > 0, f"rollout.temperature must be > 0, got {ro.temperature}")
     _require(0 < ro.top_p <= 1, f"rollout.top_p must be in (0, 1], got {ro.top_p}")
     _require(ro.top_k == -1 or ro.top_k >= 1, f"rollout.top_k must be -1 or >= 1, got {ro.top_k}")
@@ -306,9 +310,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         tp = ro.tensor_parallel_size
         _require(tp == 1, f"rollout.tensor_parallel_size={tp}: the native engine runs TP=1")
         engines = world_size // tp
-        _require(ro.rollout_batch_size % engines == 0,
-                 f"rollout.rollout_batch_size ({ro.rollout_batch_size}) must be divisible by the number of "
-                 f"engines ({engines} = world size {world_size} / tensor_parallel_size {tp}): whole prompt groups go to one engine")
+        _require(ro.over_sampling_batch_size % engines == 0,
+                 f"rollout.over_sampling_batch_size ({ro.over_sampling_batch_size}, default rollout_batch_size) must be "
+                 f"divisible by the number of engines ({engines} = world size {world_size} / tensor_parallel_size {tp}): "
+                 f"whole prompt groups go to one engine")
         _require(tr.global_batch_size % world_size == 0,
                  f"train.global_batch_size ({tr.global_batch_size}) must be divisible by the data-parallel size ({world_size})")
 

@@ -37,6 +37,48 @@ def score(pool: RewardPool, samples: list[Sample], max_new_tokens: int) -> dict[
     return reward_metrics(result)
 
 
+def keep_group(group: list[Sample], dynamic_filter: str) -> bool:
+    """Seed step 27's filter: a group whose rewards are all equal has zero advantage everywhere."""
+    if dynamic_filter == "nonzero_std":
+        return len({s.reward for s in group}) > 1
+    return True
+
+
+def collect_rollout(dataset: PromptDataset, engine, pool: RewardPool, sampling: SamplingParams, tokenizer,
+                    weight_version: int, cfg: Config, dist: parallel.Dist) -> tuple[list[Sample], dict[str, float]]:
+    """Draws rounds of `over_sampling_batch_size` prompts until `rollout_batch_size` groups pass the
+    dynamic filter (seed steps 16-28). Each rank generates and scores a contiguous share of every
+    round; the scored groups are gathered so all ranks filter and keep the same ones, in order."""
+    ro = cfg.rollout
+    kept, dropped, per_rank_reward_stats = [], [], []
+    rollout_s = reward_s = 0.0
+    rounds = 0
+    while len(kept) < ro.rollout_batch_size and rounds < ro.max_sampling_rounds:
+        rounds += 1
+        groups = dataset.next_groups(ro.over_sampling_batch_size, ro.n_samples_per_prompt)
+        mine = parallel.shard_groups(groups, dist.rank, dist.world_size)
+        t = time.perf_counter()
+        local = generate_rollout(engine, mine, sampling, weight_version, tokenizer,
+                                 progress=cfg.log.progress and dist.is_main)
+        rollout_s += parallel.all_reduce_max(time.perf_counter() - t)
+        t = time.perf_counter()
+        per_rank_reward_stats += parallel.all_gather_objects([score(pool, local, ro.max_new_tokens)])
+        reward_s += time.perf_counter() - t
+        scored = parallel.all_gather_objects(local)  # rank order == group order: shards are contiguous
+        for start in range(0, len(scored), ro.n_samples_per_prompt):
+            group = scored[start : start + ro.n_samples_per_prompt]
+            (kept if keep_group(group, ro.dynamic_filter) else dropped).append(group)
+    drop_frac = len(dropped) / (len(kept) + len(dropped))
+    if len(kept) < ro.rollout_batch_size:  # out of rounds: top up with filtered groups, which train as zeros
+        print0(f"rollout: only {len(kept)}/{ro.rollout_batch_size} groups passed rollout.dynamic_filter "
+               f"in {rounds} rounds; topping up with filtered groups")
+        kept += dropped[: ro.rollout_batch_size - len(kept)]
+    samples = [s for group in kept[: ro.rollout_batch_size] for s in group]  # extra groups are discarded
+    stats = {**reduce_reward_metrics(per_rank_reward_stats), "rollout/sampling_rounds": rounds,
+             "rollout/filtered_group_frac": drop_frac, "perf/rollout_s": rollout_s, "perf/reward_s": reward_s}
+    return samples, stats
+
+
 def assign_advantages(samples: list[Sample], std_normalization: bool) -> None:
     rewards = torch.tensor([s.reward for s in samples])
     groups = torch.tensor([s.group_index for s in samples])
@@ -124,18 +166,9 @@ def main(argv: list[str]) -> None:
     try:
         for rollout_id in range(cfg.train.num_rollout):
             step_start = time.perf_counter()
-            # B. rollout: every rank draws the same groups and generates its contiguous share
-            groups = dataset.next_groups(cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt)
-            mine = parallel.shard_groups(groups, dist.rank, dist.world_size)
-            t = time.perf_counter()
-            local = generate_rollout(engine, mine, sampling, weight_version, tokenizer,
-                                     progress=cfg.log.progress and dist.is_main)
-            rollout_s = time.perf_counter() - t
-            t = time.perf_counter()
-            reward_stats = score(reward_pool, local, cfg.rollout.max_new_tokens)
-            reward_s = time.perf_counter() - t
-            samples = parallel.all_gather_objects(local)
-            reward_stats = reduce_reward_metrics(parallel.all_gather_objects([reward_stats]))
+            # B. rollout (seed steps 14-32)
+            samples, rollout_stats = collect_rollout(dataset, engine, reward_pool, sampling, tokenizer,
+                                                     weight_version, cfg, dist)
             assign_advantages(samples, cfg.algo.grpo_std_normalization)
 
             # C. the engine yields its memory
@@ -163,10 +196,8 @@ def main(argv: list[str]) -> None:
             onload_kv_s = time.perf_counter() - t
 
             metrics = {"rollout_id": rollout_id, "weight_version": weight_version,
-                       **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **reward_stats,
-                       **train_stats, **sync_stats,
-                       "perf/rollout_s": parallel.all_reduce_max(rollout_s), "perf/reward_s": reward_s,
-                       "perf/offload_s": offload_s, "perf/train_s": train_s,
+                       **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **rollout_stats,
+                       **train_stats, **sync_stats, "perf/offload_s": offload_s, "perf/train_s": train_s,
                        "perf/onload_weights_s": onload_weights_s, "perf/onload_kv_s": onload_kv_s,
                        "perf/step_s": time.perf_counter() - step_start,
                        "data/epoch": dataset.epoch, "data/prompts_filtered": dataset.num_filtered}

@@ -26,3 +26,8 @@ def by_kind(prompt, response, label, metadata):
 def digit_fraction(prompt, response, label, metadata):
     """A dense reward that random tiny models already vary on: the share of digits in the response."""
     return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def flat_on_multiples_of_4(prompt, response, label, metadata):
+    """Zero for every response to a prompt whose answer is a multiple of 4 (a group a dynamic filter drops)."""
+    return 0.0 if int(label) % 4 == 0 else digit_fraction(prompt, response, label, metadata)

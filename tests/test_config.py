@@ -50,7 +50,7 @@ def test_impossible_combinations():
         make(rollout={"rollout_batch_size": 3, "n_samples_per_prompt": 3}, train={"num_steps_per_rollout": 2})
     with pytest.raises(ConfigError, match="data-parallel size"):
         resolve(make(rollout={"rollout_batch_size": 8, "n_samples_per_prompt": 3}, train={"num_steps_per_rollout": 2}), world_size=8)
-    with pytest.raises(ConfigError, match="rollout.rollout_batch_size .* number of engines"):
+    with pytest.raises(ConfigError, match="rollout.over_sampling_batch_size .* number of engines"):
         resolve(make(rollout={"rollout_batch_size": 3, "n_samples_per_prompt": 4}), world_size=2)
     with pytest.raises(ConfigError, match="rollout.temperature"):
         make(rollout={"temperature": 0.0})

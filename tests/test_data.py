@@ -79,3 +79,19 @@ def test_reasoning_gym_source():
                      task_config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
     rows, pk, ak = read_rows(cfg)
     assert len(rows) == 5 and rows[0][pk] and rows[0][ak] is not None
+
+
+def test_parquet_source_and_chat_messages(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"q": ["What is 2 + 2?", "What is 1 + 5?"], "a": ["4", "6"]}), path)
+    cfg = DataConfig(source=str(path), prompt_key="q", answer_key="a", system_prompt="Be brief.", shuffle=False)
+    ds = PromptDataset.from_config(cfg, tiny_tokenizer())
+    assert [p.label for p in ds.prompts] == ["4", "6"]
+    assert ds.prompts[0].text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    messages = [{"role": "user", "content": "hi"}]
+    from rl.data import render_prompt
+
+    assert render_prompt(messages, DataConfig(), tiny_tokenizer()).startswith("<|im_start|>user\nhi")

@@ -60,8 +60,16 @@ def test_main_loop_two_ranks(tmp_path):
         assert row["train/grad_norm"] > 0
 
 
-def test_main_loop_several_steps_per_rollout(tmp_path):
+def test_main_loop_steps_per_rollout_filter_and_wandb(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
     rows = run_loop(tmp_path, 2, "--train.num_rollout=2", "--train.num_steps_per_rollout=2",
-                    "--rollout.sleep_level=1", "--reward.user_fn=tests.reward_fns:digit_fraction")
+                    "--rollout.sleep_level=1", "--rollout.dynamic_filter=nonzero_std",
+                    "--rollout.over_sampling_batch_size=8", "--reward.user_fn=tests.reward_fns:flat_on_multiples_of_4",
+                    "--log.wandb=true")
     assert [r["weight_version"] for r in rows] == [2, 3]
-    assert all(r["train/clip_frac"] >= 0 for r in rows)
+    for row in rows:
+        assert row["rollout/num_samples"] == 8 * 4
+        assert row["rollout/sampling_rounds"] >= 2  # 7 in 10 answers are multiples of 4: dropped
+        assert row["rollout/filtered_group_frac"] > 0
+        assert row["rollout/zero_std_group_frac"] == 0
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
