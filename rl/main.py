@@ -19,7 +19,7 @@ from rl import parallel
 from rl.algo import grpo_advantages
 from rl.config import Config, dump, load_config, resolve
 from rl.data import PromptDataset, Sample, Status
-from rl.metrics import make_logger
+from rl.metrics import make_logger, memory_phase
 from rl.parallel import print0
 from rl.reward import RewardInput, RewardPool
 from rl.reward import metrics as reward_metrics
@@ -170,11 +170,13 @@ def main(argv: list[str]) -> None:
             samples, rollout_stats = collect_rollout(dataset, engine, reward_pool, sampling, tokenizer,
                                                      weight_version, cfg, dist)
             assign_advantages(samples, cfg.algo.grpo_std_normalization)
+            memory = memory_phase("rollout", dist.device)
 
             # C. the engine yields its memory
             t = time.perf_counter()
             engine.sleep(cfg.rollout.sleep_level)
             offload_s = time.perf_counter() - t
+            memory |= memory_phase("asleep", dist.device)
 
             # D. train
             t = time.perf_counter()
@@ -183,6 +185,7 @@ def main(argv: list[str]) -> None:
                                            cfg.train, cfg.algo, cfg.rollout.temperature)
             train_stats = train_metrics(parallel.all_gather_objects([local_stats]), len(steps))
             train_s = time.perf_counter() - t
+            memory |= memory_phase("train", dist.device)
 
             # E. weights into the engine, version + 1
             t = time.perf_counter()
@@ -194,10 +197,11 @@ def main(argv: list[str]) -> None:
             t = time.perf_counter()
             engine.wake_up(["kv_cache"])
             onload_kv_s = time.perf_counter() - t
+            memory |= memory_phase("weight_sync", dist.device)
 
             metrics = {"rollout_id": rollout_id, "weight_version": weight_version,
                        **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **rollout_stats,
-                       **train_stats, **sync_stats, "perf/offload_s": offload_s, "perf/train_s": train_s,
+                       **train_stats, **sync_stats, **memory, "perf/offload_s": offload_s, "perf/train_s": train_s,
                        "perf/onload_weights_s": onload_weights_s, "perf/onload_kv_s": onload_kv_s,
                        "perf/step_s": time.perf_counter() - step_start,
                        "data/epoch": dataset.epoch, "data/prompts_filtered": dataset.num_filtered}

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 PRINT_KEYS = ("rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm",
               "train/clip_frac", "perf/step_s", "perf/rollout_s", "perf/train_s", "perf/weight_sync_s")
 
@@ -22,6 +24,16 @@ def format_line(metrics: dict[str, Any]) -> str:
         if key in metrics:
             parts.append(f"{key.split('/', 1)[1]}={metrics[key]:.4g}")
     return " | ".join(parts)
+
+
+def memory_phase(phase: str, device: torch.device) -> dict[str, float]:
+    """Peak and reserved GPU memory since the previous call, then a fresh peak counter."""
+    if device.type != "cuda":
+        return {}
+    stats = {f"memory/{phase}_peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+             f"memory/{phase}_reserved_gb": torch.cuda.memory_reserved(device) / 1e9}
+    torch.cuda.reset_peak_memory_stats(device)
+    return stats
 
 
 class MetricsLogger:
