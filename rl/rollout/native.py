@@ -114,6 +114,9 @@ class NativeEngine:
     def reset_prefix_cache(self) -> None:
         """No KV outlives a generate() call here, so there is no prefix cache to invalidate."""
 
+    def close(self) -> None:
+        self.model = None
+
     # ------------------------------------------------------------------ generation
 
     def _check_ready(self) -> None:

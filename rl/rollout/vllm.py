@@ -1,0 +1,152 @@
+"""The production engine: vLLM inside the torchrun process. All contact with vLLM lives here.
+
+Every rank builds one `vllm.LLM` with `distributed_executor_backend="external_launcher"`:
+vLLM joins the process group torchrun already made, forms tensor-parallel groups of
+contiguous ranks, and runs its engine core in this process (no workers, no HTTP). The
+ranks of one TP group submit identical requests with the same seed, so they step in
+lockstep; different groups get different seeds. The engine starts with dummy weights:
+the trainer's first push fills it, and it never reads the checkpoint again.
+
+Departures from vLLM defaults, and why:
+- `logprobs_mode="processed_logprobs"`: log-probabilities after temperature, the
+  distribution the trainer recomputes (vLLM's default reports the untempered one).
+  With top-k/top-p they are under the truncated distribution; the trainer's are not.
+- A prompt group (identical consecutive prompts) is one request with `n` samples, so
+  its KV is prefilled once and shared.
+- Sleep mode is CUDA-only in vLLM (`enable_sleep_mode` is refused on CPU). On CPU the
+  same calls still go through vLLM's engine core (scheduler pause, prefix-cache reset),
+  whose CPU worker keeps weights and KV resident.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+
+from rl.config import RolloutConfig
+from rl.rollout import Completion, SamplingParams
+
+TAGS = ("weights", "kv_cache")
+
+
+def group_runs(prompts: list[list[int]]) -> list[tuple[int, int]]:
+    """(start, count) of each run of identical consecutive prompts: one request per group."""
+    runs: list[tuple[int, int]] = []
+    for i, prompt in enumerate(prompts):
+        if runs and prompts[runs[-1][0]] == prompt:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def engine_kwargs(model_path: str, cfg: RolloutConfig, device: torch.device, dtype: torch.dtype, seed: int) -> dict:
+    on_gpu = device.type == "cuda"
+    kwargs = dict(
+        model=model_path,
+        skip_tokenizer_init=True,  # token ids in, token ids out
+        load_format="dummy",  # weights arrive from the trainer
+        dtype=dtype,
+        seed=seed,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        distributed_executor_backend="external_launcher",
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_sleep_mode=on_gpu and cfg.sleep_level > 0,
+        max_model_len=cfg.max_context_len,
+        max_num_seqs=cfg.max_batch_size,
+        enforce_eager=cfg.enforce_eager or not on_gpu,  # CPU graph compilation costs minutes at start-up
+        logprobs_mode="processed_logprobs",
+    )
+    if cfg.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    return kwargs
+
+
+class VllmEngine:
+    def __init__(self, model_path: str, cfg: RolloutConfig, device: torch.device, dtype: torch.dtype, seed: int):
+        # The engine core must run in this process for external_launcher (and for weights to
+        # be loaded by a plain function call).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        self.device = device
+        self.llm = LLM(**engine_kwargs(model_path, cfg, device, dtype, seed))
+        self.asleep = {tag: False for tag in TAGS}
+        self.calls: list[str] = []  # the order of memory transitions, for the metrics and tests
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(f"sleep({level})")
+        if level == 0:
+            return
+        self.llm.sleep(level=level)
+        self.asleep = {tag: True for tag in TAGS}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        tags = list(tags or TAGS)
+        unknown = set(tags) - set(TAGS)
+        if unknown:
+            raise ValueError(f"unknown wake-up tags {sorted(unknown)}; expected some of {TAGS}")
+        self.calls.append(f"wake_up({','.join(tags)})")
+        if any(self.asleep[t] for t in tags):
+            self.llm.wake_up(tags=[t for t in tags if self.asleep[t]])
+        for tag in tags:
+            self.asleep[tag] = False
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append("reset_prefix_cache")
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hands HF-named full tensors to vLLM's in-place reload, which applies its TP slicing,
+        fusions (qkv, gate_up) and the per-layer post-processing that some backends do after
+        loading (the CPU backend repacks linear weights). Tensors are consumed one by one as
+        the iterator gathers them, so no second full copy of the model exists."""
+        if self.asleep["weights"]:
+            raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
+        self.calls.append("load_weights")
+        # vLLM computes its own rotary tables; the trainer's rotary buffers have no place here.
+        params = ((name, t) for name, t in weights if ".rotary_emb." not in name)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": params,
+                                                          "is_checkpoint_format": True})
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 on_finish: Callable[[int], None] | None = None) -> list[Completion]:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if any(self.asleep.values()):
+            raise RuntimeError(f"generate on a sleeping engine ({self.asleep}); call wake_up() first")
+        runs = group_runs(prompts)
+        requests = [TokensPrompt(prompt_token_ids=list(prompts[start])) for start, _ in runs]
+        sampling = [VllmSamplingParams(n=count, max_tokens=params.max_new_tokens, temperature=params.temperature,
+                                       top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
+                                       stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False,
+                                       skip_special_tokens=False, spaces_between_special_tokens=False)
+                    for _, count in runs]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        completions: list[Completion] = []
+        for out in outputs:
+            for choice in sorted(out.outputs, key=lambda c: c.index):
+                tokens = list(choice.token_ids)
+                logprobs = [step[token].logprob for token, step in zip(tokens, choice.logprobs, strict=True)]
+                completions.append(Completion(tokens, logprobs, choice.finish_reason or "abort"))
+        if on_finish is not None:
+            on_finish(len(completions))
+        return completions
+
+    def close(self) -> None:
+        """Tears down vLLM's model-parallel groups; the caller then destroys the process group."""
+        from vllm.distributed.parallel_state import destroy_model_parallel
+
+        del self.llm
+        destroy_model_parallel()

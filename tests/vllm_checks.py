@@ -1,0 +1,77 @@
+"""In-process vLLM checks, started by tests/test_vllm.py as
+`torchrun --nproc-per-node 2 tests/vllm_checks.py OUT TP`."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rl import parallel  # noqa: E402
+from rl.config import AlgoConfig, RolloutConfig, TrainConfig  # noqa: E402
+from rl.data import Sample  # noqa: E402
+from rl.rollout import SamplingParams, build_engine, generate_rollout  # noqa: E402
+from rl.train import build_optimizer, collate, load_hf_model, shard_policy, token_logprobs, train_on_rollout  # noqa: E402
+from rl.config import ModelConfig  # noqa: E402
+from rl.weights import sync_weights  # noqa: E402
+from tests.tiny import tiny_tokenizer  # noqa: E402
+
+PROMPTS = [[1, 5, 9, 13], [1, 7, 7], [1, 3, 3, 3, 8], [2, 40]]
+
+
+def groups_of(prompts, n, start=0):
+    return [[Sample(prompt="", tokens=list(p), group_index=g, index=g * n + k) for k in range(n)]
+            for g, p in enumerate(prompts, start)]
+
+
+def max_logprob_gap(model, samples, device):
+    mb = collate(samples, device)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, mb, 1.0)
+    model.reshard()
+    return float(((lp - mb.rollout_logprobs).abs() * mb.loss_mask).max())
+
+
+def main(out_dir: str, model_dir: str, tp: int) -> None:
+    d = parallel.init_distributed()
+    policy = shard_policy(load_hf_model(ModelConfig(path=model_dir), seed=0), d.mesh, d.device, False)
+    cfg = RolloutConfig(engine="vllm", tensor_parallel_size=tp, kv_cache_memory_bytes=32 * 2**20,
+                        max_context_len=256, max_batch_size=32)
+    engine = build_engine(cfg, model_dir, policy.config, d.device, d.rank)
+    sync_weights(policy, engine, torch.float32, bucket_mb=0.05)
+    tokenizer = tiny_tokenizer()
+    greedy = SamplingParams(max_new_tokens=8, top_k=1)
+    sampled = SamplingParams(max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,))
+    results = {"greedy_before": [c.token_ids for c in engine.generate(PROMPTS, greedy)]}
+    samples = generate_rollout(engine, groups_of(PROMPTS, 4), sampled, 1, tokenizer)
+    results["weight_versions"] = sorted({s.weight_version for s in samples})
+    results["tokens"] = [s.tokens for s in samples]
+    results["gap_before"] = max_logprob_gap(policy, samples, d.device)
+
+    for s in samples:
+        s.advantage = 1.0 if s.index % 2 else -1.0
+    train_cfg = TrainConfig(lr=3e-3)
+    optimizer, scheduler = build_optimizer(policy, train_cfg)
+    mb = collate(samples, d.device)
+    train_on_rollout(policy, optimizer, scheduler, [[mb]], [int(mb.loss_mask.sum()) * d.world_size],
+                     d.world_size, train_cfg, AlgoConfig(eps_clip_high=0.2), 1.0)
+
+    engine.sleep(2)
+    engine.wake_up(["weights"])
+    sync_weights(policy, engine, torch.float32, bucket_mb=0.05)
+    engine.reset_prefix_cache()
+    engine.wake_up(["kv_cache"])
+    results["greedy_after"] = [c.token_ids for c in engine.generate(PROMPTS, greedy)]
+    after = generate_rollout(engine, groups_of(PROMPTS, 4, start=4), sampled, 2, tokenizer)
+    results["gap_after"] = max_logprob_gap(policy, after, d.device)
+    results["weight_versions_after"] = sorted({s.weight_version for s in after})
+    results["calls"] = engine.calls
+    (Path(out_dir) / f"vllm{d.rank}.json").write_text(json.dumps(results))
+    engine.close()
+    parallel.teardown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
