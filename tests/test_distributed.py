@@ -73,3 +73,13 @@ def test_main_loop_steps_per_rollout_filter_and_wandb(tmp_path, monkeypatch):
         assert row["rollout/filtered_group_frac"] > 0
         assert row["rollout/zero_std_group_frac"] == 0
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+def test_main_loop_four_ranks(tmp_path):
+    """The whole loop on 4 gloo ranks: 4 engines, FSDP2 over 4, length-balanced DP split."""
+    rows = run_loop(tmp_path, 4, "--train.num_rollout=2", "--rollout.dynamic_filter=nonzero_std",
+                    "--reward.user_fn=tests.reward_fns:digit_fraction")
+    assert [r["weight_version"] for r in rows] == [2, 3]
+    for row in rows:
+        assert row["rollout/num_samples"] == 8 * 4
+        assert row["train/grad_norm"] > 0

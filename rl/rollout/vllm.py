@@ -20,6 +20,7 @@ Departures from vLLM defaults, and why:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable
 
@@ -72,6 +73,10 @@ class VllmEngine:
         # be loaded by a plain function call).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
+
+        # With skip_tokenizer_init, LLM() still warms up a chat template and logs the failure
+        # with a traceback; no chat template is ever used here.
+        logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
 
         self.device = device
         self.llm = LLM(**engine_kwargs(model_path, cfg, device, dtype, seed))
