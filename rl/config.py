@@ -71,6 +71,11 @@ class RolloutConfig:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # native only: KV cache size in tokens (0: max_batch_size * max_context_len), decode steps
+    # captured as CUDA graphs (GPU), decode steps between host checks for finished sequences
+    kv_cache_tokens: int = 0
+    cuda_graphs: bool = True
+    steps_per_poll: int = 16
 
 
 @dataclass(frozen=True)
@@ -289,6 +294,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(ro.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
     _require(ro.engine == "vllm" or ro.tensor_parallel_size == 1,
              f"rollout.tensor_parallel_size={ro.tensor_parallel_size} needs rollout.engine='vllm'; the native engine is TP=1")
+    _require(ro.kv_cache_tokens >= 0, f"rollout.kv_cache_tokens must be >= 0, got {ro.kv_cache_tokens}")
+    _require(ro.steps_per_poll >= 1, f"rollout.steps_per_poll must be >= 1, got {ro.steps_per_poll}")
     for key in ("rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "max_batch_size"):
         _require(getattr(ro, key) >= 1, f"rollout.{key} must be >= 1, got {getattr(ro, key)}")
     _require(ro.over_sampling_batch_size >= 1, "rollout.over_sampling_batch_size must be >= 1")

@@ -79,7 +79,9 @@ def build_engine(cfg: RolloutConfig, model_path: str, hf_config, device: torch.d
         return VllmEngine(model_path, cfg, device, dtype, seed)
     from rl.rollout.native import NativeEngine
 
-    return NativeEngine(hf_config, device, dtype, cfg.max_batch_size, seed)
+    return NativeEngine(hf_config, device, dtype, cfg.max_batch_size, seed, max_context_len=cfg.max_context_len,
+                        kv_cache_tokens=cfg.kv_cache_tokens, cuda_graphs=cfg.cuda_graphs,
+                        steps_per_poll=cfg.steps_per_poll)
 
 
 def engine_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -1,183 +1,419 @@
-"""A pure-PyTorch rollout engine: the policy architecture in inference mode with a KV cache.
+"""The pure-PyTorch rollout engine: paged KV cache, continuous batching, CUDA-graph decode steps.
 
-It holds its own copy of the model in the engine dtype, built empty and filled by
-`load_weights` (the trainer pushes every parameter and buffer after each optimizer
-step; the engine never reads a checkpoint). Generation runs whole batches of
-left-padded prompts through one KV cache; sampling (temperature, top-k, top-p) and
-the sampled token's log-probability happen on the device. Sleep levels mirror
-vLLM's: level 1 keeps weights in host memory, level 2 drops them; both free the KV.
+The engine holds its own copy of the policy (rl/rollout/model.py) in the engine dtype, built
+empty and filled by `load_weights` with the HF names the trainer pushes. A generate() call keeps
+up to `max_batch_size` sequences in fixed rows of device-resident state (last token, position,
+block table, ...). One decode step — forward, sampling, recording the token and its logprob,
+stop checks, advancing the row — runs entirely on the device, so on CUDA it is captured once per
+batch-size bucket and replayed; the host looks at the rows only every `steps_per_poll` steps,
+collects finished sequences, compacts the survivors to the front and refills the free rows from
+the waiting queue at once (prefilling each distinct prompt once; rl/rollout/scheduler.py).
+
+Sleep levels mirror vLLM's: level 1 moves the weights to pinned host memory and frees the KV
+cache, level 2 frees both; `wake_up(tags)` restores what is asked. Graphs hold raw pointers, so
+they are dropped whenever weights or cache are released and re-captured on first use.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
 
 from rl.rollout import Completion, SamplingParams
+from rl.rollout.model import DecoderModel, internal_shapes
+from rl.rollout.scheduler import PagePool, Request, Scheduler, cdiv
 
 TAGS = ("weights", "kv_cache")
+MAX_STOP_IDS = 16
+PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (bounds its activation memory)
+
+
+def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float | torch.Tensor | None) -> torch.Tensor:
+    """Sets logits outside the top-k / top-p nucleus to -inf (top_p None: no nucleus cut)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # always keeps the first token
+        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    return logits
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples one token per row; returns (tokens (B,), logprobs (B,)).
 
-    The log-probability is taken under the full tempered distribution, not the
-    top-k/top-p truncated one, because that is what the trainer recomputes.
+    Gumbel-max over the truncated tempered logits (argmax of logit - log Exp(1)); top_k == 1 is
+    plain arg-max (greedy, ties to the lowest id). The log-probability is taken under the full
+    tempered distribution, not the top-k/top-p truncated one, because that is what the trainer
+    recomputes.
     """
     logits = logits.float() / temperature  # (B, V)
     logprobs = torch.log_softmax(logits, dim=-1)
-    filtered = logits
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keeps the first token
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        filtered = filtered.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(filtered, dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if top_k == 1:
+        tokens = logits.argmax(dim=-1)
+    else:
+        filtered = truncate_logits(logits, top_k, top_p if top_p < 1.0 else None)
+        noise = torch.empty_like(filtered).exponential_(generator=generator)
+        tokens = (filtered - noise.log()).argmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@dataclass
+class Rows:
+    """Per-row decode state on the device; a graph reads and advances the first `bucket` rows."""
+
+    input_ids: torch.Tensor  # (R,) last token, fed next
+    positions: torch.Tensor  # (R,) its position
+    slots: torch.Tensor  # (R,) KV slot its key/value go to
+    context_lens: torch.Tensor  # (R,) int32, tokens attended to, itself included
+    block_tables: torch.Tensor  # (R, max pages) int32
+    done: torch.Tensor  # (R,) bool; idle rows are done
+    n_gen: torch.Tensor  # (R,) tokens generated
+    out_tokens: torch.Tensor  # (R, max_context_len + 1); the last column swallows writes of done rows
+    out_logprobs: torch.Tensor
+    inv_temperature: torch.Tensor  # (1,) the sampling parameters of the current call
+    top_p: torch.Tensor
+    max_new_tokens: torch.Tensor
+    stop_ids: torch.Tensor  # (MAX_STOP_IDS,) padded with -1
+
+    @classmethod
+    def allocate(cls, rows: int, max_pages: int, width: int, device: torch.device) -> Rows:
+        long = dict(dtype=torch.long, device=device)
+        return cls(torch.zeros(rows, **long), torch.zeros(rows, **long), torch.zeros(rows, **long),
+                   torch.ones(rows, dtype=torch.int32, device=device),
+                   torch.zeros(rows, max_pages, dtype=torch.int32, device=device),
+                   torch.ones(rows, dtype=torch.bool, device=device), torch.zeros(rows, **long),
+                   torch.zeros(rows, width, **long), torch.zeros(rows, width, dtype=torch.float32, device=device),
+                   torch.ones(1, device=device), torch.ones(1, device=device), torch.ones(1, **long),
+                   torch.full((MAX_STOP_IDS,), -1, **long))
+
+    def per_row(self) -> list[torch.Tensor]:
+        return [self.input_ids, self.positions, self.slots, self.context_lens, self.block_tables, self.done,
+                self.n_gen, self.out_tokens, self.out_logprobs]
+
+    def clear(self, start: int, end: int) -> None:
+        """Makes rows [start, end) idle: done, one token of context on the scratch page."""
+        for t in (self.input_ids, self.positions, self.slots, self.block_tables, self.n_gen):
+            t[start:end] = 0
+        self.context_lens[start:end] = 1
+        self.done[start:end] = True
 
 
 class NativeEngine:
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_batch_size: int = 256,
-                 seed: int = 0, attn_implementation: str = "sdpa"):
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.max_batch_size = max_batch_size
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
-        self.model = model.to_empty(device=self.device).eval().requires_grad_(False)
-        # transformers renamed `past_key_values` to `cache` (5.2x); speak whichever this version takes.
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+                 seed: int = 0, *, max_context_len: int = 4096, kv_cache_tokens: int = 0, cuda_graphs: bool = True,
+                 steps_per_poll: int = 16, page_size: int = 64):
+        self.device, self.dtype = torch.device(device), dtype
+        self.max_batch_size, self.max_context_len = max_batch_size, max_context_len
+        self.page_size, self.steps_per_poll = page_size, steps_per_poll
+        self.model = DecoderModel(hf_config, self.device, dtype, max_context_len)
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        tokens = kv_cache_tokens or max_batch_size * max_context_len
+        self.num_pages = cdiv(tokens, page_size) + 1  # + the scratch page
+        self.buckets = sorted({*(b for b in (1, 2, 4, 8, *range(16, max_batch_size, 16)) if b < max_batch_size),
+                               max_batch_size})
+        if self.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.seed = torch.full((1,), seed, dtype=torch.long, device=self.device)  # bumped on the device
         self.generator = torch.Generator(self.device).manual_seed(seed)
-        self.pad_token_id = 0
-        self.asleep = {tag: False for tag in TAGS}
-        self.weights_valid = False  # nothing loaded yet
-        self.loaded_names: set[str] = set()
+        self.params = SamplingParams(max_new_tokens=1)
+        self.kv: torch.Tensor | None = None
+        self.rows: Rows | None = None
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.graph_pool = None
+        self.host_weights: dict[str, torch.Tensor] | None = None
+        self.required = {(key, start) for key, start, _ in self.model.name_map.values()}
+        self.loaded: set[tuple] = set()
+        self.asleep = {tag: True for tag in TAGS}
+        self.wake_up()
 
     # ------------------------------------------------------------------ weights and memory
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        named = dict(self.model.named_parameters(remove_duplicate=False))
-        named.update(self.model.named_buffers(remove_duplicate=False))
-        return named
-
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies tensors in place by name; a first (or post-level-2) load must cover every tensor."""
+        """Copies tensors in place by HF name; a first (or post-level-2) load must cover every parameter.
+
+        Buffers the HF model registers (rotary inv_freq, ...) are accepted and ignored: the engine
+        computes its own rotary tables from the config.
+        """
         if self.asleep["weights"]:
             raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
-        targets = self._tensors()
         for name, tensor in weights:
-            if name not in targets:
+            if name in self.model.hf_buffers:
+                continue
+            if name not in self.model.name_map:
                 raise KeyError(f"engine has no tensor named {name!r}")
-            if targets[name].shape != tensor.shape:
-                raise ValueError(f"{name}: engine shape {tuple(targets[name].shape)} != pushed {tuple(tensor.shape)}")
-            targets[name].copy_(tensor)
-            self.loaded_names.add(name)
-        # Buckets arrive in several calls; the engine is usable once every tensor has been written.
-        self.weights_valid = not (targets.keys() - self.loaded_names)
+            if self.model.hf_shapes.get(name, tuple(tensor.shape)) != tuple(tensor.shape):
+                raise ValueError(f"{name}: engine shape {self.model.hf_shapes[name]} != pushed {tuple(tensor.shape)}")
+            key, start, end = self.model.name_map[name]
+            target = self.model.weights[key]
+            (target if start is None else target[start:end]).copy_(tensor)
+            self.loaded.add((key, start))
 
     def sleep(self, level: int) -> None:
         if level == 0:
             return
-        if level == 1:
-            self.model.to("cpu")
-        elif level == 2:
-            self.model.to("meta")
-            self.weights_valid = False
-            self.loaded_names.clear()
-        else:
+        if level not in (1, 2):
             raise ValueError(f"sleep level must be 0, 1 or 2, got {level}")
+        self._drop_graphs()
+        self.kv = self.rows = None
+        if level == 1 and not self.asleep["weights"]:
+            self.host_weights = {k: _to_host(t) for k, t in self.model.weights.items()}
+        if level == 2:
+            self.host_weights = None
+            self.loaded.clear()
+        self.model.weights = {}
         self.asleep = {tag: True for tag in TAGS}
         if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         for tag in tags or TAGS:
             if tag not in TAGS:
                 raise ValueError(f"unknown wake-up tag {tag!r}; expected one of {TAGS}")
-            if tag == "weights" and self.asleep["weights"]:
-                if self.weights_valid:
-                    self.model.to(self.device)
+            if not self.asleep[tag]:
+                continue
+            if tag == "weights":
+                if self.host_weights is not None:
+                    self.model.weights = {k: t.to(self.device, non_blocking=True) for k, t in self.host_weights.items()}
+                    self.host_weights = None
                 else:
-                    self.model.to_empty(device=self.device)
+                    self.model.weights = {k: torch.empty(shape, dtype=self.dtype, device=self.device)
+                                          for k, shape in internal_shapes(self.model.shape).items()}
+            else:
+                s = self.model.shape
+                # Left uninitialised (on the CPU, untouched pages then cost no memory); only the scratch
+                # page, which idle rows attend to, must hold finite values.
+                self.kv = torch.empty(2, s.num_layers, self.num_pages * self.page_size, s.num_kv_heads, s.head_dim,
+                                      dtype=self.dtype, device=self.device)
+                self.kv[:, :, : self.page_size] = 0
+                self.rows = Rows.allocate(self.max_batch_size, cdiv(self.max_context_len, self.page_size),
+                                          self.max_context_len + 1, self.device)
             self.asleep[tag] = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def reset_prefix_cache(self) -> None:
-        """No KV outlives a generate() call here, so there is no prefix cache to invalidate."""
+        """No KV outlives a generate() call (prompts are shared within one), so there is nothing to invalidate."""
 
     def close(self) -> None:
-        self.model = None
+        """Releases graphs, KV cache and weights (the loop calls this before the process group goes)."""
+        self.sleep(2)
+
+    def close(self) -> None:
+        """Releases the engine's device and host memory (as sleep level 2 does)."""
+        self.sleep(2)
+
+    def _drop_graphs(self) -> None:
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs, self.graph_pool = {}, None
 
     # ------------------------------------------------------------------ generation
 
-    def _check_ready(self) -> None:
+    def _check_ready(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if any(self.asleep.values()):
             raise RuntimeError(f"generate on a sleeping engine ({self.asleep}); call wake_up() first")
-        if not self.weights_valid:
-            missing = sorted(self._tensors().keys() - self.loaded_names)
-            raise RuntimeError(f"engine weights incomplete; missing e.g. {missing[:3]}")
+        missing = self.required - self.loaded
+        if missing:
+            names = sorted(n for n, (k, s, _) in self.model.name_map.items() if (k, s) in missing)
+            raise RuntimeError(f"engine weights incomplete; missing e.g. {names[:3]}")
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + params.max_new_tokens > self.max_context_len:
+            raise ValueError(f"prompt of {longest} tokens + max_new_tokens {params.max_new_tokens} exceeds the "
+                             f"engine's max_context_len {self.max_context_len}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        if len(params.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(params.stop_token_ids)}")
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  on_finish: Callable[[int], None] | None = None) -> list[Completion]:
-        self._check_ready()
-        out: list[Completion] = []
-        for start in range(0, len(prompts), self.max_batch_size):
-            batch = self._generate_batch(prompts[start : start + self.max_batch_size], params)
-            out.extend(batch)
-            if on_finish is not None:
-                on_finish(len(batch))
+        self._check_ready(prompts, params)
+        self._set_sampling(params)
+        sched = Scheduler(prompts, params.max_new_tokens, self.page_size, PagePool(self.num_pages), self.max_batch_size)
+        results: list[Completion | None] = [None] * len(prompts)
+        stops = set(params.stop_token_ids)
+        while True:
+            to_prefill, new = sched.admit()
+            if to_prefill:
+                self._prefill(to_prefill)
+            if new:
+                self._start_rows(sched, new, len(sched.running) - len(new))
+            if not sched.running:
+                break
+            steps = min(self.steps_per_poll, min(params.max_new_tokens - r.generated for r in sched.running))
+            bucket = next(b for b in self.buckets if b >= len(sched.running))
+            for _ in range(steps):
+                self._run_decode(bucket)
+            finished = self._poll(sched, stops)
+            for request, completion in finished:
+                results[request.index] = completion
+            if finished and on_finish is not None:
+                on_finish(len(finished))
+        return results
+
+    def _set_sampling(self, params: SamplingParams) -> None:
+        self.params = params
+        r = self.rows
+        r.inv_temperature.fill_(1.0 / params.temperature)
+        r.top_p.fill_(params.top_p)
+        r.max_new_tokens.fill_(params.max_new_tokens)
+        r.stop_ids.fill_(-1)
+        if params.stop_token_ids:
+            r.stop_ids[: len(params.stop_token_ids)] = torch.tensor(params.stop_token_ids)
+
+    def _prefill(self, prompts) -> None:
+        """Writes each prompt's KV into its pages and keeps the logits after its last token."""
+        chunk: list = []
+        for prompt in [*prompts, None]:
+            width = max([len(p.tokens) for p in chunk] + [len(prompt.tokens) if prompt else 0])
+            if chunk and (prompt is None or width * (len(chunk) + 1) > PREFILL_TOKENS):
+                self._prefill_chunk(chunk)
+                chunk = []
+            if prompt is not None:
+                chunk.append(prompt)
+
+    def _prefill_chunk(self, prompts) -> None:
+        width = max(len(p.tokens) for p in prompts)
+        tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+        slots = torch.zeros(len(prompts), width, dtype=torch.long)  # padding writes to the scratch page
+        for n, p in enumerate(prompts):
+            t = torch.arange(len(p.tokens))
+            tokens[n, : len(p.tokens)] = torch.tensor(p.tokens)
+            slots[n, : len(p.tokens)] = torch.tensor(p.pages)[t // self.page_size] * self.page_size + t % self.page_size
+        lengths = torch.tensor([len(p.tokens) for p in prompts])
+        logits = self.model.prefill(tokens.to(self.device), lengths.to(self.device), slots.to(self.device), self.kv)
+        for n, p in enumerate(prompts):
+            p.logits = logits[n]
+
+    def _start_rows(self, sched: Scheduler, new: list[Request], first: int) -> None:
+        """Fills rows [first, first + len(new)): block tables, prompt-tail copies, first sampled tokens."""
+        r, ps, dev = self.rows, self.page_size, self.device
+        rows = slice(first, first + len(new))
+        table = torch.zeros(len(new), r.block_tables.shape[1], dtype=torch.int32)
+        src, dst = [], []
+        for j, request in enumerate(new):
+            pages = sched.block_table(request)
+            table[j, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            s, d = sched.tail_copy(request)
+            src += s
+            dst += d
+        if src:
+            self.kv[:, :, torch.tensor(dst, device=dev)] = self.kv[:, :, torch.tensor(src, device=dev)]
+        lengths = torch.tensor([len(q.prompt.tokens) for q in new])
+        first_slot = torch.tensor([q.pages[0] for q in new]) * ps + lengths % ps
+        tokens, logprobs = self._sample(torch.stack([q.prompt.logits for q in new]))
+        r.block_tables[rows] = table.to(dev)
+        r.positions[rows] = lengths.to(dev)
+        r.context_lens[rows] = (lengths + 1).to(dev, torch.int32)
+        r.slots[rows] = first_slot.to(dev)
+        r.input_ids[rows] = tokens
+        r.n_gen[rows] = 1
+        r.out_tokens[rows, 0] = tokens
+        r.out_logprobs[rows, 0] = logprobs
+        r.done[rows] = (tokens[:, None] == r.stop_ids[None, :]).any(1) | (r.max_new_tokens <= 1)
+        for request in new:
+            request.generated = 1
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p, r = self.params, self.rows
+        if not self.model.fused:
+            return sample_tokens(logits, p.temperature, p.top_p, p.top_k, self.generator)
+        kernels = self.model.kernels
+        if p.top_k <= 0 and p.top_p >= 1.0:
+            return kernels.sample(logits, r.inv_temperature, self.seed)
+        scaled = logits.float() * r.inv_temperature
+        if p.top_k == 1:  # greedy: no noise, so bf16 ties cannot make it vary between runs
+            tokens = scaled.argmax(dim=-1)
+        else:
+            filtered = truncate_logits(scaled, p.top_k, r.top_p if p.top_p < 1.0 else None)
+            tokens, _ = kernels.sample(filtered, torch.ones_like(r.inv_temperature), self.seed)
+        return tokens, torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+    def _num_splits(self, bucket: int) -> int:
+        """KV splits per sequence in decode attention: enough programs to cover the GPU a few times."""
+        if not self.model.fused:
+            return 1
+        programs = bucket * self.model.shape.num_kv_heads
+        return min(16, 1 << max(0, (cdiv(4 * self.num_sms, programs) - 1).bit_length()))
+
+    def _decode_step(self, bucket: int) -> None:
+        """One token for rows [0, bucket): forward, sample, record, stop checks, advance. No host syncs."""
+        r = self.rows
+        logits = self.model.decode(r.input_ids[:bucket], r.positions[:bucket], r.slots[:bucket], self.kv,
+                                   r.block_tables[:bucket], r.context_lens[:bucket], self.page_size,
+                                   self._num_splits(bucket))
+        tokens, logprobs = self._sample(logits)
+        active = ~r.done[:bucket]
+        n_gen = r.n_gen[:bucket]
+        column = torch.where(active, n_gen, r.out_tokens.shape[1] - 1)[:, None]
+        r.out_tokens[:bucket].scatter_(1, column, tokens[:, None])
+        r.out_logprobs[:bucket].scatter_(1, column, logprobs[:, None])
+        n_gen += active
+        hit_stop = (tokens[:, None] == r.stop_ids[None, :]).any(1)
+        r.done[:bucket] |= active & (hit_stop | (n_gen >= r.max_new_tokens))
+        advance = ~r.done[:bucket]
+        r.input_ids[:bucket] = torch.where(advance, tokens, r.input_ids[:bucket])
+        r.positions[:bucket] += advance
+        r.context_lens[:bucket] += advance.int()
+        positions = r.positions[:bucket]
+        page = r.block_tables[:bucket].gather(1, (positions // self.page_size)[:, None]).squeeze(1)
+        r.slots[:bucket] = page.long() * self.page_size + positions % self.page_size
+
+    def _run_decode(self, bucket: int) -> None:
+        key = (bucket, self.params.top_k, self.params.top_p < 1.0)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        self._decode_step(bucket)  # a real step; on CUDA it also warms up kernels before capture
+        if self.use_graphs:
+            if self.graph_pool is None:
+                self.graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._decode_step(bucket)  # recorded, not run
+            self.graphs[key] = graph
+
+    def _poll(self, sched: Scheduler, stops: set[int]) -> list[tuple[Request, Completion]]:
+        """Collects finished rows (one host sync), frees their pages and compacts the rest forward."""
+        r, n = self.rows, len(sched.running)
+        state = torch.stack([r.done[:n].long(), r.n_gen[:n]]).cpu()
+        done, n_gen = state[0].bool().tolist(), state[1].tolist()
+        for request, generated in zip(sched.running, n_gen):
+            request.generated = generated
+        finished_rows = [i for i in range(n) if done[i]]
+        if not finished_rows:
+            return []
+        index = torch.tensor(finished_rows, device=self.device)
+        width = max(n_gen[i] for i in finished_rows)
+        tokens = r.out_tokens[index, :width].cpu().tolist()
+        logprobs = r.out_logprobs[index, :width].cpu().tolist()
+        keep = [i for i in range(n) if not done[i]]
+        if keep != list(range(len(keep))):
+            keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            for t in r.per_row():
+                t[: len(keep)] = t[keep_index]
+        r.clear(len(keep), n)
+        out = []
+        for request, toks, lps in zip(sched.finish(finished_rows), tokens, logprobs):
+            count = request.generated
+            reason = "stop" if toks[count - 1] in stops else "length"
+            out.append((request, Completion(toks[:count], lps[:count], reason)))
         return out
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding keeps every row's next token in the last column
-            input_ids[i, width - len(p):] = torch.tensor(p)
-            attention_mask[i, width - len(p):] = 1
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        stop_ids = torch.tensor(params.stop_token_ids or [-1], device=self.device)
 
-        cache = DynamicCache()
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=True, logits_to_keep=1, **{self.cache_kwarg: cache}).logits[:, -1]
-        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        stopped = torch.zeros_like(done)
-        tokens, logprobs = [], []
-        for _ in range(params.max_new_tokens):
-            tok, lp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, self.generator)
-            tok = tok.masked_fill(done, self.pad_token_id)
-            tokens.append(tok)
-            logprobs.append(lp)
-            hit_stop = torch.isin(tok, stop_ids) & ~done
-            stopped |= hit_stop
-            done |= hit_stop
-            if len(tokens) == params.max_new_tokens or bool(done.all()):
-                break
-            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-            position_ids = position_ids[:, -1:] + 1
-            logits = self.model(input_ids=tok[:, None], attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=True, **{self.cache_kwarg: cache}).logits[:, -1]
-        return self._completions(torch.stack(tokens, 1), torch.stack(logprobs, 1), stopped, stop_ids)
-
-    @staticmethod
-    def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, stopped: torch.Tensor,
-                     stop_ids: torch.Tensor) -> list[Completion]:
-        # A row's response ends at its first stop token (inclusive) or at max_new_tokens.
-        is_stop = torch.isin(tokens, stop_ids)
-        first_stop = torch.where(is_stop.any(1), is_stop.float().argmax(1), tokens.shape[1] - 1)
-        lengths = (first_stop + 1).tolist()
-        tokens, logprobs, stopped = tokens.tolist(), logprobs.float().tolist(), stopped.tolist()
-        return [Completion(tokens[i][:n], logprobs[i][:n], "stop" if stopped[i] else "length")
-                for i, n in enumerate(lengths)]
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host

@@ -1,0 +1,319 @@
+"""Triton kernels for the native engine's GPU path (imported only when the engine runs on CUDA).
+
+Each kernel replaces a short chain of torch ops whose launches and memory passes dominate a
+decode step at a few hundred rows: residual add + RMSNorm, RoPE + KV-cache write, SiLU * up,
+paged decode attention and sampling. Their torch equivalents live in rl/rollout/model.py and
+rl/rollout/native.py and define the semantics; tests/test_native_gpu.py holds the two together.
+
+Decode attention follows the split-KV design: stage 1 runs one program per (sequence, kv head,
+split of the context), reads keys and values through the sequence's block table, and writes a
+partial output with its log-sum-exp; stage 2 merges the splits. All the query heads of a GQA
+group share one program, so each key/value byte is read once per sequence. Lengths come from
+device memory, so the launch has a fixed shape and can live inside a CUDA graph.
+
+Sampling is Gumbel-max in one pass over the logits: every program takes a slice of the vocabulary,
+keeps a running log-sum-exp of logits / T and the arg-max of logits / T + Gumbel noise (Philox,
+keyed by a seed held on the device and bumped after each use, so graph replays draw fresh noise),
+and a tiny second kernel merges the slices into (token, logprob under the full tempered softmax).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 engines must not silently drop to tf32
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, n_cols,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # The sum is rounded to the activation dtype before normalising, as the HF forward does.
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(out_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    y = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual); `residual` is updated in place."""
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    _add_rms_norm_kernel[(rows,)](x, x if residual is None else residual, weight, out, eps, cols,
+                                  HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+                                  num_warps=4)
+    return out, (x if residual is None else residual)
+
+
+# ----------------------------------------------------------------------------- RoPE + KV cache write
+
+
+@triton.jit
+def _rotate(x1, x2, c, s, DT: tl.constexpr):
+    """RoPE on the two halves with every product and sum rounded to the activation dtype, as the HF
+    forward computes it (q * cos + rotate_half(q) * sin in that dtype), so engine and trainer agree."""
+    a = (x1 * c).to(DT).to(tl.float32) - (x2 * s).to(DT).to(tl.float32)
+    b = (x2 * c).to(DT).to(tl.float32) + (x1 * s).to(DT).to(tl.float32)
+    return a.to(DT), b.to(DT)
+
+
+@triton.jit
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, row_stride,
+                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    dt: tl.constexpr = qkv_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + tok)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    i = tl.arange(0, half)
+    c = tl.load(cos_ptr + pos * half + i).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * half + i).to(tl.float32)[None, :]
+    base = qkv_ptr + tok * row_stride
+
+    h = tl.arange(0, BLOCK_H)[:, None]
+    ptr = base + h * HEAD_DIM + i[None, :]
+    mask = h < NUM_HEADS
+    q1, q2 = _rotate(tl.load(ptr, mask=mask).to(tl.float32), tl.load(ptr + half, mask=mask).to(tl.float32), c, s, dt)
+    tl.store(ptr, q1, mask=mask)
+    tl.store(ptr + half, q2, mask=mask)
+
+    kh = tl.arange(0, BLOCK_KV)[:, None]
+    mask = kh < NUM_KV_HEADS
+    ptr = base + NUM_HEADS * HEAD_DIM + kh * HEAD_DIM + i[None, :]
+    k1, k2 = _rotate(tl.load(ptr, mask=mask).to(tl.float32), tl.load(ptr + half, mask=mask).to(tl.float32), c, s, dt)
+    tl.store(ptr, k1, mask=mask)
+    tl.store(ptr + half, k2, mask=mask)
+    cache = slot * (NUM_KV_HEADS * HEAD_DIM) + kh * HEAD_DIM + i[None, :]
+    tl.store(k_cache_ptr + cache, k1, mask=mask)
+    tl.store(k_cache_ptr + cache + half, k2, mask=mask)
+    v_ptr = base + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kh * HEAD_DIM + i[None, :]
+    tl.store(v_cache_ptr + cache, tl.load(v_ptr, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + cache + half, tl.load(v_ptr + half, mask=mask), mask=mask)
+
+
+def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                   num_kv_heads: int, head_dim: int) -> None:
+    """Rotates q and k inside `qkv` (T, (H + 2 KV) * D) in place and writes k, v to their cache slots."""
+    _rope_store_kernel[(qkv.shape[0],)](qkv, cos, sin, positions, slots, k_cache, v_cache, qkv.stride(0),
+                                        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                                        BLOCK_H=triton.next_power_of_2(num_heads),
+                                        BLOCK_KV=triton.next_power_of_2(num_kv_heads), num_warps=2)
+
+
+# ----------------------------------------------------------------------------- SiLU * up
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(gu_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded like F.silu
+    tl.store(out_ptr + row * n_cols + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, width = gate_up.shape
+    out = gate_up.new_empty(rows, width // 2)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(width // 2, block))](gate_up, out, width // 2, BLOCK=block, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------- paged decode attention
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr,
+                         part_lse_ptr, scale_log2, q_row_stride, bt_row_stride, num_splits,
+                         GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + h
+    hmask = h < GROUP
+    q = tl.load(q_ptr + seq * q_row_stride + head[:, None] * HEAD_DIM + d[None, :], mask=hmask[:, None], other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        page = tl.load(block_tables_ptr + seq * bt_row_stride + t // PAGE, mask=tmask, other=0).to(tl.int64)
+        offs = ((page * PAGE + t % PAGE) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=tmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_H, BLOCK_N), log2 units
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + offs, mask=tmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    has = l > 0
+    out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))  # log2 units
+    part = (seq * (NUM_KV_HEADS * GROUP) + head) * num_splits + split
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=hmask[:, None])
+    tl.store(part_lse_ptr + part, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (sequence, head) flattened
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, HEAD_DIM)
+    smask = s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=smask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    w = w / tl.sum(w, axis=0)
+    parts = tl.load(part_out_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=smask[:, None], other=0.0)
+    tl.store(out_ptr + row * HEAD_DIM + d, tl.sum(parts * w[:, None], axis=0).to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, page_size: int, scale: float, num_splits: int,
+                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """q (B, H, D) with unit stride over heads and dims; caches (slots, KV, D); returns (B, H * D)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    part_out = q.new_empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32)
+    part_lse = q.new_empty(batch, num_heads, num_splits, dtype=torch.float32)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale * 1.4426950408889634,
+        q.stride(0), block_tables.stride(0), num_splits, GROUP=group, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, PAGE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+    out = q.new_empty(batch, num_heads * head_dim)
+    _decode_merge_kernel[(batch * num_heads,)](part_out, part_lse, out, num_splits, HEAD_DIM=head_dim,
+                                               BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=1)
+    return out
+
+
+# ----------------------------------------------------------------------------- sampling
+
+SAMPLE_SPLITS = 16  # vocabulary slices per row: enough programs to fill the GPU at small batches
+
+
+@triton.jit
+def _sample_update(x, u, cols, mask, run_max, run_sum, best, best_idx):
+    """Folds one block of tempered logits into the running log-sum-exp and Gumbel arg-max."""
+    new_max = tl.maximum(run_max, x)
+    run_sum = tl.where(new_max > float("-inf"), run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max), 0.0)
+    score = tl.where(mask, x - tl.log(-tl.log(u)), float("-inf"))
+    take = score > best
+    return new_max, run_sum, tl.where(take, score, best), tl.where(take, cols, best_idx)
+
+
+@triton.jit
+def _sample_split_kernel(logits_ptr, inv_temp_ptr, seed_ptr, part_ptr, vocab, row_stride, chunk,
+                         SPLITS: tl.constexpr, SUB: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    inv_temp = tl.load(inv_temp_ptr)
+    seed = tl.load(seed_ptr)
+    start = split * chunk
+    end = tl.minimum(start + chunk, vocab)
+    run_max = tl.full([SUB], float("-inf"), tl.float32)
+    run_sum = tl.zeros([SUB], tl.float32)
+    best = tl.full([SUB], float("-inf"), tl.float32)
+    best_idx = tl.zeros([SUB], tl.int32)
+    base = logits_ptr + row * row_stride
+    for off in range(start, end, 4 * SUB):
+        # One Philox call yields four uniforms: one per quarter of this block of 4 * SUB logits.
+        u0, u1, u2, u3 = tl.rand4x(seed, (row * vocab + off + tl.arange(0, SUB)).to(tl.int32))
+        c = off + tl.arange(0, SUB)
+        x = tl.load(base + c, mask=c < end, other=float("-inf")).to(tl.float32) * inv_temp
+        run_max, run_sum, best, best_idx = _sample_update(x, u0, c, c < end, run_max, run_sum, best, best_idx)
+        c += SUB
+        x = tl.load(base + c, mask=c < end, other=float("-inf")).to(tl.float32) * inv_temp
+        run_max, run_sum, best, best_idx = _sample_update(x, u1, c, c < end, run_max, run_sum, best, best_idx)
+        c += SUB
+        x = tl.load(base + c, mask=c < end, other=float("-inf")).to(tl.float32) * inv_temp
+        run_max, run_sum, best, best_idx = _sample_update(x, u2, c, c < end, run_max, run_sum, best, best_idx)
+        c += SUB
+        x = tl.load(base + c, mask=c < end, other=float("-inf")).to(tl.float32) * inv_temp
+        run_max, run_sum, best, best_idx = _sample_update(x, u3, c, c < end, run_max, run_sum, best, best_idx)
+    # Reduce the per-lane state to this split's (max, sum, best score, best index).
+    m = tl.max(run_max, axis=0)
+    total = tl.sum(tl.where(run_max > float("-inf"), run_sum * tl.exp(run_max - m), 0.0), axis=0)
+    b = tl.max(best, axis=0)
+    idx = tl.min(tl.where(best == b, best_idx, 2147483647), axis=0)
+    out = part_ptr + (row * SPLITS + split) * 4
+    tl.store(out, m)
+    tl.store(out + 1, total)
+    tl.store(out + 2, b)
+    tl.store(out + 3, idx.to(tl.float32))  # exact: vocabularies stay below 2**24
+
+
+@triton.jit
+def _sample_merge_kernel(logits_ptr, inv_temp_ptr, part_ptr, tokens_ptr, logprobs_ptr, row_stride,
+                         SPLITS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SPLITS)
+    base = part_ptr + (row * SPLITS + s) * 4
+    m = tl.load(base)
+    total = tl.load(base + 1)
+    score = tl.load(base + 2)
+    idx = tl.load(base + 3)
+    gm = tl.max(m, axis=0)
+    lse = gm + tl.log(tl.sum(tl.where(m > float("-inf"), total * tl.exp(m - gm), 0.0), axis=0))
+    best = tl.max(score, axis=0)
+    token = tl.min(tl.where(score == best, idx, 3.0e38), axis=0).to(tl.int64)
+    x = tl.load(logits_ptr + row * row_stride + token).to(tl.float32) * tl.load(inv_temp_ptr)
+    tl.store(tokens_ptr + row, token)
+    tl.store(logprobs_ptr + row, x - lse)
+
+
+def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of `logits` (B, V) from softmax(logits * inv_temperature), and its logprob.
+
+    `inv_temperature` (1,) float32 and `seed` (1,) int64 live on the device; the seed is bumped
+    in place so the next call (or graph replay) draws new noise.
+    """
+    rows, vocab = logits.shape
+    sub = 256
+    chunk = triton.cdiv(triton.cdiv(vocab, SAMPLE_SPLITS), 4 * sub) * 4 * sub
+    parts = logits.new_empty(rows, SAMPLE_SPLITS, 4, dtype=torch.float32)
+    _sample_split_kernel[(rows, SAMPLE_SPLITS)](logits, inv_temperature, seed, parts, vocab, logits.stride(0), chunk,
+                                                SPLITS=SAMPLE_SPLITS, SUB=sub, num_warps=4)
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _sample_merge_kernel[(rows,)](logits, inv_temperature, parts, tokens, logprobs, logits.stride(0),
+                                  SPLITS=SAMPLE_SPLITS, num_warps=1)
+    seed.add_(1)
+    return tokens, logprobs

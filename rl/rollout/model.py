@@ -1,0 +1,251 @@
+"""The native engine's own forward pass for decoder-only Llama / Qwen2 models over a paged KV cache.
+
+At the boundary the weights keep the HF state-dict names (`load_weights` receives exactly what
+the trainer pushes); inside they are stored fused, q/k/v rows in one matrix and gate/up in another,
+so a decoder block runs four GEMMs instead of seven. Tokens move as one flat (T, hidden) batch:
+prefill packs right-padded prompts and attends causally through SDPA (right padding needs no mask:
+a real token never looks past itself), decode feeds one token per sequence and reads each context
+through its block table. RoPE tables come from the HF model's own rotary class, so every
+rope_type/rope_scaling the config names is honoured exactly. On CUDA the small ops and decode
+attention run as Triton kernels (rl/rollout/kernels.py); the torch code here is their definition.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class Shape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg) -> Shape:
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"the native engine supports model_type {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"{model_type}: hidden_act={cfg.hidden_act!r} is not supported (SwiGLU with silu only)")
+        if getattr(cfg, "mlp_bias", False):
+            raise ValueError(f"{model_type}: mlp_bias=True is not supported by the native engine")
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError(f"{model_type}: sliding-window attention is not supported by the native engine")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        return cls(cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+                   cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads, head_dim,
+                   cfg.rms_norm_eps, bool(cfg.tie_word_embeddings),
+                   qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias)
+
+
+# HF name -> (internal tensor, first row, last row); rows None means the whole tensor.
+Slot = tuple[str, int | None, int | None]
+
+
+def hf_name_map(s: Shape) -> dict[str, Slot]:
+    q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+    names: dict[str, Slot] = {"model.embed_tokens.weight": ("embed", None, None),
+                              "model.norm.weight": ("norm", None, None),
+                              "lm_head.weight": ("embed" if s.tie_word_embeddings else "lm_head", None, None)}
+    for i in range(s.num_layers):
+        hf, own = f"model.layers.{i}.", f"layers.{i}."
+        for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
+            names[f"{hf}self_attn.q_proj.{kind}"] = (f"{own}qkv.{kind}", 0, q)
+            names[f"{hf}self_attn.k_proj.{kind}"] = (f"{own}qkv.{kind}", q, q + kv)
+            names[f"{hf}self_attn.v_proj.{kind}"] = (f"{own}qkv.{kind}", q + kv, q + 2 * kv)
+        names[f"{hf}self_attn.o_proj.weight"] = (f"{own}o.weight", None, None)
+        if s.o_bias:
+            names[f"{hf}self_attn.o_proj.bias"] = (f"{own}o.bias", None, None)
+        names[f"{hf}mlp.gate_proj.weight"] = (f"{own}gate_up", 0, inter)
+        names[f"{hf}mlp.up_proj.weight"] = (f"{own}gate_up", inter, 2 * inter)
+        names[f"{hf}mlp.down_proj.weight"] = (f"{own}down", None, None)
+        names[f"{hf}input_layernorm.weight"] = (f"{own}input_norm", None, None)
+        names[f"{hf}post_attention_layernorm.weight"] = (f"{own}post_norm", None, None)
+    return names
+
+
+def internal_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
+    h, qkv = s.hidden_size, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    shapes = {"embed": (s.vocab_size, h), "norm": (h,)}
+    if not s.tie_word_embeddings:
+        shapes["lm_head"] = (s.vocab_size, h)
+    for i in range(s.num_layers):
+        shapes |= {f"layers.{i}.qkv.weight": (qkv, h), f"layers.{i}.o.weight": (h, s.num_heads * s.head_dim),
+                   f"layers.{i}.gate_up": (2 * s.intermediate_size, h), f"layers.{i}.down": (h, s.intermediate_size),
+                   f"layers.{i}.input_norm": (h,), f"layers.{i}.post_norm": (h,)}
+        if s.qkv_bias:
+            shapes[f"layers.{i}.qkv.bias"] = (qkv,)
+        if s.o_bias:
+            shapes[f"layers.{i}.o.bias"] = (h,)
+    return shapes
+
+
+class DecoderModel:
+    """Weights (`self.weights`, internal names) and the forward; owns no KV cache and no batch state."""
+
+    def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_positions: int):
+        self.shape = Shape.from_hf(hf_config)
+        self.device, self.dtype = torch.device(device), dtype
+        self.fused = self.device.type == "cuda"  # Triton kernels instead of the torch definitions below
+        if self.fused:
+            from rl.rollout import kernels
+
+            self.kernels = kernels
+        reference = _hf_reference(hf_config)
+        self.hf_shapes = {n: tuple(p.shape) for n, p in reference.named_parameters(remove_duplicate=False)}
+        self.hf_buffers = {n for n, _ in reference.named_buffers(remove_duplicate=False)}
+        self.name_map = hf_name_map(self.shape)
+        unknown = sorted(self.hf_shapes.keys() - self.name_map.keys())
+        if unknown:
+            raise ValueError(f"{hf_config.model_type}: parameters the native engine does not implement: {unknown[:4]}")
+        self.cos, self.sin = _rope_tables(reference, max_positions, self.device, dtype)
+        self.weights: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ ops (Triton on CUDA, torch elsewhere)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            return self.kernels.add_rms_norm(x, residual, weight, self.shape.rms_norm_eps)
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps)
+        return weight * normed.to(x.dtype), x
+
+    def rope_and_store(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        s = self.shape
+        if self.fused:
+            self.kernels.rope_and_store(qkv, positions, slots, self.cos, self.sin, k_cache, v_cache,
+                                        s.num_heads, s.num_kv_heads, s.head_dim)
+            return
+        q, k, v = split_qkv(qkv, s)
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # (T, 1, D/2)
+        for x in (q, k):  # in the activation dtype, as the HF forward rotates
+            x1, x2 = x[..., : s.head_dim // 2], x[..., s.head_dim // 2 :]
+            x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    # ------------------------------------------------------------------ forward
+
+    def layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
+               attend: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs every decoder block over tokens (T,); returns (x, residual) before the final norm.
+
+        Each block writes its rotated keys and values to `slots` of `kv` (2, layers, slots, KV, D);
+        `attend(layer, qkv)` returns the attention output (T, heads * D) from the rotated `qkv`.
+        """
+        w = self.weights
+        x = F.embedding(tokens, w["embed"])
+        residual = None
+        for i in range(self.shape.num_layers):
+            h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.input_norm"])
+            qkv = F.linear(h, w[f"layers.{i}.qkv.weight"], w.get(f"layers.{i}.qkv.bias"))
+            self.rope_and_store(qkv, positions, slots, kv[0, i], kv[1, i])
+            x = F.linear(attend(i, qkv), w[f"layers.{i}.o.weight"], w.get(f"layers.{i}.o.bias"))
+            h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.post_norm"])
+            x = F.linear(self.silu_mul(F.linear(h, w[f"layers.{i}.gate_up"])), w[f"layers.{i}.down"])
+        return x, residual
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h, _ = self.add_rms_norm(x, residual, self.weights["norm"])
+        return F.linear(h, self.weights.get("lm_head", self.weights["embed"]))  # (N, V) in the model dtype
+
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor
+                ) -> torch.Tensor:
+        """Right-padded prompts (N, L) -> logits at each prompt's last token (N, V); pads write to `slots` 0."""
+        n, length = tokens.shape
+        s = self.shape
+        positions = torch.arange(length, device=tokens.device).repeat(n)
+
+        def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
+            q, k, v = (t.reshape(n, length, -1, s.head_dim).transpose(1, 2) for t in split_qkv(qkv, s))
+            group = s.num_heads // s.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.head_dim ** -0.5)
+            return out.transpose(1, 2).reshape(n * length, s.num_heads * s.head_dim)
+
+        x, residual = self.layers(tokens.reshape(-1), positions, slots.reshape(-1), kv, attend)
+        last = torch.arange(n, device=tokens.device) * length + lengths - 1
+        return self.logits(x[last], residual[last])
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
+               block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, num_splits: int
+               ) -> torch.Tensor:
+        """One new token per sequence (B,) -> next-token logits (B, V); graph-safe on CUDA."""
+        s = self.shape
+
+        def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
+            q = split_qkv(qkv, s)[0]
+            if self.fused:
+                return self.kernels.decode_attention(q, kv[0, layer], kv[1, layer], block_tables, context_lens,
+                                                     page_size, s.head_dim ** -0.5, num_splits)
+            return paged_attention_reference(q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size)
+
+        return self.logits(*self.layers(tokens, positions, slots, kv, attend))
+
+
+def split_qkv(qkv: torch.Tensor, s: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views (T, heads, D) of the fused projection's q, k and v columns."""
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    t = qkv.shape[0]
+    return (qkv[:, :q].view(t, s.num_heads, s.head_dim), qkv[:, q : q + kv].view(t, s.num_kv_heads, s.head_dim),
+            qkv[:, q + kv :].view(t, s.num_kv_heads, s.head_dim))
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Decode attention in plain torch: q (B, H, D) over each sequence's first context_lens cached tokens."""
+    batch, heads, dim = q.shape
+    t = torch.arange(int(context_lens.max()), device=q.device)
+    valid = t[None, :] < context_lens[:, None].long()  # (B, T)
+    # Positions past a sequence's end read slot 0 (the zeroed scratch page), never uninitialised memory.
+    slots = torch.where(valid, block_tables[:, t // page_size].long() * page_size + t % page_size, 0)
+    group = heads // k_cache.shape[1]
+    k = k_cache[slots].repeat_interleave(group, dim=2).transpose(1, 2)  # (B, H, T, D)
+    v = v_cache[slots].repeat_interleave(group, dim=2).transpose(1, 2)
+    mask = valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=dim ** -0.5)
+    return out.reshape(batch, heads * dim)
+
+
+def _hf_reference(hf_config) -> torch.nn.Module:
+    """The HF model on the meta device: the names and shapes the trainer pushes, and its rotary class."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
+
+
+def _rope_tables(reference: torch.nn.Module, max_positions: int, device: torch.device, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (max_positions, D/2), computed in float32 by the HF rotary module on the CPU and
+    rounded to the activation dtype as the HF forward rounds them."""
+    rotary = type(reference.model.rotary_emb)(config=reference.config)
+    cos, sin = rotary(torch.zeros(1), torch.arange(max_positions)[None])
+    half = cos.shape[-1] // 2
+    return cos[0, :, :half].to(device, dtype).contiguous(), sin[0, :, :half].to(device, dtype).contiguous()

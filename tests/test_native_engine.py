@@ -1,0 +1,129 @@
+"""The native engine's scheduling on CPU: continuous batching, shared prompts, page pressure, other architectures."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from rl.rollout import SamplingParams
+from rl.rollout.native import NativeEngine
+from rl.rollout.scheduler import PagePool, Scheduler
+from tests.test_engine import full_weights, reference_logprobs
+from tests.tiny import tiny_config, tiny_model
+
+GREEDY = dict(temperature=1.0, top_k=1)
+GROUPED = [[1, 5, 9, 13, 2, 2, 7, 7, 3], [4, 4], [1, 5, 9, 13, 2, 2, 7, 7, 3], [6, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+           [4, 4], [1, 5, 9, 13, 2, 2, 7, 7, 3], [2]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=2).eval()
+
+
+def make_engine(model, **kwargs) -> NativeEngine:
+    engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, **kwargs)
+    engine.load_weights(full_weights(model))
+    return engine
+
+
+def one_at_a_time(engine, prompts, params):
+    return [engine.generate([p], params)[0] for p in prompts]
+
+
+def test_continuous_batching_equals_one_at_a_time(model):
+    engine = make_engine(model, max_batch_size=3, page_size=4, steps_per_poll=3)
+    free = one_at_a_time(engine, GROUPED, SamplingParams(max_new_tokens=12, **GREEDY))
+    # Stop ids taken from the free-running outputs make sequences end at different steps, so rows
+    # free up mid-batch and are refilled from the queue.
+    stops = (free[0].token_ids[4], free[3].token_ids[1])
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=stops, **GREEDY)
+    batched = engine.generate(GROUPED, params)
+    single = one_at_a_time(engine, GROUPED, params)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in single]
+    assert [o.finish_reason for o in batched] == [o.finish_reason for o in single]
+    assert {o.finish_reason for o in batched} == {"stop", "length"}
+    assert len({len(o.token_ids) for o in batched}) > 1
+
+
+def test_shared_prompts_sample_independently_with_exact_logprobs(model):
+    engine = make_engine(model, max_batch_size=8, page_size=4)
+    prompt = GROUPED[0]
+    outs = engine.generate([prompt] * 6, SamplingParams(max_new_tokens=10, temperature=1.3, top_p=0.9, top_k=40))
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+    for out in outs:  # full tempered distribution, not the truncated one
+        assert out.logprobs == pytest.approx(reference_logprobs(model, prompt, out.token_ids, 1.3), abs=1e-4)
+
+
+def test_page_pressure_waits_instead_of_failing(model):
+    params = SamplingParams(max_new_tokens=9, **GREEDY)
+    roomy = make_engine(model, max_batch_size=4, page_size=4)
+    want = [o.token_ids for o in roomy.generate(GROUPED, params)]
+    # Pages for about two sequences at a time: admission waits for finished sequences' pages.
+    tight = make_engine(model, max_batch_size=4, page_size=4, kv_cache_tokens=48)
+    assert [o.token_ids for o in tight.generate(GROUPED, params)] == want
+    tiny = make_engine(model, max_batch_size=4, page_size=4, kv_cache_tokens=8)
+    with pytest.raises(RuntimeError, match="KV cache too small"):
+        tiny.generate(GROUPED, params)
+
+
+def test_scheduler_prefills_each_distinct_prompt_once():
+    pool = PagePool(64)
+    sched = Scheduler(GROUPED, max_new_tokens=5, page_size=4, pool=pool, max_rows=16)
+    to_prefill, new = sched.admit()
+    assert len(new) == len(GROUPED) and len(to_prefill) == 4
+    first = [r for r in new if r.prompt.tokens == GROUPED[0]]
+    assert len({id(r.prompt) for r in first}) == 1
+    tables = [sched.block_table(r) for r in first]
+    assert all(t[:2] == first[0].prompt.pages[:2] for t in tables)  # 9 tokens: two full shared pages
+    assert len({t[2] for t in tables}) == 3  # the partial page is private to each sample
+    src, dst = sched.tail_copy(first[1])
+    assert src == [first[1].prompt.pages[2] * 4] and dst == [first[1].pages[0] * 4]
+    sched.finish(list(range(len(new))))
+    assert len(pool.free) == 63  # everything back but the scratch page
+
+
+def test_one_token_and_immediate_stop(model):
+    engine = make_engine(model, max_batch_size=4, page_size=4)
+    outs = engine.generate(GROUPED[:3], SamplingParams(max_new_tokens=1, **GREEDY))
+    assert all(len(o.token_ids) == 1 and o.finish_reason == "length" for o in outs)
+    first = outs[0].token_ids[0]
+    out = engine.generate(GROUPED[:1], SamplingParams(max_new_tokens=5, stop_token_ids=(first,), **GREEDY))[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+
+
+def test_llama_with_rope_scaling_matches_hf_forward():
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                         rope_theta=50000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    engine = make_engine(model, max_batch_size=4, page_size=8, max_context_len=256)
+    prompts = [list(range(1, 90)), [3, 4, 5]]
+    for prompt, out in zip(prompts, engine.generate(prompts, SamplingParams(max_new_tokens=30, temperature=0.7))):
+        assert out.logprobs == pytest.approx(reference_logprobs(model, prompt, out.token_ids, 0.7), abs=1e-4)
+
+
+def test_unsupported_architecture_is_named():
+    config = tiny_config()
+    config.model_type = "gemma2"
+    with pytest.raises(ValueError, match="gemma2"):
+        NativeEngine(config, torch.device("cpu"), torch.float32)
+
+
+def test_buffers_are_accepted_and_every_parameter_is_required(model):
+    engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=2)
+    weights = list(full_weights(model))
+    assert any("rotary" in name for name, _ in weights)
+    engine.load_weights([(n, t) for n, t in weights if n != "model.layers.1.mlp.up_proj.weight"])
+    with pytest.raises(RuntimeError, match="up_proj"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    engine.load_weights([(n, t) for n, t in weights if n == "model.layers.1.mlp.up_proj.weight"])
+    assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids) == 2
+
+
+def test_prompt_longer_than_context_is_refused(model):
+    engine = make_engine(model, max_batch_size=2, max_context_len=32)
+    with pytest.raises(ValueError, match="max_context_len"):
+        engine.generate([list(range(1, 30))], SamplingParams(max_new_tokens=8))

@@ -1,0 +1,144 @@
+"""The native engine's Triton kernels against their torch definitions, and the CUDA engine against the CPU one.
+
+Runs on a CUDA device; with TRITON_INTERPRET=1 (and Triton installed) the kernel tests also run
+on the CPU through Triton's interpreter. Skipped otherwise.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from rl.rollout import SamplingParams
+from rl.rollout.model import DecoderModel, paged_attention_reference
+from rl.rollout.native import NativeEngine
+from tests.test_engine import PROMPTS, full_weights
+from tests.tiny import tiny_config, tiny_model
+
+if torch.cuda.is_available():
+    DEVICE = torch.device("cuda")
+elif os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    DEVICE = torch.device("cpu")
+else:
+    pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1 with Triton installed)", allow_module_level=True)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the whole engine on a CUDA device")
+
+
+def kernels():
+    from rl.rollout import kernels as k
+
+    return k
+
+
+def reference_model(dtype, **overrides) -> DecoderModel:
+    """The torch definitions: a DecoderModel forced onto its unfused path."""
+    model = DecoderModel(tiny_config(**overrides), DEVICE, dtype, max_positions=256)
+    model.fused = False
+    return model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(dtype, with_residual):
+    model = reference_model(dtype)
+    x = torch.randn(37, 128, device=DEVICE, dtype=dtype)
+    res = torch.randn(37, 128, device=DEVICE, dtype=dtype) if with_residual else None
+    w = torch.randn(128, device=DEVICE, dtype=dtype)
+    want, want_res = model.add_rms_norm(x, res, w)
+    got, got_res = kernels().add_rms_norm(x, None if res is None else res.clone(), w, model.shape.rms_norm_eps)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(got_res, want_res) < tol and rel_err(got, want) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_store(dtype):
+    model = reference_model(dtype)
+    s = model.shape
+    tokens, slots_total = 23, 64
+    qkv = torch.randn(tokens, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, device=DEVICE, dtype=dtype)
+    positions = torch.randint(0, 200, (tokens,), device=DEVICE)
+    slots = torch.randperm(slots_total, device=DEVICE)[:tokens]
+    cache = torch.randn(2, slots_total, s.num_kv_heads, s.head_dim, device=DEVICE, dtype=dtype)
+    caches = [cache, cache.clone()]
+    want_qkv, got_qkv = qkv.clone(), qkv.clone()
+    model.rope_and_store(want_qkv, positions, slots, caches[0][0], caches[0][1])
+    kernels().rope_and_store(got_qkv, positions, slots, model.cos, model.sin, caches[1][0], caches[1][1],
+                             s.num_heads, s.num_kv_heads, s.head_dim)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(got_qkv, want_qkv) < tol
+    assert rel_err(caches[1], caches[0]) < tol
+
+
+def test_silu_mul():
+    gate_up = torch.randn(9, 2 * 1500, device=DEVICE, dtype=torch.bfloat16)
+    want = torch.nn.functional.silu(gate_up[:, :1500]) * gate_up[:, 1500:]
+    assert rel_err(kernels().silu_mul(gate_up), want) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (12, 2, 128), (4, 4, 64)])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_attention(dtype, heads, kv_heads, head_dim, num_splits):
+    page, pages_total, batch = 16, 40, 5
+    k_cache = torch.randn(pages_total * page, kv_heads, head_dim, device=DEVICE, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    context_lens = torch.tensor([1, 17, 64, 100, 150], dtype=torch.int32, device=DEVICE)
+    block_tables = torch.stack([torch.randperm(pages_total, device=DEVICE)[:10] for _ in range(batch)]).int()
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(batch, heads, head_dim)  # strided like the engine's view
+    want = paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, page)
+    got = kernels().decode_attention(q, k_cache, v_cache, block_tables, context_lens, page, head_dim ** -0.5,
+                                     num_splits, block_n=32)
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_sampler_matches_softmax_and_logprobs():
+    torch.manual_seed(0)
+    rows, vocab = 4096, 37
+    logits = torch.randn(1, vocab, device=DEVICE).mul(2).expand(rows, vocab).contiguous().to(torch.bfloat16)
+    inv_t = torch.full((1,), 1 / 0.7, device=DEVICE)
+    seed = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    tokens, logprobs = kernels().sample(logits, inv_t, seed)
+    full = torch.log_softmax(logits.float() / 0.7, -1)
+    assert torch.allclose(logprobs, full.gather(-1, tokens[:, None]).squeeze(-1), atol=1e-5)
+    freq = torch.bincount(tokens, minlength=vocab).float() / rows
+    assert (freq - full[0].exp()).abs().max().item() < 0.03  # ~4 sigma at 4096 draws
+    assert seed.item() == 1
+    again, _ = kernels().sample(logits, inv_t, seed)
+    assert not torch.equal(again, tokens)  # the bumped seed draws new noise
+
+
+@needs_cuda
+@pytest.mark.parametrize("tie", [False, True])
+def test_cuda_engine_matches_cpu_engine(tie):
+    model = tiny_model(seed=3, tie=tie).eval()
+    cpu = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=3, page_size=8)
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, top_k=1)
+    cpu.load_weights(full_weights(model))
+    want = [o.token_ids for o in cpu.generate(PROMPTS * 3, params)]
+    for graphs in (False, True):
+        gpu = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=3, page_size=8, cuda_graphs=graphs,
+                           steps_per_poll=4)
+        gpu.load_weights(full_weights(model))
+        outs = gpu.generate(PROMPTS * 3, params)
+        assert [o.token_ids for o in outs] == want
+        assert all(len(o.logprobs) == 20 for o in outs)
+
+
+@needs_cuda
+def test_cuda_engine_top_p_top_k_in_graphs():
+    model = tiny_model(seed=4).eval()
+    engine = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=4, page_size=8)
+    engine.load_weights(full_weights(model))
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.8, top_k=20))
+    ids = torch.tensor([PROMPTS[0] + outs[0].token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(PROMPTS[0]) - 1 : -1].float() / 0.9
+    want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(outs[0].token_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(outs[0].logprobs), want, atol=1e-4)
