@@ -144,23 +144,34 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attend(q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, start, end, scale_log2,
-            ROWS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax of q (ROWS, D) over cached tokens [start, end) of one block table, one kv head.
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr,
+                         part_lse_ptr, scale_log2, q_row_stride, bt_row_stride, num_splits,
+                         GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
 
-    Returns (running max, sum, unnormalised output) with the max in log2 units."""
+    h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HEAD_DIM)
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    l = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    head = kv_head * GROUP + h
+    hmask = h < GROUP
+    q = tl.load(q_ptr + seq * q_row_stride + head[:, None] * HEAD_DIM + d[None, :], mask=hmask[:, None], other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
-        page = tl.load(table_ptr + t // PAGE, mask=tmask, other=0).to(tl.int64)
+        page = tl.load(block_tables_ptr + seq * bt_row_stride + t // PAGE, mask=tmask, other=0).to(tl.int64)
         offs = ((page * PAGE + t % PAGE) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         k = tl.load(k_cache_ptr + offs, mask=tmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (ROWS, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_H, BLOCK_N), log2 units
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -169,150 +180,46 @@ def _attend(q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, start, end, scale_l
         v = tl.load(v_cache_ptr + offs, mask=tmask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
-    return m, l, acc
-
-
-@triton.jit
-def _store_partial(part_out_ptr, part_lse_ptr, part, mask, m, l, acc, HEAD_DIM: tl.constexpr):
-    """Writes a normalised partial output and its log2-sum-exp (-inf where nothing was attended)."""
     has = l > 0
     out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
-    d = tl.arange(0, HEAD_DIM)
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=mask[:, None])
-    tl.store(part_lse_ptr + part, lse, mask=mask)
-
-
-@triton.jit
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, shared_lens_ptr,
-                         part_out_ptr, part_lse_ptr, scale_log2, q_row_stride, bt_row_stride, num_splits,
-                         GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
-    """One (sequence, kv head, split) over the sequence's tokens [shared_len, context_len)."""
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    ctx = tl.load(context_lens_ptr + seq)
-    lo = tl.load(shared_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
-    start = lo + split * per_split
-    end = tl.minimum(start + per_split, ctx)
-    h = tl.arange(0, BLOCK_H)
-    head = kv_head * GROUP + h
-    hmask = h < GROUP
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * q_row_stride + head[:, None] * HEAD_DIM + d[None, :], mask=hmask[:, None], other=0.0)
-    m, l, acc = _attend(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_row_stride, kv_head, start, end,
-                        scale_log2, BLOCK_H, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, DOT_PRECISION)
+    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))  # log2 units
     part = (seq * (NUM_KV_HEADS * GROUP) + head) * num_splits + split
-    _store_partial(part_out_ptr, part_lse_ptr, part, hmask, m, l, acc, HEAD_DIM)
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=hmask[:, None])
+    tl.store(part_lse_ptr + part, lse, mask=hmask)
 
 
 @triton.jit
-def _prefix_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, group_first_ptr, group_size_ptr,
-                         group_len_ptr, part_out_ptr, part_lse_ptr, scale_log2, q_row_stride, bt_row_stride,
-                         num_splits, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
-    """One (group, kv head, split) over a shared prompt prefix: the query heads of every member
-    sequence are stacked into one tile, so the prefix's keys and values are read once per group."""
-    g = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    size = tl.load(group_size_ptr + g)
-    first = tl.load(group_first_ptr + g).to(tl.int64)
-    length = tl.where(size > 0, tl.load(group_len_ptr + g), 0)  # unused group slots attend to nothing
-    per_split = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, length)
-    r = tl.arange(0, BLOCK_M)
-    member = r // GROUP
-    head = kv_head * GROUP + r % GROUP
-    rmask = member < size
-    seq = first + member
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq[:, None] * q_row_stride + head[:, None] * HEAD_DIM + d[None, :], mask=rmask[:, None],
-                other=0.0)
-    m, l, acc = _attend(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + first * bt_row_stride, kv_head, start, end,
-                        scale_log2, BLOCK_M, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, DOT_PRECISION)
-    part = (seq * (NUM_KV_HEADS * GROUP) + head) * num_splits + split
-    _store_partial(part_out_ptr, part_lse_ptr, part, rmask, m, l, acc, HEAD_DIM)
-
-
-@triton.jit
-def _decode_merge_kernel(part_out_ptr, part_lse_ptr, prefix_out_ptr, prefix_lse_ptr, shared_lens_ptr, out_ptr,
-                         num_splits, prefix_splits, num_heads, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_P: tl.constexpr):
-    """Combines a (sequence, head)'s partials, from the prefix pass too when it has a shared prefix."""
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (sequence, head) flattened
-    has_prefix = tl.load(shared_lens_ptr + row // num_heads) > 0
-    d = tl.arange(0, HEAD_DIM)
     s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, HEAD_DIM)
     smask = s < num_splits
     lse = tl.load(part_lse_ptr + row * num_splits + s, mask=smask, other=float("-inf"))
-    parts = tl.load(part_out_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None],
-                    other=0.0)
-    p = tl.arange(0, BLOCK_P)
-    pmask = (p < prefix_splits) & has_prefix
-    lse_p = tl.load(prefix_lse_ptr + row * prefix_splits + p, mask=pmask, other=float("-inf"))
-    parts_p = tl.load(prefix_out_ptr + (row * prefix_splits + p)[:, None] * HEAD_DIM + d[None, :],
-                      mask=pmask[:, None], other=0.0)
-    top = tl.maximum(tl.max(lse, axis=0), tl.max(lse_p, axis=0))
-    w = tl.exp2(lse - top)
-    w_p = tl.exp2(lse_p - top)
-    out = (tl.sum(parts * w[:, None], axis=0) + tl.sum(parts_p * w_p[:, None], axis=0))
-    out = out / (tl.sum(w, axis=0) + tl.sum(w_p, axis=0))
-    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
-
-
-PREFIX_SPLITS = 4  # splits of a shared prompt prefix: its groups are few, so each is cut for parallelism
-PREFIX_ROWS = 64  # query rows per prefix tile: members x heads per kv head
-
-
-def max_group_members(num_heads: int, num_kv_heads: int) -> int:
-    """How many sequences one prefix tile holds (their query heads of one kv head stacked)."""
-    return PREFIX_ROWS // (num_heads // num_kv_heads)
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    w = w / tl.sum(w, axis=0)
+    parts = tl.load(part_out_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=smask[:, None], other=0.0)
+    tl.store(out_ptr + row * HEAD_DIM + d, tl.sum(parts * w[:, None], axis=0).to(out_ptr.dtype.element_ty))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, page_size: int, scale: float, num_splits: int,
-                     groups: tuple[torch.Tensor, ...] | None = None,
                      block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """q (B, H, D) with unit stride over heads and dims; caches (slots, KV, D); returns (B, H * D).
-
-    `groups` = (shared_lens (B,), group_first (G,), group_size (G,), group_len (G,)), all int32:
-    sequences group_first .. + group_size share their first group_len tokens (the same pages), and
-    shared_lens says per sequence how many leading tokens its group covers (0: none). Without it,
-    every sequence reads its whole context.
-    """
+    """q (B, H, D) with unit stride over heads and dims; caches (slots, KV, D); returns (B, H * D)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    common = dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page_size, BLOCK_N=block_n,
-                  DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
-    scale_log2 = scale * 1.4426950408889634
-    if groups is None:
-        shared_lens = torch.zeros(batch, dtype=torch.int32, device=q.device)
-    else:
-        shared_lens, group_first, group_size, group_len = groups
     part_out = q.new_empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32)
     part_lse = q.new_empty(batch, num_heads, num_splits, dtype=torch.float32)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, shared_lens, part_out, part_lse, scale_log2, q.stride(0),
-        block_tables.stride(0), num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), **common)
-    prefix_splits = PREFIX_SPLITS if groups is not None else 1
-    prefix_out = q.new_empty(batch, num_heads, prefix_splits, head_dim, dtype=torch.float32)
-    prefix_lse = q.new_empty(batch, num_heads, prefix_splits, dtype=torch.float32)
-    if groups is not None:
-        _prefix_split_kernel[(group_first.shape[0], num_kv_heads, prefix_splits)](
-            q, k_cache, v_cache, block_tables, group_first, group_size, group_len, prefix_out, prefix_lse, scale_log2,
-            q.stride(0), block_tables.stride(0), prefix_splits, GROUP=group, BLOCK_M=PREFIX_ROWS, **common)
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale * 1.4426950408889634,
+        q.stride(0), block_tables.stride(0), num_splits, GROUP=group, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, PAGE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
     out = q.new_empty(batch, num_heads * head_dim)
-    _decode_merge_kernel[(batch * num_heads,)](
-        part_out, part_lse, prefix_out, prefix_lse, shared_lens, out, num_splits, prefix_splits, num_heads,
-        HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        BLOCK_P=max(2, triton.next_power_of_2(prefix_splits)), num_warps=1)
+    _decode_merge_kernel[(batch * num_heads,)](part_out, part_lse, out, num_splits, HEAD_DIM=head_dim,
+                                               BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=1)
     return out
 
 

@@ -196,19 +196,16 @@ class DecoderModel:
         return self.logits(x[last], residual[last])
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, num_splits: int,
-               groups: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """One new token per sequence (B,) -> next-token logits (B, V); graph-safe on CUDA.
-
-        `groups` (see kernels.decode_attention) lets sequences that share prompt pages read them once;
-        the result is the same with or without it, so the torch path ignores it."""
+               block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, num_splits: int
+               ) -> torch.Tensor:
+        """One new token per sequence (B,) -> next-token logits (B, V); graph-safe on CUDA."""
         s = self.shape
 
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
             q = split_qkv(qkv, s)[0]
             if self.fused:
                 return self.kernels.decode_attention(q, kv[0, layer], kv[1, layer], block_tables, context_lens,
-                                                     page_size, s.head_dim ** -0.5, num_splits, groups)
+                                                     page_size, s.head_dim ** -0.5, num_splits)
             return paged_attention_reference(q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size)
 
         return self.logits(*self.layers(tokens, positions, slots, kv, attend))

@@ -80,10 +80,6 @@ class Rows:
     top_p: torch.Tensor
     max_new_tokens: torch.Tensor
     stop_ids: torch.Tensor  # (MAX_STOP_IDS,) padded with -1
-    shared_lens: torch.Tensor  # (R,) int32, leading tokens read by the shared-prompt pass (0: none)
-    group_first: torch.Tensor  # (R,) int32 per group of rows sharing prompt pages: first row, rows, tokens
-    group_size: torch.Tensor
-    group_len: torch.Tensor
 
     @classmethod
     def allocate(cls, rows: int, max_pages: int, width: int, device: torch.device) -> Rows:
@@ -94,8 +90,7 @@ class Rows:
                    torch.ones(rows, dtype=torch.bool, device=device), torch.zeros(rows, **long),
                    torch.zeros(rows, width, **long), torch.zeros(rows, width, dtype=torch.float32, device=device),
                    torch.ones(1, device=device), torch.ones(1, device=device), torch.ones(1, **long),
-                   torch.full((MAX_STOP_IDS,), -1, **long),
-                   *(torch.zeros(rows, dtype=torch.int32, device=device) for _ in range(4)))
+                   torch.full((MAX_STOP_IDS,), -1, **long))
 
     def per_row(self) -> list[torch.Tensor]:
         return [self.input_ids, self.positions, self.slots, self.context_lens, self.block_tables, self.done,
@@ -112,14 +107,12 @@ class Rows:
 class NativeEngine:
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_batch_size: int = 256,
                  seed: int = 0, *, max_context_len: int = 4096, kv_cache_tokens: int = 0, cuda_graphs: bool = True,
-                 steps_per_poll: int = 16, page_size: int = 64, share_prompt_attention: bool = True):
+                 steps_per_poll: int = 16, page_size: int = 64):
         self.device, self.dtype = torch.device(device), dtype
         self.max_batch_size, self.max_context_len = max_batch_size, max_context_len
         self.page_size, self.steps_per_poll = page_size, steps_per_poll
         self.model = DecoderModel(hf_config, self.device, dtype, max_context_len)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        # Rows decoding the same prompt read its shared pages once per group (Triton path only).
-        self.share_prompt_attention = share_prompt_attention and self.model.fused
         tokens = kv_cache_tokens or max_batch_size * max_context_len
         self.num_pages = cdiv(tokens, page_size) + 1  # + the scratch page
         self.buckets = sorted({*(b for b in (1, 2, 4, 8, *range(16, max_batch_size, 16)) if b < max_batch_size),
@@ -248,7 +241,6 @@ class NativeEngine:
         sched = Scheduler(prompts, params.max_new_tokens, self.page_size, PagePool(self.num_pages), self.max_batch_size)
         results: list[Completion | None] = [None] * len(prompts)
         stops = set(params.stop_token_ids)
-        changed = False
         while True:
             to_prefill, new = sched.admit()
             if to_prefill:
@@ -257,14 +249,11 @@ class NativeEngine:
                 self._start_rows(sched, new, len(sched.running) - len(new))
             if not sched.running:
                 break
-            if new or changed:
-                self._set_groups(sched)
             steps = min(self.steps_per_poll, min(params.max_new_tokens - r.generated for r in sched.running))
             bucket = next(b for b in self.buckets if b >= len(sched.running))
             for _ in range(steps):
                 self._run_decode(bucket)
             finished = self._poll(sched, stops)
-            changed = bool(finished)
             for request, completion in finished:
                 results[request.index] = completion
             if finished and on_finish is not None:
@@ -334,31 +323,6 @@ class NativeEngine:
         for request in new:
             request.generated = 1
 
-    def _set_groups(self, sched: Scheduler) -> None:
-        """Marks runs of adjacent rows decoding the same prompt, whose full prompt pages they share."""
-        if not self.share_prompt_attention:
-            return
-        running, n = sched.running, len(sched.running)
-        members = self.model.kernels.max_group_members(self.model.shape.num_heads, self.model.shape.num_kv_heads)
-        shared, groups = [0] * n, []
-        i = 0
-        while i < n:
-            j = i + 1
-            while j < n and j - i < members and running[j].prompt is running[i].prompt:
-                j += 1
-            length = len(running[i].prompt.tokens) // self.page_size * self.page_size
-            if j - i >= 2 and length > 0:
-                groups.append((i, j - i, length))
-                shared[i:j] = [length] * (j - i)
-            i = j
-        r = self.rows
-        r.shared_lens.zero_()
-        r.group_size.zero_()
-        r.shared_lens[:n] = torch.tensor(shared, dtype=torch.int32)
-        if groups:
-            table = torch.tensor(groups, dtype=torch.int32).T.to(self.device)
-            r.group_first[: len(groups)], r.group_size[: len(groups)], r.group_len[: len(groups)] = table
-
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p, r = self.params, self.rows
         if not self.model.fused:
@@ -384,12 +348,9 @@ class NativeEngine:
     def _decode_step(self, bucket: int) -> None:
         """One token for rows [0, bucket): forward, sample, record, stop checks, advance. No host syncs."""
         r = self.rows
-        groups = None
-        if self.share_prompt_attention:
-            groups = (r.shared_lens[:bucket], r.group_first[:bucket], r.group_size[:bucket], r.group_len[:bucket])
         logits = self.model.decode(r.input_ids[:bucket], r.positions[:bucket], r.slots[:bucket], self.kv,
                                    r.block_tables[:bucket], r.context_lens[:bucket], self.page_size,
-                                   self._num_splits(bucket), groups)
+                                   self._num_splits(bucket))
         tokens, logprobs = self._sample(logits)
         active = ~r.done[:bucket]
         n_gen = r.n_gen[:bucket]
