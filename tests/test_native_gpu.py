@@ -114,21 +114,25 @@ def test_sampler_matches_softmax_and_logprobs():
     assert not torch.equal(again, tokens)  # the bumped seed draws new noise
 
 
+GROUPED = [p for p in PROMPTS + [list(range(3, 40)), list(range(7, 27))] for _ in range(3)]  # samples adjacent
+
+
 @needs_cuda
 @pytest.mark.parametrize("tie", [False, True])
 def test_cuda_engine_matches_cpu_engine(tie):
     model = tiny_model(seed=3, tie=tie).eval()
-    cpu = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=3, page_size=8)
+    cpu = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=5, page_size=8)
     params = SamplingParams(max_new_tokens=20, temperature=1.0, top_k=1)
     cpu.load_weights(full_weights(model))
-    want = [o.token_ids for o in cpu.generate(PROMPTS * 3, params)]
+    want = cpu.generate(GROUPED, params)
     for graphs in (False, True):
-        gpu = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=3, page_size=8, cuda_graphs=graphs,
+        gpu = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=5, page_size=8, cuda_graphs=graphs,
                            steps_per_poll=4)
         gpu.load_weights(full_weights(model))
-        outs = gpu.generate(PROMPTS * 3, params)
-        assert [o.token_ids for o in outs] == want
-        assert all(len(o.logprobs) == 20 for o in outs)
+        outs = gpu.generate(GROUPED, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+        got, ref = torch.tensor([o.logprobs for o in outs]), torch.tensor([o.logprobs for o in want])
+        assert (got - ref).abs().max().item() < 1e-4
 
 
 @needs_cuda

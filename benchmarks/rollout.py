@@ -1,0 +1,268 @@
+"""Rollout throughput: the native engine against HF `generate` on the seed's batch, on one device.
+
+    python benchmarks/rollout.py --out rollout.json            # Qwen2.5-0.5B and 1.5B shapes, bf16, on CUDA
+
+The seed's scenario: 32 prompts x 8 samples, prompts of random length up to 512 tokens, 1024 new
+tokens per sample with EOS ignored, so every engine does identical work. Weights are random
+(built from the config folders in configs/models), which changes nothing about the work done.
+Per model the table gives output tokens/s and time to finish the batch for the engine and for
+HF `generate` on the same inputs in the same run, their ratio, and the decode roofline: the bytes
+every decode step must read (weights + each sequence's KV) over the device-to-device copy
+bandwidth measured in the same run, with the fraction of it the engine achieved (over its whole
+batch time, prefill included). It also checks, per model, the engine's logprobs against a bf16
+training forward of the same sequences, and that sleep(2) returns the engine's memory and that
+wake + load reproduces greedy outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rl.rollout import SamplingParams  # noqa: E402
+from rl.rollout.native import NativeEngine  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second by a large device-to-device copy (median of 10)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.randn(512 * 2**20, device=device, dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def all_weights(model: torch.nn.Module):
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    return named.items()
+
+
+def roofline(engine: NativeEngine, prompt_lens: list[int], n_samples: int, new_tokens: int, bandwidth: float) -> dict:
+    """Least bytes the decode steps must read, and the time that takes at `bandwidth`."""
+    s = engine.model.shape
+    weights = engine.model.weights
+    weight_bytes = sum(t.numel() * t.element_size() for k, t in weights.items() if k != "embed")
+    weight_bytes += s.vocab_size * s.hidden_size * weights["embed"].element_size()  # lm_head (tied or not)
+    kv_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * weights["embed"].element_size()
+    steps = new_tokens - 1  # the first token comes out of the prefill
+    arith = steps * (steps + 1) // 2  # sum over steps of the tokens generated before each
+    per_seq = sum(p * steps + arith for p in prompt_lens) * n_samples  # context tokens read, all steps
+    shared = sum(p * steps + n_samples * arith for p in prompt_lens)  # prompt KV read once per group
+    total = steps * weight_bytes + kv_token * per_seq
+    total_shared = steps * weight_bytes + kv_token * shared
+    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_token, "decode_bytes": total,
+            "decode_bytes_shared_prompt": total_shared, "roofline_s": total / bandwidth,
+            "roofline_shared_prompt_s": total_shared / bandwidth}
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
+    """Seconds for HF generate to sample `new_tokens` for every prompt (left-padded, EOS suppressed)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    sync(device)
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    sync(device)
+    assert out.shape[1] == width + new_tokens
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def logprob_parity(model, prompts: list[list[int]], outs, device: torch.device) -> dict:
+    """|engine logprob - training-forward logprob| over the generated tokens (model dtype forward)."""
+    diffs = []
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt + out.token_ids], device=device)
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+        diffs.append((torch.tensor(out.logprobs, device=device) - ref).abs())
+    d = torch.cat(diffs)
+    return {"mean_abs": d.mean().item(), "max_abs": d.max().item(), "tokens": d.numel()}
+
+
+def sleep_round_trip(engine: NativeEngine, model, prompts: list[list[int]], new_tokens: int,
+                     device: torch.device) -> dict:
+    greedy = SamplingParams(max_new_tokens=new_tokens, top_k=1)
+    before = [o.token_ids for o in engine.generate(prompts, greedy)]
+    sync(device)
+    awake = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    free_awake = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    engine.sleep(2)
+    asleep = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    free_asleep = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    engine.wake_up(["weights"])
+    engine.load_weights(all_weights(model))
+    engine.reset_prefix_cache()
+    engine.wake_up(["kv_cache"])
+    after = [o.token_ids for o in engine.generate(prompts, greedy)]
+    return {"reserved_awake": awake, "reserved_asleep": asleep, "freed_by_mem_get_info": free_asleep - free_awake,
+            "greedy_identical_after_wake": before == after}
+
+
+def kernel_times(engine: NativeEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """Device milliseconds by kernel name over one generate() call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0))
+    times = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        times[evt.key[:90]] = (getattr(evt, "self_cuda_time_total", 0) if us is None else us) / 1e3
+    return times
+
+
+def profile_decode(engine: NativeEngine, prompts: list[list[int]], steps: int = 32) -> list[tuple[str, float]]:
+    """Device time per decode step by kernel: a run of `steps` decode steps minus a prefill-only run
+    (eager steps; a graph replays the same kernels)."""
+    use_graphs, engine.use_graphs = engine.use_graphs, False
+    prefill = kernel_times(engine, prompts, 1)
+    full = kernel_times(engine, prompts, steps + 1)
+    engine.use_graphs = use_graphs
+    rows = [(name, (ms - prefill.get(name, 0.0)) / steps) for name, ms in full.items()]
+    return sorted([r for r in rows if r[1] > 0.0005], key=lambda r: -r[1])[:25]
+
+
+def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandwidth: float) -> dict:
+    cfg = AutoConfig.from_pretrained(path)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
+    gen = torch.Generator().manual_seed(1)
+    lens = torch.randint(args.min_prompt_len, args.max_prompt_len + 1, (args.num_prompts,), generator=gen).tolist()
+    distinct = [torch.randint(1, cfg.vocab_size // 2, (n,), generator=gen).tolist() for n in lens]
+    prompts = [p for p in distinct for _ in range(args.n_samples)]
+    batch = len(prompts)
+
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # what the previous model's run left cached is not the engine's
+    base = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    engine = NativeEngine(cfg, device, dtype, max_batch_size=batch, seed=0,
+                          max_context_len=args.max_prompt_len + args.max_new_tokens)
+    engine.load_weights(all_weights(model))
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)  # no stop ids: EOS ignored
+    engine.generate(prompts, SamplingParams(max_new_tokens=min(16, args.max_new_tokens)))  # warm-up: kernels compiled, graph captured
+    sync(device)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync(device)
+    engine_s = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    assert tokens == batch * args.max_new_tokens
+    engine_bytes = (torch.cuda.memory_reserved(device) if device.type == "cuda" else 0) - base
+
+    row = {"model": Path(path).name, "batch": batch, "prompt_lens": lens, "new_tokens": args.max_new_tokens,
+           "engine_s": engine_s, "engine_tok_s": tokens / engine_s, "engine_reserved_bytes": engine_bytes}
+    row |= roofline(engine, lens, args.n_samples, args.max_new_tokens, bandwidth)
+    row["roofline_tok_s"] = tokens / row["roofline_s"]
+    row["roofline_frac"] = row["roofline_s"] / engine_s
+    row["roofline_shared_prompt_frac"] = row["roofline_shared_prompt_s"] / engine_s
+    if args.profile and device.type == "cuda":
+        row["profile_ms_per_step"] = profile_decode(engine, prompts)
+        for name, ms in row["profile_ms_per_step"]:
+            print(f"{ms:8.3f} ms/step  {name}")
+    picks = list(range(0, batch, args.n_samples))[: args.parity_sequences]
+    row["logprob_parity"] = logprob_parity(model, [prompts[i] for i in picks], [outs[i] for i in picks], device)
+    row["sleep"] = sleep_round_trip(engine, model, distinct, min(64, args.max_new_tokens), device)
+    row["sleep"]["freed_frac"] = ((row["sleep"]["reserved_awake"] - row["sleep"]["reserved_asleep"])
+                                  / max(row["sleep"]["reserved_awake"] - base, 1))
+    engine.sleep(2)
+    del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    if args.hf_steps >= 0:
+        hf_generate(model, prompts[:8], 4, device)  # warm-up
+        hf_new = args.hf_steps or args.max_new_tokens
+        row["hf_new_tokens"] = hf_new
+        row["hf_s"] = hf_generate(model, prompts, hf_new, device)
+        row["hf_tok_s"] = batch * hf_new / row["hf_s"]
+        row["speedup"] = row["engine_tok_s"] / row["hf_tok_s"]
+    return row
+
+
+def table(rows: list[dict], bandwidth: float) -> str:
+    lines = [f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s",
+             "| model | batch x new | engine tok/s | engine s | HF generate tok/s | HF s | speedup | "
+             "decode roofline tok/s | of roofline | of shared-prompt roofline |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        hf = "-"
+        if "hf_s" in r:
+            label = "" if r["hf_new_tokens"] == r["new_tokens"] else f" (first {r['hf_new_tokens']} steps)"
+            hf = f"{r['hf_tok_s']:,.0f}{label} | {r['hf_s']:.1f} | {r['speedup']:.1f}x"
+        else:
+            hf = "- | - | -"
+        lines.append(f"| {r['model']} | {r['batch']} x {r['new_tokens']} | {r['engine_tok_s']:,.0f} | "
+                     f"{r['engine_s']:.2f} | {hf} | {r['roofline_tok_s']:,.0f} | {100 * r['roofline_frac']:.0f}% | "
+                     f"{100 * r['roofline_shared_prompt_frac']:.0f}% |")
+    lines += ["", "| model | logprob mean abs diff | max abs diff | tokens | sleep(2) freed | reserved awake -> asleep "
+              "| greedy identical after wake |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p, s = r["logprob_parity"], r["sleep"]
+        lines.append(f"| {r['model']} | {p['mean_abs']:.2e} | {p['max_abs']:.2e} | {p['tokens']} | "
+                     f"{100 * s['freed_frac']:.1f}% | {s['reserved_awake'] / 2**30:.2f} -> "
+                     f"{s['reserved_asleep'] / 2**30:.2f} GiB | {s['greedy_identical_after_wake']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["configs/models/qwen2.5-0.5b", "configs/models/qwen2.5-1.5b"])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--n-samples", type=int, default=8)
+    parser.add_argument("--min-prompt-len", type=int, default=256)
+    parser.add_argument("--max-prompt-len", type=int, default=512)
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--hf-steps", type=int, default=0,
+                        help="HF generate decode steps: 0 = all of them, N = only the first N, -1 = skip HF")
+    parser.add_argument("--parity-sequences", type=int, default=32)
+    parser.add_argument("--profile", action="store_true", help="print device time per decode step by kernel")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for path in args.models:
+        rows.append(bench_model(path, args, device, dtype, bandwidth))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "prompt_lens"}), flush=True)
+    print(table(rows, bandwidth))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                                              else "cpu", "copy_bandwidth": bandwidth, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
