@@ -203,10 +203,6 @@ class NativeEngine:
         """No KV outlives a generate() call (prompts are shared within one), so there is nothing to invalidate."""
 
     def close(self) -> None:
-        """Releases graphs, KV cache and weights (the loop calls this before the process group goes)."""
-        self.sleep(2)
-
-    def close(self) -> None:
         """Releases the engine's device and host memory (as sleep level 2 does)."""
         self.sleep(2)
 
