@@ -51,13 +51,13 @@ def collect_rollout(dataset: PromptDataset, engine, pool: RewardPool, sampling: 
     dynamic filter (seed steps 16-28). Each rank generates and scores a contiguous share of every
     round; the scored groups are gathered so all ranks filter and keep the same ones, in order."""
     ro = cfg.rollout
+    tp = ro.tensor_parallel_size
     kept, dropped, per_rank_reward_stats = [], [], []
     rollout_s = reward_s = 0.0
     rounds = 0
     while len(kept) < ro.rollout_batch_size and rounds < ro.max_sampling_rounds:
         rounds += 1
         groups = dataset.next_groups(ro.over_sampling_batch_size, ro.n_samples_per_prompt)
-        tp = ro.tensor_parallel_size
         mine = parallel.shard_groups(groups, dist.rank // tp, dist.world_size // tp)
         t = time.perf_counter()
         local = generate_rollout(engine, mine, sampling, weight_version, tokenizer,

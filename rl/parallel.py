@@ -66,21 +66,23 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def all_gather_objects(local: list) -> list:
-    """Concatenation, in rank order, of every rank's list."""
+def _gather_per_rank(local: list) -> list[list]:
+    """Every rank's list, indexed by rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return list(local)
+        return [list(local)]
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
-    return [item for part in parts for item in part]
+    return parts
+
+
+def all_gather_objects(local: list) -> list:
+    """Concatenation, in rank order, of every rank's list."""
+    return [item for part in _gather_per_rank(local) for item in part]
 
 
 def gather_engine_outputs(local: list, tensor_parallel_size: int) -> list:
     """Every engine's samples once: the ranks of a TP group hold identical copies, keep the first."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return list(local)
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
+    parts = _gather_per_rank(local)
     return [item for rank, part in enumerate(parts) if rank % tensor_parallel_size == 0 for item in part]
 
 
