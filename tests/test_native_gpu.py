@@ -84,8 +84,9 @@ def test_silu_mul():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (12, 2, 128), (4, 4, 64)])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_decode_attention(dtype, heads, kv_heads, head_dim, num_splits):
-    page, pages_total, batch = 16, 40, 5
+@pytest.mark.parametrize("page,block_n", [(16, 32), (64, 32), (64, 64)])  # blocks across pages, inside one page
+def test_decode_attention(dtype, heads, kv_heads, head_dim, num_splits, page, block_n):
+    pages_total, batch = 40, 5
     k_cache = torch.randn(pages_total * page, kv_heads, head_dim, device=DEVICE, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     context_lens = torch.tensor([1, 17, 64, 100, 150], dtype=torch.int32, device=DEVICE)
@@ -94,7 +95,7 @@ def test_decode_attention(dtype, heads, kv_heads, head_dim, num_splits):
     q = qkv[:, : heads * head_dim].view(batch, heads, head_dim)  # strided like the engine's view
     want = paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, page)
     got = kernels().decode_attention(q, k_cache, v_cache, block_tables, context_lens, page, head_dim ** -0.5,
-                                     num_splits, block_n=32)
+                                     num_splits, block_n=block_n)
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
@@ -112,6 +113,23 @@ def test_sampler_matches_softmax_and_logprobs():
     assert seed.item() == 1
     again, _ = kernels().sample(logits, inv_t, seed)
     assert not torch.equal(again, tokens)  # the bumped seed draws new noise
+
+
+def test_sampler_over_slices_never_picks_masked_tokens():
+    """A wide vocabulary spans every slice; the mass sits in a few tokens far apart (first slice, a
+    middle one, the very last token) and everything else is -inf, as after a top-k cut."""
+    rows, vocab = 2048, 5003
+    live = torch.tensor([2, 1900, 3100, vocab - 1])
+    row = torch.full((vocab,), float("-inf"))
+    row[live] = torch.tensor([0.5, -0.3, 1.0, 0.0])
+    logits = row.expand(rows, vocab).contiguous().to(DEVICE)
+    seed = torch.full((1,), 7, dtype=torch.long, device=DEVICE)
+    tokens, logprobs = kernels().sample(logits, torch.ones(1, device=DEVICE), seed)
+    assert torch.isin(tokens.cpu(), live).all()
+    want = torch.log_softmax(row[live], -1)
+    got = torch.bincount(tokens.cpu(), minlength=vocab)[live].float() / rows
+    assert (got - want.exp()).abs().max().item() < 0.045  # ~4 sigma at 2048 draws
+    assert torch.allclose(logprobs.cpu(), torch.log_softmax(row, -1)[tokens.cpu()], atol=1e-5)
 
 
 GROUPED = [p for p in PROMPTS + [list(range(3, 40)), list(range(7, 27))] for _ in range(3)]  # samples adjacent

@@ -11,10 +11,11 @@ partial output with its log-sum-exp; stage 2 merges the splits. All the query he
 group share one program, so each key/value byte is read once per sequence. Lengths come from
 device memory, so the launch has a fixed shape and can live inside a CUDA graph.
 
-Sampling is Gumbel-max in one pass over the logits: every program takes a slice of the vocabulary,
-keeps a running log-sum-exp of logits / T and the arg-max of logits / T + Gumbel noise (Philox,
-keyed by a seed held on the device and bumped after each use, so graph replays draw fresh noise),
-and a tiny second kernel merges the slices into (token, logprob under the full tempered softmax).
+Sampling is exact inverse-CDF: every program takes a slice of the vocabulary and writes its max and
+sum of exponentials (one exp2 per logit); a second kernel per row draws one uniform (Philox, keyed
+by a seed held on the device and bumped after each use, so graph replays draw fresh numbers), finds
+the slice the draw lands in from the slice masses, and walks that slice's prefix sums to the token.
+Its logprob is under the full tempered softmax.
 """
 
 from __future__ import annotations
@@ -168,8 +169,13 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
-        page = tl.load(block_tables_ptr + seq * bt_row_stride + t // PAGE, mask=tmask, other=0).to(tl.int64)
-        offs = ((page * PAGE + t % PAGE) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
+        if PAGE % BLOCK_N == 0:  # the block lies inside one page (splits start on block bounds): one lookup
+            page = tl.load(block_tables_ptr + seq * bt_row_stride + t0 // PAGE).to(tl.int64)
+            first = (page * PAGE + t0 % PAGE) * NUM_KV_HEADS + kv_head
+            offs = (first + tl.arange(0, BLOCK_N) * NUM_KV_HEADS)[:, None] * HEAD_DIM + d[None, :]
+        else:
+            page = tl.load(block_tables_ptr + seq * bt_row_stride + t // PAGE, mask=tmask, other=0).to(tl.int64)
+            offs = ((page * PAGE + t % PAGE) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         k = tl.load(k_cache_ptr + offs, mask=tmask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_H, BLOCK_N), log2 units
         s = tl.where(tmask[None, :], s, float("-inf"))
@@ -229,91 +235,89 @@ SAMPLE_SPLITS = 16  # vocabulary slices per row: enough programs to fill the GPU
 
 
 @triton.jit
-def _sample_update(x, u, cols, mask, run_max, run_sum, best, best_idx):
-    """Folds one block of tempered logits into the running log-sum-exp and Gumbel arg-max."""
-    new_max = tl.maximum(run_max, x)
-    run_sum = tl.where(new_max > float("-inf"), run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max), 0.0)
-    score = tl.where(mask, x - tl.log(-tl.log(u)), float("-inf"))
-    take = score > best
-    return new_max, run_sum, tl.where(take, score, best), tl.where(take, cols, best_idx)
-
-
-@triton.jit
-def _sample_split_kernel(logits_ptr, inv_temp_ptr, seed_ptr, part_ptr, vocab, row_stride, chunk,
-                         SPLITS: tl.constexpr, SUB: tl.constexpr):
+def _sample_split_kernel(logits_ptr, inv_temp_ptr, part_ptr, vocab, row_stride, chunk,
+                         SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """(max, sum of exp(x - max)) of x = logits * inv_temp over one slice of one row, in log2 units."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    inv_temp = tl.load(inv_temp_ptr)
-    seed = tl.load(seed_ptr)
+    scale = tl.load(inv_temp_ptr) * 1.4426950408889634
     start = split * chunk
     end = tl.minimum(start + chunk, vocab)
-    run_max = tl.full([SUB], float("-inf"), tl.float32)
-    run_sum = tl.zeros([SUB], tl.float32)
-    best = tl.full([SUB], float("-inf"), tl.float32)
-    best_idx = tl.zeros([SUB], tl.int32)
     base = logits_ptr + row * row_stride
-    for off in range(start, end, 4 * SUB):
-        # One Philox call yields four uniforms: one per quarter of this block of 4 * SUB logits.
-        u0, u1, u2, u3 = tl.rand4x(seed, (row * vocab + off + tl.arange(0, SUB)).to(tl.int32))
-        c = off + tl.arange(0, SUB)
-        x = tl.load(base + c, mask=c < end, other=float("-inf")).to(tl.float32) * inv_temp
-        run_max, run_sum, best, best_idx = _sample_update(x, u0, c, c < end, run_max, run_sum, best, best_idx)
-        c += SUB
-        x = tl.load(base + c, mask=c < end, other=float("-inf")).to(tl.float32) * inv_temp
-        run_max, run_sum, best, best_idx = _sample_update(x, u1, c, c < end, run_max, run_sum, best, best_idx)
-        c += SUB
-        x = tl.load(base + c, mask=c < end, other=float("-inf")).to(tl.float32) * inv_temp
-        run_max, run_sum, best, best_idx = _sample_update(x, u2, c, c < end, run_max, run_sum, best, best_idx)
-        c += SUB
-        x = tl.load(base + c, mask=c < end, other=float("-inf")).to(tl.float32) * inv_temp
-        run_max, run_sum, best, best_idx = _sample_update(x, u3, c, c < end, run_max, run_sum, best, best_idx)
-    # Reduce the per-lane state to this split's (max, sum, best score, best index).
+    run_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    for off in range(start, end, BLOCK):
+        c = off + tl.arange(0, BLOCK)
+        run_max = tl.maximum(run_max, tl.load(base + c, mask=c < end, other=float("-inf")).to(tl.float32) * scale)
     m = tl.max(run_max, axis=0)
-    total = tl.sum(tl.where(run_max > float("-inf"), run_sum * tl.exp(run_max - m), 0.0), axis=0)
-    b = tl.max(best, axis=0)
-    idx = tl.min(tl.where(best == b, best_idx, 2147483647), axis=0)
-    out = part_ptr + (row * SPLITS + split) * 4
+    safe = tl.where(m > float("-inf"), m, 0.0)
+    run_sum = tl.zeros([BLOCK], tl.float32)
+    for off in range(start, end, BLOCK):  # the slice is in L2 now: the second read is cheap
+        c = off + tl.arange(0, BLOCK)
+        x = tl.load(base + c, mask=c < end, other=float("-inf")).to(tl.float32) * scale
+        run_sum += tl.exp2(x - safe)
+    out = part_ptr + (row * SPLITS + split) * 2
     tl.store(out, m)
-    tl.store(out + 1, total)
-    tl.store(out + 2, b)
-    tl.store(out + 3, idx.to(tl.float32))  # exact: vocabularies stay below 2**24
+    tl.store(out + 1, tl.sum(run_sum, axis=0))
 
 
 @triton.jit
-def _sample_merge_kernel(logits_ptr, inv_temp_ptr, part_ptr, tokens_ptr, logprobs_ptr, row_stride,
-                         SPLITS: tl.constexpr):
+def _sample_pick_kernel(logits_ptr, inv_temp_ptr, seed_ptr, part_ptr, tokens_ptr, logprobs_ptr, vocab, row_stride,
+                        chunk, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Inverse-CDF draw: one uniform picks the slice by its mass, then the token inside that slice."""
     row = tl.program_id(0).to(tl.int64)
+    scale = tl.load(inv_temp_ptr) * 1.4426950408889634
     s = tl.arange(0, SPLITS)
-    base = part_ptr + (row * SPLITS + s) * 4
-    m = tl.load(base)
-    total = tl.load(base + 1)
-    score = tl.load(base + 2)
-    idx = tl.load(base + 3)
+    m = tl.load(part_ptr + (row * SPLITS + s) * 2)
     gm = tl.max(m, axis=0)
-    lse = gm + tl.log(tl.sum(tl.where(m > float("-inf"), total * tl.exp(m - gm), 0.0), axis=0))
-    best = tl.max(score, axis=0)
-    token = tl.min(tl.where(score == best, idx, 3.0e38), axis=0).to(tl.int64)
-    x = tl.load(logits_ptr + row * row_stride + token).to(tl.float32) * tl.load(inv_temp_ptr)
-    tl.store(tokens_ptr + row, token)
-    tl.store(logprobs_ptr + row, x - lse)
+    mass = tl.where(m > float("-inf"), tl.load(part_ptr + (row * SPLITS + s) * 2 + 1) * tl.exp2(m - gm), 0.0)
+    total = tl.sum(mass, axis=0)
+    u = tl.rand(tl.load(seed_ptr), row.to(tl.int32))
+    target = (1.0 - u) * total  # in (0, total]: the crossing always lands on a token of nonzero mass
+    below = tl.cumsum(mass, axis=0) < target
+    pick = tl.minimum(tl.sum(below.to(tl.int32), axis=0), SPLITS - 1)
+    while (pick > 0) & (tl.load(part_ptr + (row * SPLITS + pick) * 2) == float("-inf")):
+        pick -= 1  # rounding carried the draw past the last slice with mass
+    remaining = target - tl.sum(tl.where(s < pick, mass, 0.0), axis=0)
+    start = pick * chunk
+    end = tl.minimum(start + chunk, vocab)
+    base = logits_ptr + row * row_stride
+    token = -1
+    last = start
+    off = start
+    while (off < end) & (token < 0):
+        c = off + tl.arange(0, BLOCK)
+        x = tl.load(base + c, mask=c < end, other=float("-inf")).to(tl.float32) * scale
+        p = tl.exp2(x - gm)
+        hit = (tl.cumsum(p, axis=0) >= remaining) & (p > 0)
+        first = tl.min(tl.where(hit, c, 2147483647), axis=0)
+        token = tl.where(first < 2147483647, first, -1)
+        last = tl.maximum(last, tl.max(tl.where(p > 0, c, -1), axis=0))
+        remaining -= tl.sum(p, axis=0)
+        off += BLOCK
+    token = tl.where(token < 0, last, token)  # rounding left a sliver of mass unclaimed: last live token
+    x = tl.load(base + token).to(tl.float32) * scale
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(logprobs_ptr + row, (x - gm - tl.log2(total)) / 1.4426950408889634)
 
 
 def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of `logits` (B, V) from softmax(logits * inv_temperature), and its logprob.
 
-    `inv_temperature` (1,) float32 and `seed` (1,) int64 live on the device; the seed is bumped
-    in place so the next call (or graph replay) draws new noise.
+    Exact inverse-CDF sampling in two launches: per (row, slice) the max and the sum of exponentials
+    (one exp2 per logit), then per row one Philox uniform walks the slices' masses and the chosen
+    slice's prefix sums. `inv_temperature` (1,) float32 and `seed` (1,) int64 live on the device;
+    the seed is bumped in place so the next call (or graph replay) draws a fresh uniform.
     """
     rows, vocab = logits.shape
-    sub = 256
-    chunk = triton.cdiv(triton.cdiv(vocab, SAMPLE_SPLITS), 4 * sub) * 4 * sub
-    parts = logits.new_empty(rows, SAMPLE_SPLITS, 4, dtype=torch.float32)
-    _sample_split_kernel[(rows, SAMPLE_SPLITS)](logits, inv_temperature, seed, parts, vocab, logits.stride(0), chunk,
-                                                SPLITS=SAMPLE_SPLITS, SUB=sub, num_warps=4)
+    block = 1024
+    chunk = triton.cdiv(triton.cdiv(vocab, SAMPLE_SPLITS), block) * block
+    parts = logits.new_empty(rows, SAMPLE_SPLITS, 2, dtype=torch.float32)
+    _sample_split_kernel[(rows, SAMPLE_SPLITS)](logits, inv_temperature, parts, vocab, logits.stride(0), chunk,
+                                                SPLITS=SAMPLE_SPLITS, BLOCK=block, num_warps=4)
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _sample_merge_kernel[(rows,)](logits, inv_temperature, parts, tokens, logprobs, logits.stride(0),
-                                  SPLITS=SAMPLE_SPLITS, num_warps=1)
+    _sample_pick_kernel[(rows,)](logits, inv_temperature, seed, parts, tokens, logprobs, vocab, logits.stride(0),
+                                 chunk, SPLITS=SAMPLE_SPLITS, BLOCK=block, num_warps=4)
     seed.add_(1)
     return tokens, logprobs
