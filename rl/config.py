@@ -105,6 +105,9 @@ class TrainConfig:
     num_steps_per_rollout: int = 1
     global_batch_size: int | None = None  # derived: rollout_batch_size * n_samples // num_steps
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    # > 0: cut micro-batches by padded tokens (rows x longest row) instead of by micro_batch_size;
+    # a sequence longer than the budget trains alone
+    micro_batch_tokens: int = 0
     lr: float = 1e-6
     lr_warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -320,6 +323,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              f"train.global_batch_size ({tr.global_batch_size}) * num_steps_per_rollout must equal "
              f"rollout_batch_size * n_samples_per_prompt ({samples})")
     _require(tr.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
+    _require(tr.micro_batch_tokens >= 0, "train.micro_batch_tokens must be >= 0 (0: cut by micro_batch_size)")
     _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
     _require(tr.num_rollout >= 1, "train.num_rollout must be >= 1")
     _require(algo.advantage_estimator in ("grpo",),

@@ -8,6 +8,7 @@ and HTTP calls replaced by function calls and collectives).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from rl.parallel import print0
 from rl.reward import RewardInput, RewardPool
 from rl.reward import metrics as reward_metrics
 from rl.rollout import SamplingParams, build_engine, engine_dtype, generate_rollout
-from rl.train import (build_optimizer, collate, load_hf_model, offload_policy, onload_policy, shard_policy,
+from rl.train import (PolicyOffloader, build_optimizer, collate, load_hf_model, shard_policy,
                       train_on_rollout)
 from rl.weights import sync_weights
 
@@ -89,18 +90,44 @@ def assign_advantages(samples: list[Sample], std_normalization: bool) -> None:
 
 
 def build_schedule(samples: list[Sample], cfg: Config, rank: int, world_size: int, device
-                   ) -> tuple[list[list], list[int]]:
+                   ) -> tuple[list[list], list[int], int]:
     """Seed step 31: global batches in order, each split across DP ranks by balanced length, then
-    this rank's share cut into micro-batches. Returns (micro-batches per step, loss tokens per step)."""
-    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    steps, step_tokens = [], []
-    for start in range(0, len(samples), gbs):
-        batch = samples[start : start + gbs]
+    this rank's share cut into micro-batches. Returns (micro-batches per step, loss tokens per step,
+    padding micro-batches over all ranks).
+
+    Every rank holds the whole rollout, so each one computes every rank's cut and pads its own list
+    to the longest with zero-loss copies of a real micro-batch: FSDP's collectives need all ranks
+    to run the same number of forward/backward passes."""
+    steps, step_tokens, padding = [], [], 0
+    for start in range(0, len(samples), cfg.train.global_batch_size):
+        batch = samples[start : start + cfg.train.global_batch_size]
         parts = parallel.balanced_partition([float(len(s.tokens)) for s in batch], world_size)
-        mine = sorted((batch[i] for i in parts[rank]), key=lambda s: len(s.tokens))  # less padding
-        steps.append([collate(mine[i : i + mbs], device) for i in range(0, len(mine), mbs)])
+        cuts = [cut_micro_batches(sorted((batch[i] for i in part), key=lambda s: len(s.tokens)),  # less padding
+                                  cfg.train.micro_batch_size, cfg.train.micro_batch_tokens) for part in parts]
+        mine = [collate(mb, device) for mb in cuts[rank]]
+        mine += [zero_loss(mine[0]) for _ in range(max(map(len, cuts)) - len(mine))]
+        padding += sum(len(mine) - len(c) for c in cuts)
+        steps.append(mine)
         step_tokens.append(sum(sum(s.loss_mask) for s in batch))
-    return steps, step_tokens
+    return steps, step_tokens, padding
+
+
+def cut_micro_batches(samples: list[Sample], size: int, token_budget: int) -> list[list[Sample]]:
+    """Consecutive runs of `samples` (shortest first): `size` rows each, or, with a token budget,
+    as many rows as fit when every row is padded to the run's longest."""
+    if token_budget <= 0:
+        return [samples[i : i + size] for i in range(0, len(samples), size)]
+    out: list[list[Sample]] = [[]]
+    for s in samples:
+        if out[-1] and (len(out[-1]) + 1) * len(s.tokens) > token_budget:
+            out.append([])
+        out[-1].append(s)
+    return out
+
+
+def zero_loss(mb):
+    """A micro-batch that runs forward and backward but adds nothing to the loss or the metrics."""
+    return dataclasses.replace(mb, loss_mask=torch.zeros_like(mb.loss_mask))
 
 
 def rollout_metrics(samples: list[Sample], n_samples_per_prompt: int) -> dict[str, float]:
@@ -169,8 +196,9 @@ def main(argv: list[str]) -> None:
 
     sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)  # seed step 8: first push is version 1
     weight_version = 1
-    if cfg.train.offload:
-        offload_policy(policy, optimizer)
+    offloader = PolicyOffloader(policy, optimizer) if cfg.train.offload else None
+    if offloader:
+        offloader.offload()
     try:
         for rollout_id in range(cfg.train.num_rollout):
             step_start = time.perf_counter()
@@ -188,14 +216,15 @@ def main(argv: list[str]) -> None:
 
             # D. train
             t = time.perf_counter()
-            if cfg.train.offload:
-                onload_policy(policy, optimizer, dist.device)
+            if offloader:
+                offloader.onload(dist.device)
             onload_train_s = time.perf_counter() - t
             t = time.perf_counter()
-            steps, step_tokens = build_schedule(samples, cfg, dist.rank, dist.world_size, dist.device)
+            steps, step_tokens, padding = build_schedule(samples, cfg, dist.rank, dist.world_size, dist.device)
             local_stats = train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, dist.world_size,
                                            cfg.train, cfg.algo, cfg.rollout.temperature)
             train_stats = train_metrics(parallel.all_gather_objects([local_stats]), len(steps))
+            train_stats["train/padding_micro_batches"] = padding
             train_s = time.perf_counter() - t
             memory |= memory_phase("train", dist.device)
 
@@ -206,8 +235,8 @@ def main(argv: list[str]) -> None:
             sync_stats = sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)
             weight_version += 1
             t = time.perf_counter()
-            if cfg.train.offload:
-                offload_policy(policy, optimizer)
+            if offloader:
+                offloader.offload()
             offload_train_s = time.perf_counter() - t
             engine.reset_prefix_cache()
             t = time.perf_counter()

@@ -76,10 +76,16 @@ def test_main_loop_steps_per_rollout_filter_and_wandb(tmp_path, monkeypatch):
 
 
 def test_main_loop_four_ranks(tmp_path):
-    """The whole loop on 4 gloo ranks: 4 engines, FSDP2 over 4, length-balanced DP split."""
+    """The whole loop on 4 gloo ranks: 4 engines, FSDP2 over 4, length-balanced DP split, micro-batches
+    cut by tokens from prompts of uneven length, so ranks cut different counts and pad."""
+    data = tmp_path / "uneven.jsonl"
+    rows = [{"question": "x " * (i % 15) + f"What is {i % 10} + 1?", "answer": str(i % 10 + 1)} for i in range(64)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     rows = run_loop(tmp_path, 4, "--train.num_rollout=2", "--rollout.dynamic_filter=nonzero_std",
+                    "--train.micro_batch_tokens=100", f"--data.source={data}",
                     "--reward.user_fn=tests.reward_fns:digit_fraction")
     assert [r["weight_version"] for r in rows] == [2, 3]
+    assert any(r["train/padding_micro_batches"] > 0 for r in rows)  # the padding path ran on some step
     for row in rows:
         assert row["rollout/num_samples"] == 8 * 4
         assert row["train/grad_norm"] > 0
