@@ -111,27 +111,54 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
     return logprobs, entropy
 
 
-def offload_policy(model: torch.nn.Module, optimizer) -> None:
-    """Parameters (FSDP2 shards) and optimizer state to host memory, so the engine can have the GPU."""
-    _move_training_state(model, optimizer, torch.device("cpu"))
+class PolicyOffloader:
+    """Moves the policy's FSDP2 shards and optimizer state between the GPU and host memory around rollout.
 
+    Host copies live in pinned buffers allocated on the first offload and reused after, so both
+    directions run at copy-engine speed (pageable `model.to("cpu")` moved 1.5B's 18 GB of training
+    state at ~4 GB/s) and no host allocation happens per step. Parameters move through
+    `Module._apply`, so FSDP2 re-links its sharded storage exactly as it does for `model.to`.
+    On a CPU run there is nothing to move.
+    """
 
-def onload_policy(model: torch.nn.Module, optimizer, device: torch.device) -> None:
-    _move_training_state(model, optimizer, device)
+    def __init__(self, model: torch.nn.Module, optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.host: dict[tuple, torch.Tensor] = {}
 
+    def offload(self) -> None:
+        self._move(torch.device("cpu"))
 
-def _move_training_state(model: torch.nn.Module, optimizer, device: torch.device) -> None:
-    if device.type == "cpu" and next(model.parameters()).device.type == "cpu":
-        return  # CPU training: nothing lives anywhere else
-    model.to(device)  # FSDP2 re-links its sharded storage; p.data = ... would free nothing
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                state[key] = value.to(device, non_blocking=True)
-    optimizer.zero_grad(set_to_none=True)
-    if torch.cuda.is_available():
+    def onload(self, device: torch.device) -> None:
+        self._move(device)
+
+    def _move(self, device: torch.device) -> None:
+        if not torch.cuda.is_available():
+            return  # CPU training: the state already lives in host memory
+        self.optimizer.zero_grad(set_to_none=True)  # gradients are dead after the step: never copied
+        order = iter(range(1 << 62))
+        self.model._apply(lambda t: self._moved(("module", next(order)), t, device))
+        for i, state in enumerate(self.optimizer.state.values()):
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:  # Adam's 0-dim `step` stays on the host
+                    state[key] = self._moved(("optim", i, key), value, device)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+    def _moved(self, key: tuple, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if local.device == device:
+            return t
+        if device.type == "cpu":
+            buf = self.host.get(key)
+            if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+                buf = self.host[key] = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+            moved = buf.copy_(local, non_blocking=True)
+        else:
+            moved = local.to(device, non_blocking=True)
+        if isinstance(t, DTensor):
+            return DTensor.from_local(moved, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                      stride=t.stride())
+        return moved
 
 
 # ---------------------------------------------------------------------------- the train step
