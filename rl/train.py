@@ -155,9 +155,8 @@ class PolicyOffloader:
             moved = buf.copy_(local, non_blocking=True)
         else:
             moved = local.to(device, non_blocking=True)
-        if isinstance(t, DTensor):
-            return DTensor.from_local(moved, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                      stride=t.stride())
+        if isinstance(t, DTensor):  # same spec, new local tensor (from_local would move it to the mesh's device)
+            return DTensor(moved, t._spec, requires_grad=t.requires_grad)
         return moved
 
 
