@@ -196,17 +196,27 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
 
 @triton.jit
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
-                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # (sequence, head) flattened
-    s = tl.arange(0, BLOCK_S)
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+    """One program per sequence merges every head's splits, weighting each by its share of the mass."""
+    seq = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_HEADS)
     d = tl.arange(0, HEAD_DIM)
-    smask = s < num_splits
-    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=smask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))
-    w = w / tl.sum(w, axis=0)
-    parts = tl.load(part_out_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-                    mask=smask[:, None], other=0.0)
-    tl.store(out_ptr + row * HEAD_DIM + d, tl.sum(parts * w[:, None], axis=0).to(out_ptr.dtype.element_ty))
+    hmask = h < NUM_HEADS
+    rows = seq * NUM_HEADS + h
+    m = tl.full([BLOCK_HEADS], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(part_lse_ptr + rows * num_splits + s, mask=hmask, other=float("-inf")))
+    m = tl.where(m > float("-inf"), m, 0.0)
+    acc = tl.zeros([BLOCK_HEADS, HEAD_DIM], tl.float32)
+    den = tl.zeros([BLOCK_HEADS], tl.float32)
+    for s in range(num_splits):  # an empty split has lse -inf: weight 0
+        w = tl.exp2(tl.load(part_lse_ptr + rows * num_splits + s, mask=hmask, other=float("-inf")) - m)
+        den += w
+        part = tl.load(part_out_ptr + (rows * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                       mask=hmask[:, None], other=0.0)
+        acc += w[:, None] * part
+    out = acc / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -224,8 +234,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=head_dim, PAGE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
     out = q.new_empty(batch, num_heads * head_dim)
-    _decode_merge_kernel[(batch * num_heads,)](part_out, part_lse, out, num_splits, HEAD_DIM=head_dim,
-                                               BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=1)
+    _decode_merge_kernel[(batch,)](part_out, part_lse, out, num_splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+                                   BLOCK_HEADS=triton.next_power_of_2(num_heads), num_warps=4)
     return out
 
 
