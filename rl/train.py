@@ -103,12 +103,50 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
     """(logprobs, entropy), both (B, T-1): log p(token t+1 | <= t) under logits / temperature."""
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
                    use_cache=False).logits
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # (B, T-1, V)
-    target = mb.input_ids[:, 1:]
-    logprobs = logp.gather(-1, target[..., None]).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
-    return logprobs, entropy
+    b, t, vocab = logits.shape
+    # Every position gets a target (the last one a dummy) so the logits stay one contiguous (B*T, V) view.
+    target = torch.cat([mb.input_ids[:, 1:], mb.input_ids.new_zeros(b, 1)], dim=1).reshape(-1)
+    logprobs, entropy = ChunkedLogprobs.apply(logits.reshape(-1, vocab), target, temperature,
+                                              max(1, LOGPROB_CHUNK_BYTES // (4 * vocab)))
+    return logprobs.view(b, t)[:, :-1], entropy.view(b, t)[:, :-1]
+
+
+LOGPROB_CHUNK_BYTES = 1 << 29  # float32 logits materialised at once: ~880 rows of a 152k vocabulary
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """log p(target) and the entropy of softmax(logits / T), computed over row chunks in float32.
+
+    Only one chunk of float32 logits exists at a time: forward keeps the per-row log-normaliser, and
+    backward rebuilds each chunk's softmax from it (d log p_y / d z_i = (1[i = y] - p_i) / T) instead
+    of autograd holding (rows, vocab) float32 activations, which at 16k tokens and a 152k vocabulary
+    are ~10 GB each. Entropy is a metric: no gradient flows through it.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, chunk: int):
+        rows = logits.shape[0]
+        logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        entropy, lse = torch.empty_like(logprobs), torch.empty_like(logprobs)
+        for s in range(0, rows, chunk):
+            z = logits[s : s + chunk].float() / temperature
+            lse[s : s + chunk] = norm = torch.logsumexp(z, dim=-1)
+            logprobs[s : s + chunk] = z.gather(-1, target[s : s + chunk, None]).squeeze(-1) - norm
+            entropy[s : s + chunk] = norm - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: torch.Tensor, _grad_entropy: torch.Tensor):
+        logits, target, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.chunk):
+            g = grad_logprobs[s : s + ctx.chunk, None] / ctx.temperature
+            d = torch.exp(logits[s : s + ctx.chunk].float() / ctx.temperature - lse[s : s + ctx.chunk, None]).mul_(-g)
+            grad[s : s + ctx.chunk] = d.scatter_add_(1, target[s : s + ctx.chunk, None], g)
+        return grad, None, None, None
 
 
 class PolicyOffloader:

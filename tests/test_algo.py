@@ -5,6 +5,7 @@ import torch
 
 from rl.algo import approx_kl_k3, can_reuse_old_logprobs, grpo_advantages, ppo_clip_loss
 from rl.config import AlgoConfig, TrainConfig
+from rl.train import ChunkedLogprobs
 
 
 def test_grpo_seed_group():
@@ -65,3 +66,20 @@ def test_k3_is_nonnegative_and_zero_at_equality():
     a = torch.randn(100)
     assert torch.all(approx_kl_k3(a, a + torch.randn(100)) >= 0)
     assert approx_kl_k3(a, a).abs().max() == 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_match_log_softmax_and_its_gradient(temperature):
+    torch.manual_seed(0)
+    logits = torch.randn(11, 37, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 37, (11,))
+    weights = torch.randn(11, dtype=torch.float64)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    want_lp = logp.gather(-1, target[:, None]).squeeze(-1)
+    want_entropy = -(logp.exp() * logp).sum(-1)
+    (want_grad,) = torch.autograd.grad((want_lp * weights).sum(), logits)
+    got_lp, got_entropy = ChunkedLogprobs.apply(logits, target, temperature, 4)  # 3 chunks, the last short
+    (got_grad,) = torch.autograd.grad((got_lp * weights).sum(), logits)
+    assert torch.allclose(got_lp.double(), want_lp, atol=1e-6)
+    assert torch.allclose(got_entropy.double(), want_entropy, atol=1e-5)
+    assert torch.allclose(got_grad, want_grad, atol=1e-6)
