@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The seed's scenario on 1..N GPUs of one node: 32 prompts x 8 samples, prompts <= 512 tokens,
+# responses <= 1024, global batch 256, one train step per rollout, micro-batches cut by tokens,
+# policy offloaded while the engine runs. Random weights of a config folder; any tokenizer folder.
+#
+#   bash benchmarks/loop.sh configs/models/qwen2.5-1.5b TOKENIZER_DIR "1 2 4 8" [ROLLOUTS] [--section.key=value ...]
+#
+# Runs land in runs/loop/<model>-<gpus>; the step-time table is printed at the end.
+set -euo pipefail
+model=$1; tokenizer=$2; gpus=$3; rollouts=${4:-4}; shift $(( $# < 4 ? $# : 4 ))
+data=runs/loop/prompts.jsonl
+mkdir -p runs/loop
+python benchmarks/loop_breakdown.py data $data
+runs=()
+for n in $gpus; do
+  out=runs/loop/$(basename $model)-$n
+  torchrun --standalone --nproc-per-node $n -m rl.main --config configs/tiny.toml \
+    --model.path=$model --model.random_init=true --model.tokenizer=$tokenizer \
+    --data.source=$data --data.max_prompt_len=512 --rollout.max_context_len=1600 --rollout.max_new_tokens=1024 \
+    --rollout.rollout_batch_size=32 --rollout.n_samples_per_prompt=8 --reward.num_workers=4 \
+    --reward.user_fn=tests.reward_fns:digit_fraction --log.progress=false --train.micro_batch_tokens=16384 \
+    --train.lr=1e-6 --train.offload=true --train.num_rollout=$rollouts --log.output_dir=$out "$@"
+  runs+=($out)
+done
+python benchmarks/loop_breakdown.py table "${runs[@]}"

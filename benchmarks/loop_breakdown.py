@@ -1,0 +1,59 @@
+"""Step-time breakdown of RL loop runs, and the prompt file they train on.
+
+    python benchmarks/loop_breakdown.py data /tmp/long.jsonl      # 2048 prompts of ~150-500 tokens
+    python benchmarks/loop_breakdown.py table RUN_DIR [RUN_DIR ...]
+
+`table` reads each run's metrics.jsonl and prints, per run, the median over every rollout but the
+first (which compiles kernels, captures graphs and pins host memory) of the seed's phases: rollout,
+engine sleep, policy onload, train, weight sync, policy offload and KV wake-up, with weight-sync
+GB/s and memory per phase. `benchmarks/loop.sh` runs the loop on 1..N GPUs and calls both.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+ROWS = [("step s", "perf/step_s"), ("rollout s", "perf/rollout_s"), ("engine sleep s", "perf/offload_s"),
+        ("policy onload s", "perf/onload_train_s"), ("train s", "perf/train_s"),
+        ("engine wake (weights) s", "perf/onload_weights_s"), ("weight sync s", "perf/weight_sync_s"),
+        ("weight sync GB/s", "perf/weight_sync_gbps"), ("policy offload s", "perf/offload_train_s"),
+        ("engine wake (KV) s", "perf/onload_kv_s"), ("rollout tok/s", "perf/rollout_tokens_per_s"),
+        ("response length", "rollout/response_length_mean"), ("padding micro-batches", "train/padding_micro_batches"),
+        ("rollout peak GB", "memory/rollout_peak_gb"), ("reserved asleep GB", "memory/asleep_reserved_gb"),
+        ("train peak GB", "memory/train_peak_gb"), ("engine vs trainer logprob diff, mean", "rollout/logprob_abs_diff_mean")]
+
+
+def write_data(path: str, rows: int = 2048) -> None:
+    """Arithmetic questions behind a filler context of 120-380 words, so prompts fill most of 512 tokens."""
+    rng = random.Random(0)
+    words = "alpha beta gamma delta seven nine eleven plus minus times sum value number carry digit".split()
+    with open(path, "w") as f:
+        for _ in range(rows):
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            context = " ".join(rng.choice(words) for _ in range(rng.randint(120, 380)))
+            f.write(json.dumps({"question": f"{context}\nWhat is {a} + {b}?", "answer": str(a + b)}) + "\n")
+
+
+def table(run_dirs: list[str]) -> str:
+    medians = {}
+    for run in run_dirs:
+        rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+        use = rows[1:] or rows
+        medians[Path(run).name] = {key: statistics.median([r[key] for r in use if key in r] or [float("nan")])
+                                   for _, key in ROWS}
+    lines = ["| median over rollouts 1.. | " + " | ".join(medians) + " |", "|---|" + "---|" * len(medians)]
+    lines += [f"| {label} | " + " | ".join(f"{m[key]:.4g}" for m in medians.values()) + " |" for label, key in ROWS]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] not in ("data", "table"):
+        sys.exit(__doc__)
+    if sys.argv[1] == "data":
+        write_data(sys.argv[2])
+    else:
+        print(table(sys.argv[2:]))
