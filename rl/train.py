@@ -201,14 +201,15 @@ class PolicyOffloader:
 # ---------------------------------------------------------------------------- the train step
 
 
-def add_mismatch(sums: dict[str, float], train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> None:
+def add_mismatch(sums: dict[str, torch.Tensor], train_lp: torch.Tensor, rollout_lp: torch.Tensor,
+                 mask: torch.Tensor) -> None:
     """Rollout-vs-trainer log-prob mismatch on the same tokens, before any update (what TIS relies on)."""
     diff = (train_lp.detach() - rollout_lp).abs() * mask
-    sums["mismatch_abs_sum"] += float(diff.sum())
-    sums["mismatch_abs_max"] = max(sums["mismatch_abs_max"], float(diff.max()) if diff.numel() else 0.0)
+    sums["mismatch_abs_sum"] += diff.sum()
+    sums["mismatch_abs_max"] = torch.maximum(sums["mismatch_abs_max"], diff.max() if diff.numel() else diff.sum())
     # Tokens were drawn from the rollout policy, so k3 estimates KL(rollout || trainer).
-    sums["mismatch_k3_sum"] += float(masked_sum(approx_kl_k3(rollout_lp, train_lp.detach()), mask))
-    sums["mismatch_tokens"] += float(mask.sum())
+    sums["mismatch_k3_sum"] += masked_sum(approx_kl_k3(rollout_lp, train_lp.detach()), mask)
+    sums["mismatch_tokens"] += mask.sum()
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
@@ -238,8 +239,11 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
     model.train()
     reuse = can_reuse_old_logprobs(train, algo)
     old: dict[int, torch.Tensor] = {}
-    sums = {"loss_sum": 0.0, "clipped_tokens": 0.0, "entropy_sum": 0.0, "tokens": 0.0,
-            "mismatch_abs_sum": 0.0, "mismatch_abs_max": 0.0, "mismatch_k3_sum": 0.0, "mismatch_tokens": 0.0}
+    # Sums stay on the device until the end: a host sync per micro-batch would stall FSDP's prefetches.
+    device = next(model.parameters()).device
+    sums = {key: torch.zeros((), device=device) for key in ("loss_sum", "clipped_tokens", "entropy_sum", "tokens",
+                                                             "mismatch_abs_sum", "mismatch_abs_max",
+                                                             "mismatch_k3_sum", "mismatch_tokens")}
     all_micro_batches = [mb for step in steps for mb in step]
     if not reuse and not algo.use_rollout_logprobs:  # seed step 38: policy moves between steps
         old = compute_old_logprobs(model, all_micro_batches, temperature)
@@ -262,16 +266,17 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
             loss = masked_sum(token_loss, mb.loss_mask) / denom
             # FSDP averages gradients over ranks; scale so the result is the global token mean.
             (loss * dp_size).backward()
-            sums["loss_sum"] += float(loss.detach())
-            sums["clipped_tokens"] += float(masked_sum(clipped, mb.loss_mask))
-            sums["entropy_sum"] += float(masked_sum(entropy, mb.loss_mask))
-            sums["tokens"] += float(mb.loss_mask.sum())
+            sums["loss_sum"] += loss.detach()
+            sums["clipped_tokens"] += masked_sum(clipped, mb.loss_mask)
+            sums["entropy_sum"] += masked_sum(entropy, mb.loss_mask)
+            sums["tokens"] += mb.loss_mask.sum()
         grad_norms.append(clip_grad_norm(model, train.clip_grad))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     if isinstance(model, FSDPModule):
         model.reshard()
-    sums["grad_norm"] = sum(grad_norms) / len(grad_norms)
-    sums["lr"] = scheduler.get_last_lr()[0]
-    return sums
+    out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all the sums
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["lr"] = scheduler.get_last_lr()[0]
+    return out
