@@ -17,6 +17,7 @@ wake + load reproduces greedy outputs.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -96,16 +97,37 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, device: torch.
 
 
 @torch.no_grad()
+def reference_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], batch: int, device: torch.device
+                       ) -> list[torch.Tensor]:
+    """Training-forward logprobs of each sequence's generated tokens, `batch` right-padded rows at a time."""
+    out = []
+    for i in range(0, len(seqs), batch):
+        rows = seqs[i : i + batch]
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+        for j, (row, start) in enumerate(zip(rows, prompt_lens[i : i + batch])):
+            target = ids[j, start : len(row)]
+            out.append(logp[j, start - 1 : len(row) - 1].gather(-1, target[:, None]).squeeze(-1))
+    return out
+
+
+@torch.no_grad()
 def logprob_parity(model, prompts: list[list[int]], outs, device: torch.device) -> dict:
-    """|engine logprob - training-forward logprob| over the generated tokens (model dtype forward)."""
-    diffs = []
-    for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([prompt + out.token_ids], device=device)
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-        ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
-        diffs.append((torch.tensor(out.logprobs, device=device) - ref).abs())
-    d = torch.cat(diffs)
-    return {"mean_abs": d.mean().item(), "max_abs": d.max().item(), "tokens": d.numel()}
+    """|engine logprob - training-forward logprob| over the generated tokens (model dtype forward, one
+    sequence per forward), and, for scale, the same forward's own spread: batched 8 rows at a time vs
+    one at a time, and engine and bf16 forward each against a float32 forward of the same weights."""
+    seqs, lens = [p + o.token_ids for p, o in zip(prompts, outs)], [len(p) for p in prompts]
+    engine = torch.cat([torch.tensor(o.logprobs, device=device) for o in outs])
+    single = torch.cat(reference_logprobs(model, seqs, lens, 1, device))
+    batched = torch.cat(reference_logprobs(model, seqs, lens, 8, device))
+    exact = torch.cat(reference_logprobs(copy.deepcopy(model).float(), seqs, lens, 8, device))
+    d = (engine - single).abs()
+    return {"mean_abs": d.mean().item(), "max_abs": d.max().item(), "tokens": d.numel(),
+            "bf16_batched_vs_single_mean_abs": (batched - single).abs().mean().item(),
+            "engine_vs_fp32_mean_abs": (engine - exact).abs().mean().item(),
+            "bf16_vs_fp32_mean_abs": (single - exact).abs().mean().item()}
 
 
 def sleep_round_trip(engine: NativeEngine, model, prompts: list[list[int]], new_tokens: int,
@@ -225,11 +247,14 @@ def table(rows: list[dict], bandwidth: float) -> str:
         lines.append(f"| {r['model']} | {r['batch']} x {r['new_tokens']} | {r['engine_tok_s']:,.0f} | "
                      f"{r['engine_s']:.2f} | {hf} | {r['roofline_tok_s']:,.0f} | {100 * r['roofline_frac']:.0f}% | "
                      f"{100 * r['roofline_shared_prompt_frac']:.0f}% |")
-    lines += ["", "| model | logprob mean abs diff | max abs diff | tokens | sleep(2) freed | reserved awake -> asleep "
-              "| greedy identical after wake |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | logprob mean abs diff | max abs diff | tokens | forward batched vs single | "
+              "engine vs fp32 forward | forward vs fp32 forward | sleep(2) freed | reserved awake -> asleep "
+              "| greedy identical after wake |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, s = r["logprob_parity"], r["sleep"]
         lines.append(f"| {r['model']} | {p['mean_abs']:.2e} | {p['max_abs']:.2e} | {p['tokens']} | "
+                     f"{p['bf16_batched_vs_single_mean_abs']:.2e} | {p['engine_vs_fp32_mean_abs']:.2e} | "
+                     f"{p['bf16_vs_fp32_mean_abs']:.2e} | "
                      f"{100 * s['freed_frac']:.1f}% | {s['reserved_awake'] / 2**30:.2f} -> "
                      f"{s['reserved_asleep'] / 2**30:.2f} GiB | {s['greedy_identical_after_wake']} |")
     return "\n".join(lines)
