@@ -53,6 +53,17 @@ def test_main_loop_with_vllm(tmp_path):
         assert 0 <= row["rollout/logprob_k3_kl"] < 1e-5
 
 
+@needs_vllm
+def test_main_loop_with_vllm_two_tensor_parallel_groups(tmp_path):
+    """4 ranks with TP=2: two engines of two ranks each (the seed's 8 GPUs -> 4 engines, halved)."""
+    rows = run_loop(tmp_path, 4, "--train.num_rollout=2", "--rollout.engine=vllm", "--rollout.tensor_parallel_size=2",
+                    "--rollout.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction")
+    assert [r["weight_version"] for r in rows] == [2, 3]
+    for row in rows:
+        assert row["rollout/num_samples"] == 8 * 4  # each engine's groups once, not once per rank
+        assert row["rollout/logprob_abs_diff_max"] < 1e-3
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                     reason="vLLM sleep mode needs CUDA (vLLM refuses enable_sleep_mode on CPU)")
 def test_vllm_sleep_level_2_frees_gpu_memory(tmp_path):
