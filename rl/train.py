@@ -154,14 +154,18 @@ class PolicyOffloader:
 
     Host copies live in pinned buffers allocated on the first offload and reused after, so both
     directions run at copy-engine speed (pageable `model.to("cpu")` moved 1.5B's 18 GB of training
-    state at ~4 GB/s) and no host allocation happens per step. Parameters move through
-    `Module._apply`, so FSDP2 re-links its sharded storage exactly as it does for `model.to`.
-    On a CPU run there is nothing to move.
+    state at ~4 GB/s) and no host allocation happens per step. The buffers are cut from large pinned
+    arenas: torch's pinned allocator rounds every request up to a power of two, up to 2x the host
+    memory if each tensor asked for its own. Parameters move through `Module._apply`, so FSDP2
+    re-links its sharded storage exactly as it does for `model.to`. On a CPU run nothing moves.
     """
+
+    ARENA_BYTES = 1 << 30
 
     def __init__(self, model: torch.nn.Module, optimizer):
         self.model, self.optimizer = model, optimizer
         self.host: dict[tuple, torch.Tensor] = {}
+        self.arena, self.arena_used = torch.empty(0, dtype=torch.uint8), 0
 
     def offload(self) -> None:
         self._move(torch.device("cpu"))
@@ -186,16 +190,34 @@ class PolicyOffloader:
         local = t._local_tensor if isinstance(t, DTensor) else t
         if local.device == device:
             return t
-        if device.type == "cpu":
+        if device.type != "cpu":
+            moved = local.to(device, non_blocking=True)
+        elif local.untyped_storage().nbytes() > local.numel() * local.element_size():
+            # An unevenly sharded FSDP2 parameter: a view of its padded shard. FSDP2 re-pads the new
+            # local tensor into fresh host memory inside `_apply`, reading it at once, so this copy
+            # must have landed before returning (and a pinned buffer would go unused).
+            moved = local.cpu()
+        else:
             buf = self.host.get(key)
             if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-                buf = self.host[key] = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+                buf = self.host[key] = self._pinned(local.shape, local.dtype)
             moved = buf.copy_(local, non_blocking=True)
-        else:
-            moved = local.to(device, non_blocking=True)
         if isinstance(t, DTensor):  # same spec, new local tensor (from_local would move it to the mesh's device)
             return DTensor(moved, t._spec, requires_grad=t.requires_grad)
         return moved
+
+    def _pinned(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = shape.numel() * dtype.itemsize
+        if self.arena_used + nbytes > self.arena.numel():
+            size = max(self.ARENA_BYTES, 1 << max(nbytes - 1, 1).bit_length())  # what the allocator grants
+            self.arena, self.arena_used = self._new_arena(size), 0
+        view = self.arena[self.arena_used : self.arena_used + nbytes].view(dtype).view(shape)
+        self.arena_used += -(-nbytes // 512) * 512  # keep every buffer aligned
+        return view
+
+    @staticmethod
+    def _new_arena(size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
 
 # ---------------------------------------------------------------------------- the train step

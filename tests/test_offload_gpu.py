@@ -1,4 +1,5 @@
-"""The policy's pinned-host offload round trip on a CUDA device (skipped elsewhere: CPU runs never offload)."""
+"""The policy's pinned-host offload: buffer carving everywhere, the round trip on a CUDA device (CPU runs
+never offload)."""
 
 import os
 
@@ -11,7 +12,28 @@ from rl.config import TrainConfig
 from rl.train import PolicyOffloader, build_optimizer, shard_policy
 from tests.tiny import tiny_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="offload moves state off a CUDA device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="offload moves state off a CUDA device")
+
+
+class UnpinnedOffloader(PolicyOffloader):
+    ARENA_BYTES = 4096
+
+    @staticmethod
+    def _new_arena(size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8)  # pinning needs a CUDA driver
+
+
+def test_host_buffers_are_disjoint_aligned_views_of_few_arenas():
+    offloader = UnpinnedOffloader(None, None)
+    tensors = [torch.randn(3, 5), torch.randn(100, 7), torch.randn(2000), torch.randn(1).double(),
+               torch.randn(10, 10).bfloat16(), torch.randn(3)]
+    buffers = [offloader._pinned(t.shape, t.dtype) for t in tensors]
+    for buf, t in zip(buffers, tensors):
+        buf.copy_(t)
+    assert all(torch.equal(buf, t) for buf, t in zip(buffers, tensors))  # no buffer overwrote another
+    arenas = {buf.untyped_storage().data_ptr() for buf in buffers}
+    assert len(arenas) == 3  # 4 KiB, then an 8 KiB arena for the 8000-byte tensor, then a fresh one
+    assert all((buf.data_ptr() - buf.untyped_storage().data_ptr()) % 512 == 0 for buf in buffers)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -33,6 +55,7 @@ def state_snapshot(model, optimizer) -> list[torch.Tensor]:
     return tensors
 
 
+@needs_cuda
 def test_offload_round_trip_is_exact_and_frees_the_gpu():
     os.environ.setdefault("MASTER_PORT", "29531")
     d = parallel.init_distributed()
