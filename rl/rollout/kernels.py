@@ -285,8 +285,8 @@ def _sample_pick_kernel(logits_ptr, inv_temp_ptr, seed_ptr, part_ptr, tokens_ptr
     target = (1.0 - u) * total  # in (0, total]: the crossing always lands on a token of nonzero mass
     below = tl.cumsum(mass, axis=0) < target
     pick = tl.minimum(tl.sum(below.to(tl.int32), axis=0), SPLITS - 1)
-    while (pick > 0) & (tl.load(part_ptr + (row * SPLITS + pick) * 2) == float("-inf")):
-        pick -= 1  # rounding carried the draw past the last slice with mass
+    # Rounding can carry the draw past the last slice with mass: step back to the nearest one.
+    pick = tl.max(tl.where((mass > 0) & (s <= pick), s, 0), axis=0)
     remaining = target - tl.sum(tl.where(s < pick, mass, 0.0), axis=0)
     start = pick * chunk
     end = tl.minimum(start + chunk, vocab)
