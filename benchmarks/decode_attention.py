@@ -35,7 +35,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rl.rollout.kernels import _decode_merge_kernel, _dot_precision, decode_attention  # noqa: E402
+from rl.rollout.kernels import (_attend_block, _decode_merge_kernel, _dot_precision,  # noqa: E402
+                                _split_result, decode_attention)
 from rl.rollout.model import paged_attention_reference  # noqa: E402
 
 
@@ -66,19 +67,8 @@ def _packed_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         tmask = t0 + n < end
         page = tl.load(block_tables_ptr + seq * bt_row_stride + t0 // PAGE).to(tl.int64)
         offs = (page * PAGE + t0 % PAGE + n)[:, None] * KV_DIM + c[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=tmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offs, mask=tmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
-    has = l > 0
-    out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+        m, l, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, m, l, acc, scale_log2, DOT_PRECISION)
+    out, lse = _split_result(m, l, acc)
     part = (seq * NUM_HEADS + h) * num_splits + split
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + (c % HEAD_DIM)[None, :], out, mask=hmask[:, None] & own)
     tl.store(part_lse_ptr + part, lse, mask=hmask)

@@ -145,6 +145,31 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, m, l, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """Folds one block of cached keys and values (at `offs`, rows masked by `tmask`) into the running
+    max `m`, sum `l` and output `acc` of an online softmax over the query rows of `q`, in log2 units."""
+    k = tl.load(k_cache_ptr + offs, mask=tmask[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (rows, block)
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + offs, mask=tmask[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _split_result(m, l, acc):
+    """A split's normalised output and its log-sum-exp (log2 units; -inf for rows that saw no key)."""
+    has = l > 0
+    out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr,
                          part_lse_ptr, scale_log2, q_row_stride, bt_row_stride, num_splits,
                          GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -176,19 +201,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         else:
             page = tl.load(block_tables_ptr + seq * bt_row_stride + t // PAGE, mask=tmask, other=0).to(tl.int64)
             offs = ((page * PAGE + t % PAGE) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=tmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_H, BLOCK_N), log2 units
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offs, mask=tmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
-    has = l > 0
-    out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))  # log2 units
+        m, l, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, m, l, acc, scale_log2, DOT_PRECISION)
+    out, lse = _split_result(m, l, acc)
     part = (seq * (NUM_KV_HEADS * GROUP) + head) * num_splits + split
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=hmask[:, None])
     tl.store(part_lse_ptr + part, lse, mask=hmask)
