@@ -24,7 +24,8 @@ ROWS = [("step s", "perf/step_s"), ("rollout s", "perf/rollout_s"), ("engine sle
         ("engine wake (KV) s", "perf/onload_kv_s"), ("rollout tok/s", "perf/rollout_tokens_per_s"),
         ("response length", "rollout/response_length_mean"), ("padding micro-batches", "train/padding_micro_batches"),
         ("rollout peak GB", "memory/rollout_peak_gb"), ("reserved asleep GB", "memory/asleep_reserved_gb"),
-        ("train peak GB", "memory/train_peak_gb"), ("engine vs trainer logprob diff, mean", "rollout/logprob_abs_diff_mean")]
+        ("train peak GB", "memory/train_peak_gb"),
+        ("engine vs trainer logprob diff, mean", "rollout/logprob_abs_diff_mean")]
 
 
 def write_data(path: str, rows: int = 2048) -> None:

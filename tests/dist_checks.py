@@ -16,7 +16,7 @@ from rl.rollout.native import NativeEngine  # noqa: E402
 from rl.train import (PolicyOffloader, build_optimizer, collate, shard_policy, token_logprobs,  # noqa: E402
                       train_on_rollout)
 from rl.weights import iter_full_weights, sync_weights  # noqa: E402
-from tests.tiny import tiny_model  # noqa: E402
+from tests.tiny import tiny_model, training_state  # noqa: E402
 
 
 def full_params(model):
@@ -70,15 +70,12 @@ def main(out_dir: str) -> None:
 
     # Offload round trip with uneven shards (vocab 259 over the ranks): exact. Only GPU runs offload.
     if torch.cuda.is_available():
-        def state():
-            tensors = [p._local_tensor.detach().clone() for p in model.parameters()]
-            return tensors + [v._local_tensor.clone() for st in optimizer.state.values() for v in st.values()
-                              if torch.is_tensor(v) and v.dim() > 0]
-        snapshot, offloader = state(), PolicyOffloader(model, optimizer)
+        snapshot, offloader = training_state(model, optimizer), PolicyOffloader(model, optimizer)
         offloader.offload()
         on_host = all(p._local_tensor.device.type == "cpu" for p in model.parameters())
         offloader.onload(d.device)
-        results["offload_exact"] = on_host and all(torch.equal(a, b) for a, b in zip(state(), snapshot))
+        after_trip = training_state(model, optimizer)
+        results["offload_exact"] = on_host and all(torch.equal(a, b) for a, b in zip(after_trip, snapshot))
 
     # After a sync the engine's logprobs of its new samples equal the trainer's forward on them.
     engine.sleep(2)

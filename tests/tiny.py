@@ -1,4 +1,5 @@
-"""Tiny random-weight models and a tiny trained tokenizer, built offline for tests."""
+"""Tiny random-weight models and a tiny trained tokenizer, built offline for tests, and a snapshot of
+training state for tests that move it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
@@ -62,3 +64,16 @@ def write_arithmetic_jsonl(path: Path, rows: int = 64) -> Path:
             a, b = i % 10, (3 * i) % 10
             f.write(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n")
     return path
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 tensor, or the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def training_state(model: torch.nn.Module, optimizer) -> list[torch.Tensor]:
+    """Copies of this rank's parameter shards and optimizer state tensors, in a fixed order."""
+    tensors = [local_tensor(p).detach().clone() for p in model.parameters()]
+    for state in optimizer.state.values():
+        tensors += [local_tensor(v).clone() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    return tensors
