@@ -36,7 +36,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rl.rollout.kernels import (_attend_block, _decode_merge_kernel, _dot_precision,  # noqa: E402
-                                _split_result, decode_attention)
+                                _split_range, _split_result, decode_attention)
 from rl.rollout.model import paged_attention_reference  # noqa: E402
 
 
@@ -48,10 +48,7 @@ def _packed_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    ctx = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, ctx)
+    start, end = _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N)
 
     h = tl.arange(0, BLOCK_H)
     c = tl.arange(0, KV_DIM)  # every KV head's dims side by side, as a cache row stores them

@@ -145,6 +145,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens [start, end) of a sequence's context that one split reads; splits start on block bounds."""
+    ctx = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    return start, tl.minimum(start + per_split, ctx)
+
+
+@triton.jit
 def _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, m, l, acc, scale_log2, DOT_PRECISION: tl.constexpr):
     """Folds one block of cached keys and values (at `offs`, rows masked by `tmask`) into the running
     max `m`, sum `l` and output `acc` of an online softmax over the query rows of `q`, in log2 units."""
@@ -178,10 +187,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, ctx)
+    start, end = _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N)
 
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HEAD_DIM)
