@@ -1,20 +1,12 @@
-"""Paged decode attention (rl/rollout/kernels.py) on the seed's batch layout, over kernel settings,
-against a candidate kernel.
+"""Paged decode attention (rl/rollout/kernels.py) on the seed's batch layout, over kernel settings.
 
     python benchmarks/decode_attention.py [--out FILE.json]
 
 One layer's decode attention for 256 sequences (32 prompts x 8 samples, prompts of 256-512
 tokens, 512 tokens generated so far), for the Qwen2.5-0.5B and 1.5B head layouts, in two cache
 layouts: the engine's, where a group's samples share their prompt's pages, and one where every
-sample has its own copy (same bytes per sequence, 8x the distinct prompt bytes). If the two take
-the same time, the shared prompt pages are not saving HBM reads, and a kernel that reads each
-prompt page once per group cannot win through bandwidth.
-
-The candidate ("packed") runs one program per (sequence, split) for every KV head at once: it
-loads each token's keys and values for all KV heads as one contiguous row and multiplies with a
-block-diagonal query tile (each query head's row is zero outside its own KV head's columns), so
-the two dots do the GQA routing and the block table is read once per key block for all heads.
-It writes the same split partials as the engine's kernel and reuses its merge.
+sample has its own copy (same bytes per sequence, 8x the distinct prompt bytes). The gap between
+the two is what the shared prompt pages already save through L2.
 
 Prints microseconds per call and bandwidth two ways: counting every sequence's context (what the
 kernel logically reads) and counting distinct cache pages once (the bytes that must come from HBM
@@ -31,64 +23,11 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rl.rollout.kernels import (_attend_block, _decode_merge_kernel, _dot_precision,  # noqa: E402
-                                _split_range, _split_result, decode_attention)
+from rl.rollout.kernels import decode_attention  # noqa: E402
 from rl.rollout.model import paged_attention_reference  # noqa: E402
-
-
-@triton.jit
-def _packed_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr,
-                         part_lse_ptr, scale_log2, q_row_stride, bt_row_stride, num_splits,
-                         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         KV_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
-    seq = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    start, end = _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N)
-
-    h = tl.arange(0, BLOCK_H)
-    c = tl.arange(0, KV_DIM)  # every KV head's dims side by side, as a cache row stores them
-    own = (h[:, None] // GROUP) == (c // HEAD_DIM)[None, :]
-    hmask = h < NUM_HEADS
-    q = tl.load(q_ptr + seq * q_row_stride + h[:, None] * HEAD_DIM + (c % HEAD_DIM)[None, :],
-                mask=hmask[:, None] & own, other=0.0)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, KV_DIM], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        n = tl.arange(0, BLOCK_N)
-        tmask = t0 + n < end
-        page = tl.load(block_tables_ptr + seq * bt_row_stride + t0 // PAGE).to(tl.int64)
-        offs = (page * PAGE + t0 % PAGE + n)[:, None] * KV_DIM + c[None, :]
-        m, l, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, m, l, acc, scale_log2, DOT_PRECISION)
-    out, lse = _split_result(m, l, acc)
-    part = (seq * NUM_HEADS + h) * num_splits + split
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + (c % HEAD_DIM)[None, :], out, mask=hmask[:, None] & own)
-    tl.store(part_lse_ptr + part, lse, mask=hmask)
-
-
-def packed_decode_attention(q, k_cache, v_cache, block_tables, context_lens, page_size: int, scale: float,
-                            num_splits: int, block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
-    """Same contract as rl.rollout.kernels.decode_attention; needs page_size % block_n == 0."""
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    assert page_size % block_n == 0
-    part_out = q.new_empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32)
-    part_lse = q.new_empty(batch, num_heads, num_splits, dtype=torch.float32)
-    _packed_split_kernel[(batch, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale * 1.4426950408889634,
-        q.stride(0), block_tables.stride(0), num_splits, NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim, KV_DIM=num_kv_heads * head_dim, PAGE=page_size,
-        BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
-    out = q.new_empty(batch, num_heads * head_dim)
-    _decode_merge_kernel[(batch,)](part_out, part_lse, out, num_splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-                                   BLOCK_HEADS=triton.next_power_of_2(num_heads), num_warps=4)
-    return out
 
 
 def layout(groups: int, n: int, page: int, generated: int, shared: bool, gen: torch.Generator):
@@ -114,10 +53,7 @@ def layout(groups: int, n: int, page: int, generated: int, shared: bool, gen: to
     return tables, torch.tensor(lengths, dtype=torch.int32), next_page
 
 
-KERNELS = {
-    "engine": (decode_attention, itertools.product((64,), (4, 8), (2, 3), (1, 2, 4))),
-    "packed": (packed_decode_attention, itertools.product((32, 64), (4, 8), (2, 3), (1, 2, 4, 8))),
-}
+KERNELS = {"engine": (decode_attention, itertools.product((32, 64), (4, 8), (2, 3), (1, 2, 4)))}
 
 
 def main() -> None:
