@@ -51,6 +51,14 @@ def load(path: Path, device: torch.device):
     return model.to(device).eval(), tokenizer
 
 
+def encode(tokenizer, question: str) -> list[int]:
+    """The question as a user turn of the tokenizer's chat template (plain text for a base model)."""
+    if tokenizer.chat_template is None:
+        return tokenizer(question)["input_ids"]
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, type=Path)
@@ -63,9 +71,7 @@ def main() -> None:
         raise SystemExit(f"--model {args.model}: no such file or folder")
     device = torch.device(args.device)
     model, tokenizer = load(args.model, device)
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                                                  add_generation_prompt=True, tokenize=True, return_dict=True)
-                    ["input_ids"]) for i in range(args.prompts)]
+    prompts = [encode(tokenizer, QUESTIONS[i % len(QUESTIONS)]) for i in range(args.prompts)]
     batch = [p for p in prompts for _ in range(args.n_samples)]
     engine = NativeEngine(model.config, device, torch.bfloat16, max_batch_size=len(batch), seed=0,
                           max_context_len=max(map(len, prompts)) + args.max_new_tokens)
