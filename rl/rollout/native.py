@@ -43,24 +43,28 @@ def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float | torch.Tenso
     return logits
 
 
+def pick_tokens(scaled: torch.Tensor, top_k: int, top_p: float | torch.Tensor | None,
+                draw: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of the tempered float32 logits `scaled` (B, V), and its log-probability.
+
+    top_k == 1 is plain arg-max (greedy, ties to the lowest id, no noise); otherwise `draw` samples
+    from the top-k / top-p truncated logits. The log-probability is taken under the full tempered
+    distribution, not the truncated one, because that is what the trainer recomputes.
+    """
+    tokens = scaled.argmax(dim=-1) if top_k == 1 else draw(truncate_logits(scaled, top_k, top_p))
+    return tokens, torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples one token per row; returns (tokens (B,), logprobs (B,)).
+    """Samples one token per row with Gumbel-max (argmax of logit - log Exp(1)); returns (tokens
+    (B,), logprobs (B,)) as `pick_tokens` defines them."""
 
-    Gumbel-max over the truncated tempered logits (argmax of logit - log Exp(1)); top_k == 1 is
-    plain arg-max (greedy, ties to the lowest id). The log-probability is taken under the full
-    tempered distribution, not the top-k/top-p truncated one, because that is what the trainer
-    recomputes.
-    """
-    logits = logits.float() / temperature  # (B, V)
-    logprobs = torch.log_softmax(logits, dim=-1)
-    if top_k == 1:
-        tokens = logits.argmax(dim=-1)
-    else:
-        filtered = truncate_logits(logits, top_k, top_p if top_p < 1.0 else None)
+    def gumbel_max(filtered: torch.Tensor) -> torch.Tensor:
         noise = torch.empty_like(filtered).exponential_(generator=generator)
-        tokens = (filtered - noise.log()).argmax(dim=-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        return (filtered - noise.log()).argmax(dim=-1)
+
+    return pick_tokens(logits.float() / temperature, top_k, top_p if top_p < 1.0 else None, gumbel_max)
 
 
 @dataclass
@@ -326,13 +330,9 @@ class NativeEngine:
         kernels = self.model.kernels
         if p.top_k <= 0 and p.top_p >= 1.0:
             return kernels.sample(logits, r.inv_temperature, self.seed)
-        scaled = logits.float() * r.inv_temperature
-        if p.top_k == 1:  # greedy: no noise, so bf16 ties cannot make it vary between runs
-            tokens = scaled.argmax(dim=-1)
-        else:
-            filtered = truncate_logits(scaled, p.top_k, r.top_p if p.top_p < 1.0 else None)
-            tokens, _ = kernels.sample(filtered, torch.ones_like(r.inv_temperature), self.seed)
-        return tokens, torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        unit = torch.ones_like(r.inv_temperature)  # the truncated logits are tempered already
+        return pick_tokens(logits.float() * r.inv_temperature, p.top_k, r.top_p if p.top_p < 1.0 else None,
+                           lambda filtered: kernels.sample(filtered, unit, self.seed)[0])
 
     def _num_splits(self, bucket: int) -> int:
         """KV splits per sequence in decode attention: enough programs to cover the GPU a few times."""
