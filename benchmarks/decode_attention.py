@@ -53,7 +53,7 @@ def layout(groups: int, n: int, page: int, generated: int, shared: bool, gen: to
     return tables, torch.tensor(lengths, dtype=torch.int32), next_page
 
 
-KERNELS = {"engine": (decode_attention, itertools.product((32, 64), (4, 8), (2, 3), (1, 2, 4)))}
+SETTINGS = list(itertools.product((32, 64), (4, 8), (2, 3), (1, 2, 4)))  # block_n, warps, stages, splits
 
 
 def main() -> None:
@@ -63,11 +63,10 @@ def main() -> None:
     args = parser.parse_args()
     dev = torch.device(args.device)
     page, groups, n, generated = 64, 32, 8, 512
-    settings = {name: list(grid) for name, (_, grid) in KERNELS.items()}
     rows = []
-    print("| heads/kv x dim | prompt pages | kernel | block_n | warps | stages | splits | us | GB/s all contexts "
+    print("| heads/kv x dim | prompt pages | block_n | warps | stages | splits | us | GB/s all contexts "
           "| GB/s distinct pages |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (heads, kv_heads, dim), shared in itertools.product([(14, 2, 64), (12, 2, 128)], (True, False)):
         tables, lengths, pages = layout(groups, n, page, generated, shared, torch.Generator().manual_seed(0))
         tables, lengths = tables.to(dev), lengths.to(dev)
@@ -78,24 +77,22 @@ def main() -> None:
         want = paged_attention_reference(q, k_cache, v_cache, tables, lengths, page)
         per_token = 2 * kv_heads * dim * 2
         logical, distinct = int(lengths.sum()) * per_token, pages * page * per_token
-        for name, (fn, _) in KERNELS.items():
-            for block_n, warps, stages, splits in settings[name]:
-                def run():
-                    return fn(q, k_cache, v_cache, tables, lengths, page, dim ** -0.5, splits,
-                              block_n=block_n, num_warps=warps, num_stages=stages)
-                err = ((run().float() - want.float()).norm() / want.float().norm()).item()
-                assert err < 1e-2, (name, block_n, warps, stages, splits, err)
-                us = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3
-                row = {"heads": heads, "kv_heads": kv_heads, "dim": dim, "shared_prompt": shared, "kernel": name,
-                       "block_n": block_n, "warps": warps, "stages": stages, "splits": splits, "us": us}
-                rows.append(row)
-                print(f"| {heads}/{kv_heads} x {dim} | {'shared' if shared else 'own copy'} | {name} | {block_n} | "
-                      f"{warps} | {stages} | {splits} | {us:.1f} | {logical / us / 1e3:.0f} | "
-                      f"{distinct / us / 1e3:.0f} |", flush=True)
-    print("\nbest per layout and kernel:")
-    for key in sorted({(r["heads"], r["shared_prompt"], r["kernel"]) for r in rows}):
-        best = min((r for r in rows if (r["heads"], r["shared_prompt"], r["kernel"]) == key), key=lambda r: r["us"])
-        print(f"  heads {key[0]}, {'shared' if key[1] else 'own copy'} prompt pages, {key[2]}: {best['us']:.1f} us "
+        for block_n, warps, stages, splits in SETTINGS:
+            def run():
+                return decode_attention(q, k_cache, v_cache, tables, lengths, page, dim ** -0.5, splits,
+                                        block_n=block_n, num_warps=warps, num_stages=stages)
+            err = ((run().float() - want.float()).norm() / want.float().norm()).item()
+            assert err < 1e-2, (block_n, warps, stages, splits, err)
+            us = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3
+            rows.append({"heads": heads, "kv_heads": kv_heads, "dim": dim, "shared_prompt": shared,
+                         "block_n": block_n, "warps": warps, "stages": stages, "splits": splits, "us": us})
+            print(f"| {heads}/{kv_heads} x {dim} | {'shared' if shared else 'own copy'} | {block_n} | {warps} | "
+                  f"{stages} | {splits} | {us:.1f} | {logical / us / 1e3:.0f} | {distinct / us / 1e3:.0f} |",
+                  flush=True)
+    print("\nbest per layout:")
+    for key in sorted({(r["heads"], r["shared_prompt"]) for r in rows}):
+        best = min((r for r in rows if (r["heads"], r["shared_prompt"]) == key), key=lambda r: r["us"])
+        print(f"  heads {key[0]}, {'shared' if key[1] else 'own copy'} prompt pages: {best['us']:.1f} us "
               f"(block {best['block_n']}, warps {best['warps']}, stages {best['stages']}, splits {best['splits']})")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

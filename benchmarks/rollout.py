@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rl.rollout import SamplingParams  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
+from rl.weights import iter_full_weights  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -55,9 +56,8 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def all_weights(model: torch.nn.Module):
-    named = dict(model.named_parameters(remove_duplicate=False))
-    named.update(model.named_buffers(remove_duplicate=False))
-    return named.items()
+    """Every parameter and buffer by HF name, as a weight sync pushes them (the model is unsharded)."""
+    return iter_full_weights(model, model.dtype, 1 << 30)
 
 
 def roofline(engine: NativeEngine, prompt_lens: list[int], n_samples: int, new_tokens: int, bandwidth: float) -> dict:
