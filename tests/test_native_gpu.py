@@ -132,6 +132,39 @@ def test_sampler_over_slices_never_picks_masked_tokens():
     assert torch.allclose(logprobs.cpu(), torch.log_softmax(row, -1)[tokens.cpu()], atol=1e-5)
 
 
+def test_advance_matches_torch_bookkeeping():
+    """The fused end-of-step kernel against the engine's torch bookkeeping on the same random state."""
+    import copy
+    from types import SimpleNamespace
+
+    from rl.rollout.native import NativeEngine, Rows
+
+    gen = torch.Generator().manual_seed(0)
+    rows, pages, width, page = 37, 6, 20, 8
+    state = Rows.allocate(rows, pages, width, DEVICE)
+    state.done.copy_(torch.rand(rows, generator=gen) < 0.3)
+    state.n_gen.copy_(torch.randint(0, width - 2, (rows,), generator=gen))
+    state.positions.copy_(torch.randint(0, pages * page - 1, (rows,), generator=gen))
+    state.context_lens.copy_(state.positions.int() + 1)
+    state.block_tables.copy_(torch.randperm(rows * pages, generator=gen).view(rows, pages).int())
+    state.input_ids.copy_(torch.randint(0, 50, (rows,), generator=gen))
+    state.stop_ids[:2] = torch.tensor([3, 7])
+    state.max_new_tokens.fill_(12)
+    tokens = torch.randint(0, 10, (rows,), generator=gen).to(DEVICE)
+    logprobs = torch.randn(rows, generator=gen).to(DEVICE)
+    bucket = 32
+    want, before = copy.deepcopy(state), copy.deepcopy(state)
+    NativeEngine._advance(SimpleNamespace(rows=want, model=SimpleNamespace(fused=False), page_size=page),
+                          bucket, tokens[:bucket], logprobs[:bucket])
+    kernels().advance(tokens[:bucket], logprobs[:bucket], state.done[:bucket], state.n_gen[:bucket],
+                      state.out_tokens[:bucket], state.out_logprobs[:bucket], state.input_ids[:bucket],
+                      state.positions[:bucket], state.context_lens[:bucket], state.slots[:bucket],
+                      state.block_tables[:bucket], state.stop_ids, state.max_new_tokens, page)
+    for name in ("done", "n_gen", "out_tokens", "out_logprobs", "input_ids", "positions", "context_lens", "slots"):
+        assert torch.equal(getattr(state, name), getattr(want, name)), name
+    assert (want.done[:bucket] & ~before.done[:bucket]).any()  # the stop rules fired on some rows
+
+
 GROUPED = [p for p in PROMPTS + [list(range(3, 40)), list(range(7, 27))] for _ in range(3)]  # samples adjacent
 
 

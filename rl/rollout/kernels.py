@@ -2,7 +2,8 @@
 
 Each kernel replaces a short chain of torch ops whose launches and memory passes dominate a
 decode step at a few hundred rows: residual add + RMSNorm, RoPE + KV-cache write, SiLU * up,
-paged decode attention and sampling. Their torch equivalents live in rl/rollout/model.py and
+paged decode attention, sampling, and the step's bookkeeping (record the token, apply the stop
+rules, advance each row). Their torch equivalents live in rl/rollout/model.py and
 rl/rollout/native.py and define the semantics; tests/test_native_gpu.py holds the two together.
 
 Decode attention follows the split-KV design: stage 1 runs one program per (sequence, kv head,
@@ -351,3 +352,52 @@ def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: torch.Tens
                                  chunk, SPLITS=SAMPLE_SPLITS, BLOCK=block, num_warps=4)
     seed.add_(1)
     return tokens, logprobs
+
+
+# ----------------------------------------------------------------------------- end of a decode step
+
+
+@triton.jit
+def _advance_kernel(tokens_ptr, logprobs_ptr, done_ptr, n_gen_ptr, out_tokens_ptr, out_logprobs_ptr, out_width,
+                    input_ids_ptr, positions_ptr, context_lens_ptr, slots_ptr, block_tables_ptr, bt_row_stride,
+                    stop_ids_ptr, max_new_ptr, rows, page_size, NUM_STOP: tl.constexpr, BLOCK: tl.constexpr):
+    """Records each row's sampled token and advances its state; see NativeEngine._advance for the torch form."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = r < rows
+    r64 = r.to(tl.int64)
+    token = tl.load(tokens_ptr + r64, mask=live, other=0)
+    active = (tl.load(done_ptr + r64, mask=live, other=1) == 0) & live
+    n = tl.load(n_gen_ptr + r64, mask=live, other=0)
+    column = tl.where(active, n, out_width - 1)
+    tl.store(out_tokens_ptr + r64 * out_width + column, token, mask=live)
+    tl.store(out_logprobs_ptr + r64 * out_width + column, tl.load(logprobs_ptr + r64, mask=live, other=0.0),
+             mask=live)
+    n += active.to(tl.int64)
+    tl.store(n_gen_ptr + r64, n, mask=live)
+    hit = tl.zeros([BLOCK], tl.int1)
+    for j in tl.static_range(NUM_STOP):
+        hit = hit | (token == tl.load(stop_ids_ptr + j))
+    done = ~active | hit | (n >= tl.load(max_new_ptr))
+    tl.store(done_ptr + r64, done.to(tl.int8), mask=live)
+    advance = ~done
+    old = tl.load(input_ids_ptr + r64, mask=live, other=0)
+    tl.store(input_ids_ptr + r64, tl.where(advance, token, old), mask=live)
+    pos = tl.load(positions_ptr + r64, mask=live, other=0) + advance.to(tl.int64)
+    tl.store(positions_ptr + r64, pos, mask=live)
+    ctx = tl.load(context_lens_ptr + r64, mask=live, other=0) + advance.to(tl.int32)
+    tl.store(context_lens_ptr + r64, ctx, mask=live)
+    page = tl.load(block_tables_ptr + r64 * bt_row_stride + pos // page_size, mask=live, other=0).to(tl.int64)
+    tl.store(slots_ptr + r64, page * page_size + pos % page_size, mask=live)
+
+
+def advance(tokens: torch.Tensor, logprobs: torch.Tensor, done: torch.Tensor, n_gen: torch.Tensor,
+            out_tokens: torch.Tensor, out_logprobs: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+            context_lens: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, stop_ids: torch.Tensor,
+            max_new_tokens: torch.Tensor, page_size: int) -> None:
+    """All of a decode step's bookkeeping in one launch instead of ~25 small torch kernels."""
+    rows = tokens.shape[0]
+    block = 128
+    _advance_kernel[(triton.cdiv(rows, block),)](
+        tokens, logprobs, done.view(torch.int8), n_gen, out_tokens, out_logprobs, out_tokens.shape[1], input_ids,
+        positions, context_lens, slots, block_tables, block_tables.stride(0), stop_ids, max_new_tokens, rows,
+        page_size, NUM_STOP=stop_ids.shape[0], BLOCK=block, num_warps=4)

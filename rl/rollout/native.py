@@ -348,6 +348,17 @@ class NativeEngine:
                                    r.block_tables[:bucket], r.context_lens[:bucket], self.page_size,
                                    self._num_splits(bucket))
         tokens, logprobs = self._sample(logits)
+        self._advance(bucket, tokens, logprobs)
+
+    def _advance(self, bucket: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Records the sampled tokens of rows [0, bucket), applies the stop rules, moves live rows on."""
+        r = self.rows
+        if self.model.fused:  # the same bookkeeping in one launch
+            self.model.kernels.advance(tokens, logprobs, r.done[:bucket], r.n_gen[:bucket], r.out_tokens[:bucket],
+                                       r.out_logprobs[:bucket], r.input_ids[:bucket], r.positions[:bucket],
+                                       r.context_lens[:bucket], r.slots[:bucket], r.block_tables[:bucket],
+                                       r.stop_ids, r.max_new_tokens, self.page_size)
+            return
         active = ~r.done[:bucket]
         n_gen = r.n_gen[:bucket]
         column = torch.where(active, n_gen, r.out_tokens.shape[1] - 1)[:, None]
