@@ -131,22 +131,25 @@ def logprob_parity(model, prompts: list[list[int]], outs, device: torch.device) 
 
 
 def sleep_round_trip(engine: NativeEngine, model, prompts: list[list[int]], new_tokens: int,
-                     device: torch.device) -> dict:
+                     device: torch.device, free_before_engine: int) -> dict:
+    """Greedy outputs before sleep(2) and after wake + load; device memory the engine held awake and
+    asleep (from the driver's free memory: the engine's weights and cache may live outside torch's
+    allocator); whether the decode graphs survived the sleep."""
     greedy = SamplingParams(max_new_tokens=new_tokens, top_k=1)
     before = [o.token_ids for o in engine.generate(prompts, greedy)]
+    graphs = dict(engine.graphs)
     sync(device)
-    awake = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     free_awake = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     engine.sleep(2)
-    asleep = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     free_asleep = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     engine.wake_up(["weights"])
     engine.load_weights(all_weights(model))
     engine.reset_prefix_cache()
     engine.wake_up(["kv_cache"])
     after = [o.token_ids for o in engine.generate(prompts, greedy)]
-    return {"reserved_awake": awake, "reserved_asleep": asleep, "freed_by_mem_get_info": free_asleep - free_awake,
-            "greedy_identical_after_wake": before == after}
+    return {"engine_bytes_awake": free_before_engine - free_awake, "engine_bytes_asleep": free_before_engine - free_asleep,
+            "greedy_identical_after_wake": before == after,
+            "graphs_kept": bool(graphs) and all(engine.graphs.get(k) is g for k, g in graphs.items())}
 
 
 def kernel_times(engine: NativeEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
@@ -187,7 +190,7 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
     sync(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # what the previous model's run left cached is not the engine's
-    base = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    free_base = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     engine = NativeEngine(cfg, device, dtype, max_batch_size=batch, seed=0,
                           max_context_len=args.max_prompt_len + args.max_new_tokens)
     engine.load_weights(all_weights(model))
@@ -200,10 +203,10 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
     engine_s = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == batch * args.max_new_tokens
-    engine_bytes = (torch.cuda.memory_reserved(device) if device.type == "cuda" else 0) - base
+    engine_bytes = free_base - (torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0)
 
     row = {"model": Path(path).name, "batch": batch, "prompt_lens": lens, "new_tokens": args.max_new_tokens,
-           "engine_s": engine_s, "engine_tok_s": tokens / engine_s, "engine_reserved_bytes": engine_bytes}
+           "engine_s": engine_s, "engine_tok_s": tokens / engine_s, "engine_bytes": engine_bytes}
     row |= roofline(engine, lens, args.n_samples, args.max_new_tokens, bandwidth)
     row["roofline_tok_s"] = tokens / row["roofline_s"]
     row["roofline_frac"] = row["roofline_s"] / engine_s
@@ -214,9 +217,8 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
             print(f"{ms:8.3f} ms/step  {name}")
     picks = list(range(0, batch, args.n_samples))[: args.parity_sequences]
     row["logprob_parity"] = logprob_parity(model, [prompts[i] for i in picks], [outs[i] for i in picks], device)
-    row["sleep"] = sleep_round_trip(engine, model, distinct, min(64, args.max_new_tokens), device)
-    row["sleep"]["freed_frac"] = ((row["sleep"]["reserved_awake"] - row["sleep"]["reserved_asleep"])
-                                  / max(row["sleep"]["reserved_awake"] - base, 1))
+    row["sleep"] = sleep_round_trip(engine, model, distinct, min(64, args.max_new_tokens), device, free_base)
+    row["sleep"]["freed_frac"] = 1 - row["sleep"]["engine_bytes_asleep"] / max(row["sleep"]["engine_bytes_awake"], 1)
     engine.sleep(2)
     del engine
     if device.type == "cuda":
@@ -248,15 +250,16 @@ def table(rows: list[dict], bandwidth: float) -> str:
                      f"{r['engine_s']:.2f} | {hf} | {r['roofline_tok_s']:,.0f} | {100 * r['roofline_frac']:.0f}% | "
                      f"{100 * r['roofline_shared_prompt_frac']:.0f}% |")
     lines += ["", "| model | logprob mean abs diff | max abs diff | tokens | forward batched vs single | "
-              "engine vs fp32 forward | forward vs fp32 forward | sleep(2) freed | reserved awake -> asleep "
-              "| greedy identical after wake |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "engine vs fp32 forward | forward vs fp32 forward | sleep(2) freed | engine memory awake -> asleep "
+              "| greedy identical after wake | graphs kept |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, s = r["logprob_parity"], r["sleep"]
         lines.append(f"| {r['model']} | {p['mean_abs']:.2e} | {p['max_abs']:.2e} | {p['tokens']} | "
                      f"{p['bf16_batched_vs_single_mean_abs']:.2e} | {p['engine_vs_fp32_mean_abs']:.2e} | "
                      f"{p['bf16_vs_fp32_mean_abs']:.2e} | "
-                     f"{100 * s['freed_frac']:.1f}% | {s['reserved_awake'] / 2**30:.2f} -> "
-                     f"{s['reserved_asleep'] / 2**30:.2f} GiB | {s['greedy_identical_after_wake']} |")
+                     f"{100 * s['freed_frac']:.1f}% | {s['engine_bytes_awake'] / 2**30:.2f} -> "
+                     f"{s['engine_bytes_asleep'] / 2**30:.2f} GiB | {s['greedy_identical_after_wake']} | "
+                     f"{s['graphs_kept']} |")
     return "\n".join(lines)
 
 

@@ -197,3 +197,53 @@ def test_cuda_engine_top_p_top_k_in_graphs():
         logits = model(input_ids=ids).logits[0, len(PROMPTS[0]) - 1 : -1].float() / 0.9
     want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(outs[0].token_ids)[:, None]).squeeze(-1)
     assert torch.allclose(torch.tensor(outs[0].logprobs), want, atol=1e-4)
+
+
+@needs_cuda
+def test_stable_buffer_keeps_its_address_across_unmap():
+    from rl.rollout import vmem
+
+    if not vmem.supported(DEVICE):
+        pytest.skip("the CUDA driver offers no virtual memory management")
+    buf = vmem.StableBuffer(3 << 20, DEVICE)
+    buf.map()
+    x = buf.view(1024, (4, 8), torch.float32)
+    x.fill_(2.0)
+    address = x.data_ptr()
+    free_mapped = torch.cuda.mem_get_info()[0]
+    buf.unmap()
+    assert torch.cuda.mem_get_info()[0] - free_mapped >= buf.nbytes  # the memory went back to the driver
+    buf.map()
+    y = buf.view(1024, (4, 8), torch.float32)
+    assert y.data_ptr() == address
+    y.fill_(3.0)
+    assert y.sum().item() == 96.0
+    with pytest.raises(ValueError, match="outside"):
+        buf.view(buf.nbytes - 4, (2,), torch.float32)
+    buf.close()
+
+
+@needs_cuda
+def test_sleep_keeps_decode_graphs_and_frees_memory():
+    model = tiny_model(seed=5).eval()
+    engine = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=4, page_size=8, steps_per_poll=4)
+    if not engine.stable:
+        pytest.skip("the CUDA driver offers no virtual memory management")
+    engine.load_weights(full_weights(model))
+    greedy = SamplingParams(max_new_tokens=12, top_k=1)
+    want = [o.token_ids for o in engine.generate(PROMPTS, greedy)]
+    graphs = dict(engine.graphs)
+    assert graphs
+    held = engine.weight_buffer.nbytes + engine.kv_buffer.nbytes
+    for level in (1, 2):
+        torch.cuda.synchronize()
+        free_awake = torch.cuda.mem_get_info()[0]
+        engine.sleep(level)
+        assert torch.cuda.mem_get_info()[0] - free_awake >= held
+        engine.wake_up(["weights"])
+        if level == 2:
+            engine.load_weights(full_weights(model))
+        engine.wake_up(["kv_cache"])
+        assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == want
+        assert all(engine.graphs[key] is graph for key, graph in graphs.items())  # replayed, not re-captured
+    engine.close()

@@ -10,8 +10,10 @@ collects finished sequences, compacts the survivors to the front and refills the
 the waiting queue at once (prefilling each distinct prompt once; rl/rollout/scheduler.py).
 
 Sleep levels mirror vLLM's: level 1 moves the weights to pinned host memory and frees the KV
-cache, level 2 frees both; `wake_up(tags)` restores what is asked. Graphs hold raw pointers, so
-they are dropped whenever weights or cache are released and re-captured on first use.
+cache, level 2 frees both; `wake_up(tags)` restores what is asked. Graphs hold raw pointers: on a
+CUDA driver with virtual memory management, weights and cache live in address ranges that survive
+sleep (rl/rollout/vmem.py), so the graphs are kept; elsewhere they are dropped at sleep and
+re-captured on first use.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.rollout import Completion, SamplingParams
+from rl.rollout import Completion, SamplingParams, vmem
 from rl.rollout.model import DecoderModel, internal_shapes
 from rl.rollout.scheduler import PagePool, Request, Scheduler, cdiv
 
@@ -132,6 +134,17 @@ class NativeEngine:
         self.graph_pool = None
         self.host_weights: dict[str, torch.Tensor] | None = None
         self.required = {(key, start) for key, start, _ in self.model.name_map.values()}
+        s = self.model.shape
+        self.kv_shape = (2, s.num_layers, self.num_pages * page_size, s.num_kv_heads, s.head_dim)
+        # Weights and KV cache at addresses that outlive sleep, so captured graphs stay valid.
+        self.stable = self.use_graphs and vmem.supported(self.device)
+        if self.stable:
+            self.weight_layout, size = {}, 0
+            for key, shape in internal_shapes(s).items():
+                self.weight_layout[key] = (size, shape)
+                size += cdiv(torch.Size(shape).numel() * dtype.itemsize, 256) * 256
+            self.weight_buffer = vmem.StableBuffer(size, self.device)
+            self.kv_buffer = vmem.StableBuffer(torch.Size(self.kv_shape).numel() * dtype.itemsize, self.device)
         self.loaded: set[tuple] = set()
         self.asleep = {tag: True for tag in TAGS}
         self.wake_up()
@@ -164,8 +177,10 @@ class NativeEngine:
             return
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 0, 1 or 2, got {level}")
-        self._drop_graphs()
-        self.kv = self.rows = None
+        if not self.stable:
+            self._drop_graphs()
+            self.rows = None
+        self.kv = None
         if level == 1 and not self.asleep["weights"]:
             self.host_weights = {k: _to_host(t) for k, t in self.model.weights.items()}
         if level == 2:
@@ -173,6 +188,9 @@ class NativeEngine:
             self.loaded.clear()
         self.model.weights = {}
         self.asleep = {tag: True for tag in TAGS}
+        if self.stable:
+            self.weight_buffer.unmap()
+            self.kv_buffer.unmap()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -184,31 +202,43 @@ class NativeEngine:
             if not self.asleep[tag]:
                 continue
             if tag == "weights":
+                self.model.weights = self._new_weights()
                 if self.host_weights is not None:
-                    self.model.weights = {k: t.to(self.device, non_blocking=True) for k, t in self.host_weights.items()}
+                    for key, tensor in self.host_weights.items():
+                        self.model.weights[key].copy_(tensor, non_blocking=True)
                     self.host_weights = None
-                else:
-                    self.model.weights = {k: torch.empty(shape, dtype=self.dtype, device=self.device)
-                                          for k, shape in internal_shapes(self.model.shape).items()}
             else:
-                s = self.model.shape
-                # Left uninitialised (on the CPU, untouched pages then cost no memory); only the scratch
-                # page, which idle rows attend to, must hold finite values.
-                self.kv = torch.empty(2, s.num_layers, self.num_pages * self.page_size, s.num_kv_heads, s.head_dim,
-                                      dtype=self.dtype, device=self.device)
-                self.kv[:, :, : self.page_size] = 0
-                self.rows = Rows.allocate(self.max_batch_size, cdiv(self.max_context_len, self.page_size),
-                                          self.max_context_len + 1, self.device)
+                if self.stable:
+                    self.kv_buffer.map()
+                    self.kv = self.kv_buffer.view(0, self.kv_shape, self.dtype)
+                else:  # uninitialised (on the CPU, untouched pages then cost no memory)
+                    self.kv = torch.empty(self.kv_shape, dtype=self.dtype, device=self.device)
+                self.kv[:, :, : self.page_size] = 0  # the scratch page idle rows attend to must be finite
+                if self.rows is None:
+                    self.rows = Rows.allocate(self.max_batch_size, cdiv(self.max_context_len, self.page_size),
+                                              self.max_context_len + 1, self.device)
+                self.rows.clear(0, self.max_batch_size)  # kept rows (stable memory) start idle too
             self.asleep[tag] = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _new_weights(self) -> dict[str, torch.Tensor]:
+        if not self.stable:
+            return {k: torch.empty(shape, dtype=self.dtype, device=self.device)
+                    for k, shape in internal_shapes(self.model.shape).items()}
+        self.weight_buffer.map()
+        return {k: self.weight_buffer.view(offset, shape, self.dtype) for k, (offset, shape) in self.weight_layout.items()}
 
     def reset_prefix_cache(self) -> None:
         """No KV outlives a generate() call (prompts are shared within one), so there is nothing to invalidate."""
 
     def close(self) -> None:
-        """Releases the engine's device and host memory (as sleep level 2 does)."""
+        """Releases the engine's device and host memory: sleep level 2, and the graphs too."""
         self.sleep(2)
+        self._drop_graphs()
+        self.rows = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _drop_graphs(self) -> None:
         for graph in self.graphs.values():

@@ -1,0 +1,156 @@
+"""Device memory that keeps its address across sleep, through the CUDA driver's virtual memory API.
+
+A `StableBuffer` reserves a range of device addresses once and maps physical memory into it only
+while awake: `unmap` hands the memory back to the driver (other allocators can use it at once) and
+`map` puts fresh memory at the very same addresses. Tensors are views of the range, so a CUDA
+graph captured over them stays valid across a sleep; this is what lets the native engine keep its
+decode graphs instead of re-capturing every batch-size bucket after each wake (vLLM's sleep mode
+does the same with its cuMem allocator).
+
+The driver is reached with ctypes; `supported(device)` says whether this process can use it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+_SUCCESS = 0
+_LOCATION_DEVICE = 1
+_ALLOCATION_PINNED = 1
+_ACCESS_READ_WRITE = 3
+_ATTRIBUTE_VMM_SUPPORTED = 102  # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _AllocationProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def _check(result: int, call: str) -> None:
+    if result != _SUCCESS:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(result, ctypes.byref(name))
+        raise RuntimeError(f"{call} failed: {name.value.decode() if name.value else result}")
+
+
+def supported(device: torch.device) -> bool:
+    """True on a CUDA device whose driver offers virtual memory management."""
+    if device.type != "cuda" or _driver() is None:
+        return False
+    torch.cuda.init()
+    ordinal = torch.device(device).index
+    ordinal = torch.cuda.current_device() if ordinal is None else ordinal
+    value = ctypes.c_int(0)
+    if _driver().cuDeviceGetAttribute(ctypes.byref(value), _ATTRIBUTE_VMM_SUPPORTED, ordinal) != _SUCCESS:
+        return False
+    return value.value == 1
+
+
+class _CudaArray:
+    """Just enough of `__cuda_array_interface__` for `torch.as_tensor` to view raw device bytes."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}
+
+
+class StableBuffer:
+    """`nbytes` of device memory at an address fixed for the buffer's life, mapped only while awake."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.device = torch.device(device)
+        if not supported(self.device):
+            raise RuntimeError(f"{self.device}: the CUDA driver offers no virtual memory management")
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        with torch.cuda.device(self.device):
+            torch.empty(1, device=self.device)  # the primary context is current on this thread
+        self.prop = _AllocationProp()
+        self.prop.type = _ALLOCATION_PINNED
+        self.prop.location = _Location(_LOCATION_DEVICE, index)
+        granularity = ctypes.c_size_t(0)
+        _check(_driver().cuMemGetAllocationGranularity(ctypes.byref(granularity), ctypes.byref(self.prop), 0),
+               "cuMemGetAllocationGranularity")
+        self.nbytes = -(-max(nbytes, 1) // granularity.value) * granularity.value
+        self.address = ctypes.c_uint64(0)
+        _check(_driver().cuMemAddressReserve(ctypes.byref(self.address), ctypes.c_size_t(self.nbytes),
+                                             ctypes.c_size_t(granularity.value), ctypes.c_uint64(0),
+                                             ctypes.c_uint64(0)), "cuMemAddressReserve")
+        self.handle: ctypes.c_uint64 | None = None
+
+    @property
+    def mapped(self) -> bool:
+        return self.handle is not None
+
+    def map(self) -> None:
+        """Backs the address range with fresh device memory (contents undefined)."""
+        if self.mapped:
+            return
+        handle = ctypes.c_uint64(0)
+        size = ctypes.c_size_t(self.nbytes)
+        _check(_driver().cuMemCreate(ctypes.byref(handle), size, ctypes.byref(self.prop), ctypes.c_uint64(0)),
+               f"cuMemCreate of {self.nbytes / 2**30:.2f} GiB on {self.device}")
+        try:
+            _check(_driver().cuMemMap(self.address, size, ctypes.c_size_t(0), handle, ctypes.c_uint64(0)),
+                   "cuMemMap")
+            access = _AccessDesc(_Location(_LOCATION_DEVICE, self.device.index), _ACCESS_READ_WRITE)
+            _check(_driver().cuMemSetAccess(self.address, size, ctypes.byref(access), ctypes.c_size_t(1)),
+                   "cuMemSetAccess")
+        except RuntimeError:
+            _driver().cuMemUnmap(self.address, size)
+            _driver().cuMemRelease(handle)
+            raise
+        self.handle = handle
+
+    def unmap(self) -> None:
+        """Returns the memory to the driver; the addresses stay reserved for the next `map`."""
+        if not self.mapped:
+            return
+        torch.cuda.synchronize(self.device)  # no kernel may still be using it
+        _check(_driver().cuMemUnmap(self.address, ctypes.c_size_t(self.nbytes)), "cuMemUnmap")
+        _check(_driver().cuMemRelease(self.handle), "cuMemRelease")
+        self.handle = None
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor over bytes [offset, offset + size) of the buffer; valid only while mapped."""
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"view of {nbytes} bytes at {offset} outside a buffer of {self.nbytes}")
+        raw = torch.as_tensor(_CudaArray(self.address.value + offset, nbytes), device=self.device)
+        return raw.view(dtype).view(shape)
+
+    def close(self) -> None:
+        if self.address.value:
+            self.unmap()
+            _check(_driver().cuMemAddressFree(self.address, ctypes.c_size_t(self.nbytes)), "cuMemAddressFree")
+            self.address = ctypes.c_uint64(0)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the driver may already be gone
+            pass
