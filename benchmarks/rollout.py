@@ -147,7 +147,8 @@ def sleep_round_trip(engine: NativeEngine, model, prompts: list[list[int]], new_
     engine.reset_prefix_cache()
     engine.wake_up(["kv_cache"])
     after = [o.token_ids for o in engine.generate(prompts, greedy)]
-    return {"engine_bytes_awake": free_before_engine - free_awake, "engine_bytes_asleep": free_before_engine - free_asleep,
+    return {"engine_bytes_awake": free_before_engine - free_awake,
+            "engine_bytes_asleep": free_before_engine - free_asleep,
             "greedy_identical_after_wake": before == after,
             "graphs_kept": bool(graphs) and all(engine.graphs.get(k) is g for k, g in graphs.items())}
 

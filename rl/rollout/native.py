@@ -227,7 +227,8 @@ class NativeEngine:
             return {k: torch.empty(shape, dtype=self.dtype, device=self.device)
                     for k, shape in internal_shapes(self.model.shape).items()}
         self.weight_buffer.map()
-        return {k: self.weight_buffer.view(offset, shape, self.dtype) for k, (offset, shape) in self.weight_layout.items()}
+        return {k: self.weight_buffer.view(offset, shape, self.dtype)
+                for k, (offset, shape) in self.weight_layout.items()}
 
     def reset_prefix_cache(self) -> None:
         """No KV outlives a generate() call (prompts are shared within one), so there is nothing to invalidate."""
