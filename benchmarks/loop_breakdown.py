@@ -23,9 +23,11 @@ ROWS = [("step s", "perf/step_s"), ("rollout s", "perf/rollout_s"), ("engine sle
         ("weight sync GB/s", "perf/weight_sync_gbps"), ("policy offload s", "perf/offload_train_s"),
         ("engine wake (KV) s", "perf/onload_kv_s"), ("rollout tok/s", "perf/rollout_tokens_per_s"),
         ("response length", "rollout/response_length_mean"), ("padding micro-batches", "train/padding_micro_batches"),
-        ("rollout peak GB", "memory/rollout_peak_gb"), ("reserved asleep GB", "memory/asleep_reserved_gb"),
+        ("rollout peak GB", "memory/rollout_peak_gb"), ("device used after rollout GB", "memory/rollout_device_used_gb"),
+        ("reserved asleep GB", "memory/asleep_reserved_gb"), ("device used asleep GB", "memory/asleep_device_used_gb"),
         ("train peak GB", "memory/train_peak_gb"),
-        ("engine vs trainer logprob diff, mean", "rollout/logprob_abs_diff_mean")]
+        ("engine vs trainer logprob diff, mean", "rollout/logprob_abs_diff_mean"),
+        ("engine vs trainer logprob diff, max", "rollout/logprob_abs_diff_max")]
 
 
 def write_data(path: str, rows: int = 2048) -> None:

@@ -27,11 +27,15 @@ def format_line(metrics: dict[str, Any]) -> str:
 
 
 def memory_phase(phase: str, device: torch.device) -> dict[str, float]:
-    """Peak and reserved GPU memory since the previous call, then a fresh peak counter."""
+    """Peak and reserved memory of torch's allocator since the previous call (then a fresh peak counter),
+    and the device memory in use now by the driver's count, which also covers what lives outside torch's
+    allocator (the native engine's weights and KV cache) and the CUDA context."""
     if device.type != "cuda":
         return {}
+    free, total = torch.cuda.mem_get_info(device)
     stats = {f"memory/{phase}_peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-             f"memory/{phase}_reserved_gb": torch.cuda.memory_reserved(device) / 1e9}
+             f"memory/{phase}_reserved_gb": torch.cuda.memory_reserved(device) / 1e9,
+             f"memory/{phase}_device_used_gb": (total - free) / 1e9}
     torch.cuda.reset_peak_memory_stats(device)
     return stats
 
