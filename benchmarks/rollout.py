@@ -60,6 +60,13 @@ def all_weights(model: torch.nn.Module):
     return iter_full_weights(model, model.dtype, 1 << 30)
 
 
+def random_prompts(vocab_size: int, num: int, min_len: int, max_len: int) -> list[list[int]]:
+    """The benchmark's distinct prompts: random lengths in [min_len, max_len], random ids (seeded)."""
+    gen = torch.Generator().manual_seed(1)
+    lens = torch.randint(min_len, max_len + 1, (num,), generator=gen).tolist()
+    return [torch.randint(1, vocab_size // 2, (n,), generator=gen).tolist() for n in lens]
+
+
 def roofline(engine: NativeEngine, prompt_lens: list[int], n_samples: int, new_tokens: int, bandwidth: float) -> dict:
     """Least bytes the decode steps must read, and the time that takes at `bandwidth`."""
     s = engine.model.shape
@@ -182,9 +189,8 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
-    gen = torch.Generator().manual_seed(1)
-    lens = torch.randint(args.min_prompt_len, args.max_prompt_len + 1, (args.num_prompts,), generator=gen).tolist()
-    distinct = [torch.randint(1, cfg.vocab_size // 2, (n,), generator=gen).tolist() for n in lens]
+    distinct = random_prompts(cfg.vocab_size, args.num_prompts, args.min_prompt_len, args.max_prompt_len)
+    lens = [len(p) for p in distinct]
     prompts = [p for p in distinct for _ in range(args.n_samples)]
     batch = len(prompts)
 

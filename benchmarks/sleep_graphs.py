@@ -19,10 +19,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rl.rollout import SamplingParams, vmem  # noqa: E402
+from rollout import all_weights, random_prompts  # noqa: E402
+
+from rl.rollout import SamplingParams  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
-from rl.weights import iter_full_weights  # noqa: E402
 
 
 def walk(engine: NativeEngine, prompts: list[list[int]], sizes: list[int]) -> float:
@@ -46,23 +48,16 @@ def main() -> None:
         torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-        gen = torch.Generator().manual_seed(1)
-        lens = torch.randint(256, 513, (32,), generator=gen).tolist()
-        prompts = [torch.randint(1, cfg.vocab_size // 2, (n,), generator=gen).tolist() for n in lens for _ in range(8)]
+        prompts = [p for p in random_prompts(cfg.vocab_size, 32, 256, 512) for _ in range(8)]
         for stable in (True, False):
-            supported = vmem.supported
-            if not stable:
-                vmem.supported = lambda _device: False  # the engine falls back to torch allocations
-            try:
-                engine = NativeEngine(cfg, device, torch.bfloat16, max_batch_size=256, seed=0, max_context_len=1536)
-            finally:
-                vmem.supported = supported
-            engine.load_weights(iter_full_weights(model, model.dtype, 1 << 30))
+            engine = NativeEngine(cfg, device, torch.bfloat16, max_batch_size=256, seed=0, max_context_len=1536,
+                                  stable_memory=stable)
+            engine.load_weights(all_weights(model))
             walk(engine, prompts, engine.buckets[::-1])  # compiles kernels, captures every bucket
             before = walk(engine, prompts, engine.buckets[::-1])
             engine.sleep(2)
             engine.wake_up(["weights"])
-            engine.load_weights(iter_full_weights(model, model.dtype, 1 << 30))
+            engine.load_weights(all_weights(model))
             engine.wake_up(["kv_cache"])
             after = walk(engine, prompts, engine.buckets[::-1])
             print(f"| {Path(path).name} | {'kept' if engine.stable else 'dropped'} | {before:.2f} | {after:.2f} |",

@@ -113,7 +113,7 @@ class Rows:
 class NativeEngine:
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_batch_size: int = 256,
                  seed: int = 0, *, max_context_len: int = 4096, kv_cache_tokens: int = 0, cuda_graphs: bool = True,
-                 steps_per_poll: int = 16, page_size: int = 64):
+                 steps_per_poll: int = 16, page_size: int = 64, stable_memory: bool = True):
         self.device, self.dtype = torch.device(device), dtype
         self.max_batch_size, self.max_context_len = max_batch_size, max_context_len
         self.page_size, self.steps_per_poll = page_size, steps_per_poll
@@ -136,8 +136,9 @@ class NativeEngine:
         self.required = {(key, start) for key, start, _ in self.model.name_map.values()}
         s = self.model.shape
         self.kv_shape = (2, s.num_layers, self.num_pages * page_size, s.num_kv_heads, s.head_dim)
-        # Weights and KV cache at addresses that outlive sleep, so captured graphs stay valid.
-        self.stable = self.use_graphs and vmem.supported(self.device)
+        # Weights and KV cache at addresses that outlive sleep, so captured graphs stay valid
+        # (`stable_memory=False`: torch allocations, graphs dropped at sleep and captured again).
+        self.stable = stable_memory and self.use_graphs and vmem.supported(self.device)
         if self.stable:
             self.weight_layout, size = {}, 0
             for key, shape in internal_shapes(s).items():
