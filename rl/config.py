@@ -71,7 +71,7 @@ class RolloutConfig:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    # native only: KV cache size in tokens (0: max_batch_size * max_context_len), decode steps
+    # native only: KV cache size in tokens (0: room for max_batch_size rows of max_context_len), decode steps
     # captured as CUDA graphs (GPU), decode steps between host checks for finished sequences
     kv_cache_tokens: int = 0
     cuda_graphs: bool = True

@@ -127,3 +127,13 @@ def test_prompt_longer_than_context_is_refused(model):
     engine = make_engine(model, max_batch_size=2, max_context_len=32)
     with pytest.raises(ValueError, match="max_context_len"):
         engine.generate([list(range(1, 30))], SamplingParams(max_new_tokens=8))
+
+
+def test_default_cache_holds_a_full_batch_of_the_longest_sequences(model):
+    """Rows shorter than a page each still need a page of their own beside the shared prompt page."""
+    engine = make_engine(model, max_batch_size=4, max_context_len=12, page_size=64)
+    outs = engine.generate([[1, 2, 3, 4]] * 2 + [[5, 6, 7, 8, 9, 10, 11, 12]] * 2,
+                           SamplingParams(max_new_tokens=4, **GREEDY))
+    assert [len(o.token_ids) for o in outs] == [4] * 4
+    # and all four run as one batch: none waits for another's pages
+    assert engine.num_pages - 1 >= 4 * 2

@@ -119,8 +119,12 @@ class NativeEngine:
         self.page_size, self.steps_per_poll = page_size, steps_per_poll
         self.model = DecoderModel(hf_config, self.device, dtype, max_context_len)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        tokens = kv_cache_tokens or max_batch_size * max_context_len
-        self.num_pages = cdiv(tokens, page_size) + 1  # + the scratch page
+        # By default a full batch of the longest sequences fits: each may hold a page more than its
+        # length needs (its copy of the prompt's last, partial page).
+        pages = cdiv(kv_cache_tokens, page_size)
+        if not kv_cache_tokens:
+            pages = max_batch_size * (cdiv(max_context_len, page_size) + 1)
+        self.num_pages = pages + 1  # + the scratch page
         self.buckets = sorted({*(b for b in (1, 2, 4, 8, *range(16, max_batch_size, 16)) if b < max_batch_size),
                                max_batch_size})
         if self.device.type == "cuda":
