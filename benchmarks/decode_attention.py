@@ -10,7 +10,10 @@ the two is what the shared prompt pages already save through L2.
 
 Prints microseconds per call and bandwidth two ways: counting every sequence's context (what the
 kernel logically reads) and counting distinct cache pages once (the bytes that must come from HBM
-at best).
+at best). Calls are timed inside a CUDA graph of 24 (one decode step's layers), as the engine
+replays them; launching each call from Python would time the launches.
+
+    python benchmarks/decode_attention.py --splits-by-rows    # best split count per bucket and context
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rl.rollout.kernels import decode_attention  # noqa: E402
 from rl.rollout.model import paged_attention_reference  # noqa: E402
+from rl.rollout.native import decode_splits  # noqa: E402
 
 
 def layout(groups: int, n: int, page: int, generated: int, shared: bool, gen: torch.Generator):
@@ -53,37 +56,85 @@ def layout(groups: int, n: int, page: int, generated: int, shared: bool, gen: to
     return tables, torch.tensor(lengths, dtype=torch.int32), next_page
 
 
+PAGE = 64  # the engine's page size
 SETTINGS = list(itertools.product((32, 64), (4, 8), (2, 3), (1, 2, 4)))  # block_n, warps, stages, splits
+HEADS = [(14, 2, 64), (12, 2, 128)]  # Qwen2.5-0.5B and 1.5B: heads, kv heads, head dim
+
+
+def graph_us(fn, calls: int = 24) -> float:
+    """Microseconds per call of `fn`, replayed as a CUDA graph of `calls` back-to-back calls (best of 5)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / calls)
+    return best
+
+
+def cache(heads: int, kv_heads: int, dim: int, rows: int, generated: int, shared: bool, dev: torch.device):
+    """(q, k_cache, v_cache, block tables, lengths, distinct pages) for `rows` sequences of the seed's layout."""
+    tables, lengths, pages = layout(max(1, rows // 8), min(8, rows), PAGE, generated, shared,
+                                    torch.Generator().manual_seed(0))
+    k_cache = torch.randn(pages * PAGE, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * dim, device=dev, dtype=torch.bfloat16)
+    q = qkv[:, : heads * dim].view(-1, heads, dim)  # strided over rows like the engine's fused projection
+    return q, k_cache, torch.randn_like(k_cache), tables.to(dev), lengths.to(dev), pages
+
+
+def splits_by_rows(dev: torch.device) -> None:
+    """us per call for 1-16 splits over decode buckets and contexts, with the split count the engine picks."""
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    counts = (1, 2, 4, 8, 16)
+    print("| heads x dim | rows | generated | " + " | ".join(f"{n} splits us" for n in counts) + " | best | engine |")
+    print("|---" * (len(counts) + 5) + "|")
+    for (heads, kv_heads, dim), rows, generated in itertools.product(HEADS, (8, 32, 64, 128, 256), (128, 512, 896)):
+        q, k_cache, v_cache, tables, lengths, _ = cache(heads, kv_heads, dim, rows, generated, True, dev)
+        us = {n: graph_us(lambda: decode_attention(q, k_cache, v_cache, tables, lengths, PAGE, dim ** -0.5, n))
+              for n in counts}
+        print(f"| {heads}x{dim} | {rows} | {generated} | " + " | ".join(f"{us[n]:.1f}" for n in counts) +
+              f" | {min(us, key=us.get)} | {decode_splits(rows, kv_heads, dim, sms)} |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="")
+    parser.add_argument("--splits-by-rows", action="store_true")
     args = parser.parse_args()
     dev = torch.device(args.device)
-    page, groups, n, generated = 64, 32, 8, 512
+    if args.splits_by_rows:
+        splits_by_rows(dev)
+        return
+    generated = 512
     rows = []
     print("| heads/kv x dim | prompt pages | block_n | warps | stages | splits | us | GB/s all contexts "
           "| GB/s distinct pages |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for (heads, kv_heads, dim), shared in itertools.product([(14, 2, 64), (12, 2, 128)], (True, False)):
-        tables, lengths, pages = layout(groups, n, page, generated, shared, torch.Generator().manual_seed(0))
-        tables, lengths = tables.to(dev), lengths.to(dev)
-        k_cache = torch.randn(pages * page, kv_heads, dim, device=dev, dtype=torch.bfloat16)
-        v_cache = torch.randn_like(k_cache)
-        qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * dim, device=dev, dtype=torch.bfloat16)
-        q = qkv[:, : heads * dim].view(-1, heads, dim)
-        want = paged_attention_reference(q, k_cache, v_cache, tables, lengths, page)
+    for (heads, kv_heads, dim), shared in itertools.product(HEADS, (True, False)):
+        q, k_cache, v_cache, tables, lengths, pages = cache(heads, kv_heads, dim, 256, generated, shared, dev)
+        want = paged_attention_reference(q, k_cache, v_cache, tables, lengths, PAGE)
         per_token = 2 * kv_heads * dim * 2
-        logical, distinct = int(lengths.sum()) * per_token, pages * page * per_token
+        logical, distinct = int(lengths.sum()) * per_token, pages * PAGE * per_token
         for block_n, warps, stages, splits in SETTINGS:
             def run():
-                return decode_attention(q, k_cache, v_cache, tables, lengths, page, dim ** -0.5, splits,
+                return decode_attention(q, k_cache, v_cache, tables, lengths, PAGE, dim ** -0.5, splits,
                                         block_n=block_n, num_warps=warps, num_stages=stages)
             err = ((run().float() - want.float()).norm() / want.float().norm()).item()
             assert err < 1e-2, (block_n, warps, stages, splits, err)
-            us = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3
+            us = graph_us(run)
             rows.append({"heads": heads, "kv_heads": kv_heads, "dim": dim, "shared_prompt": shared,
                          "block_n": block_n, "warps": warps, "stages": stages, "splits": splits, "us": us})
             print(f"| {heads}/{kv_heads} x {dim} | {'shared' if shared else 'own copy'} | {block_n} | {warps} | "

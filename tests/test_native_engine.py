@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from rl.rollout import SamplingParams
-from rl.rollout.native import NativeEngine
+from rl.rollout.native import NativeEngine, decode_splits
 from rl.rollout.scheduler import PagePool, Scheduler
 from tests.test_engine import full_weights, reference_logprobs
 from tests.tiny import tiny_config, tiny_model
@@ -127,6 +127,15 @@ def test_prompt_longer_than_context_is_refused(model):
     engine = make_engine(model, max_batch_size=2, max_context_len=32)
     with pytest.raises(ValueError, match="max_context_len"):
         engine.generate([list(range(1, 30))], SamplingParams(max_new_tokens=8))
+
+
+def test_decode_splits_follow_the_measured_best_on_an_h200():
+    """132 SMs: the split counts that ran fastest per batch rows and head width (benchmarks/NOTES.md)."""
+    for rows, head_dim, best in [(256, 64, 2), (128, 64, 4), (32, 64, 8), (8, 64, 8),
+                                 (256, 128, 1), (128, 128, 2), (64, 128, 4), (8, 128, 8)]:
+        assert decode_splits(rows, 2, head_dim, 132) == best, (rows, head_dim)
+    assert decode_splits(1, 1, 64, 132) == 8  # never past 8
+    assert decode_splits(4096, 8, 128, 132) == 1
 
 
 def test_default_cache_holds_a_full_batch_of_the_longest_sequences(model):

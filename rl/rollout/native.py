@@ -69,6 +69,17 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k:
     return pick_tokens(logits.float() / temperature, top_k, top_p if top_p < 1.0 else None, gumbel_max)
 
 
+def decode_splits(rows: int, num_kv_heads: int, head_dim: int, num_sms: int) -> int:
+    """KV splits per sequence in decode attention: enough work units to cover the GPU ~4 times.
+
+    A program over a 128-wide head reads twice the bytes per token of a 64-wide one and counts
+    twice; past 8 splits the splits get short and merging them costs more than it saves
+    (benchmarks/NOTES.md, "Splits by batch rows").
+    """
+    units = rows * num_kv_heads * max(1, head_dim // 64)
+    return min(8, 1 << max(0, (cdiv(4 * num_sms, units) - 1).bit_length()))
+
+
 @dataclass
 class Rows:
     """Per-row decode state on the device; a graph reads and advances the first `bucket` rows."""
@@ -371,11 +382,10 @@ class NativeEngine:
                            lambda filtered: kernels.sample(filtered, unit, self.seed)[0])
 
     def _num_splits(self, bucket: int) -> int:
-        """KV splits per sequence in decode attention: enough programs to cover the GPU a few times."""
         if not self.model.fused:
             return 1
-        programs = bucket * self.model.shape.num_kv_heads
-        return min(16, 1 << max(0, (cdiv(4 * self.num_sms, programs) - 1).bit_length()))
+        s = self.model.shape
+        return decode_splits(bucket, s.num_kv_heads, s.head_dim, self.num_sms)
 
     def _decode_step(self, bucket: int) -> None:
         """One token for rows [0, bucket): forward, sample, record, stop checks, advance. No host syncs."""
