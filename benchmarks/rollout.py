@@ -124,15 +124,21 @@ def reference_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], bat
 def logprob_parity(model, prompts: list[list[int]], outs, device: torch.device) -> dict:
     """|engine logprob - training-forward logprob| over the generated tokens (model dtype forward, one
     sequence per forward), and, for scale, the same forward's own spread: batched 8 rows at a time vs
-    one at a time, and engine and bf16 forward each against a float32 forward of the same weights."""
+    one at a time, with HF's eager attention instead of SDPA (the same model and dtype, only another
+    attention kernel), and engine and bf16 forward each against a float32 forward of the same weights."""
     seqs, lens = [p + o.token_ids for p, o in zip(prompts, outs)], [len(p) for p in prompts]
     engine = torch.cat([torch.tensor(o.logprobs, device=device) for o in outs])
     single = torch.cat(reference_logprobs(model, seqs, lens, 1, device))
     batched = torch.cat(reference_logprobs(model, seqs, lens, 8, device))
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    other_attention = torch.cat(reference_logprobs(eager, seqs, lens, 1, device))
+    del eager
     exact = torch.cat(reference_logprobs(copy.deepcopy(model).float(), seqs, lens, 8, device))
     d = (engine - single).abs()
     return {"mean_abs": d.mean().item(), "max_abs": d.max().item(), "tokens": d.numel(),
             "bf16_batched_vs_single_mean_abs": (batched - single).abs().mean().item(),
+            "bf16_sdpa_vs_eager_mean_abs": (other_attention - single).abs().mean().item(),
             "engine_vs_fp32_mean_abs": (engine - exact).abs().mean().item(),
             "bf16_vs_fp32_mean_abs": (single - exact).abs().mean().item()}
 
@@ -257,12 +263,14 @@ def table(rows: list[dict], bandwidth: float) -> str:
                      f"{r['engine_s']:.2f} | {hf} | {r['roofline_tok_s']:,.0f} | {100 * r['roofline_frac']:.0f}% | "
                      f"{100 * r['roofline_shared_prompt_frac']:.0f}% |")
     lines += ["", "| model | logprob mean abs diff | max abs diff | tokens | forward batched vs single | "
-              "engine vs fp32 forward | forward vs fp32 forward | sleep(2) freed | engine memory awake -> asleep "
-              "| greedy identical after wake | graphs kept |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "forward SDPA vs eager attention | engine vs fp32 forward | forward vs fp32 forward | sleep(2) freed "
+              "| engine memory awake -> asleep | greedy identical after wake | graphs kept |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, s = r["logprob_parity"], r["sleep"]
         lines.append(f"| {r['model']} | {p['mean_abs']:.2e} | {p['max_abs']:.2e} | {p['tokens']} | "
-                     f"{p['bf16_batched_vs_single_mean_abs']:.2e} | {p['engine_vs_fp32_mean_abs']:.2e} | "
+                     f"{p['bf16_batched_vs_single_mean_abs']:.2e} | {p['bf16_sdpa_vs_eager_mean_abs']:.2e} | "
+                     f"{p['engine_vs_fp32_mean_abs']:.2e} | "
                      f"{p['bf16_vs_fp32_mean_abs']:.2e} | "
                      f"{100 * s['freed_frac']:.1f}% | {s['engine_bytes_awake'] / 2**30:.2f} -> "
                      f"{s['engine_bytes_asleep'] / 2**30:.2f} GiB | {s['greedy_identical_after_wake']} | "
