@@ -129,8 +129,9 @@ def test_prompt_longer_than_context_is_refused(model):
         engine.generate([list(range(1, 30))], SamplingParams(max_new_tokens=8))
 
 
-def test_decode_splits_follow_the_measured_best_on_an_h200():
-    """132 SMs: the split counts that ran fastest per batch rows and head width (benchmarks/NOTES.md)."""
+def test_decode_splits_on_an_h200():
+    """132 SMs: the counts of the measured table in benchmarks/NOTES.md ("Splits by batch rows"),
+    each the fastest or within 10% of it for its bucket and head width."""
     for rows, head_dim, best in [(256, 64, 2), (128, 64, 4), (32, 64, 8), (8, 64, 8),
                                  (256, 128, 1), (128, 128, 2), (64, 128, 4), (8, 128, 8)]:
         assert decode_splits(rows, 2, head_dim, 132) == best, (rows, head_dim)
@@ -144,5 +145,4 @@ def test_default_cache_holds_a_full_batch_of_the_longest_sequences(model):
     outs = engine.generate([[1, 2, 3, 4]] * 2 + [[5, 6, 7, 8, 9, 10, 11, 12]] * 2,
                            SamplingParams(max_new_tokens=4, **GREEDY))
     assert [len(o.token_ids) for o in outs] == [4] * 4
-    # and all four run as one batch: none waits for another's pages
-    assert engine.num_pages - 1 >= 4 * 2
+    assert engine.num_pages == 4 * (1 + 1) + 1  # per row a page of context and a partial-page copy; scratch
