@@ -94,13 +94,12 @@ def cache(heads: int, kv_heads: int, dim: int, rows: int, generated: int, shared
     return q, k_cache, torch.randn_like(k_cache), tables.to(dev), lengths.to(dev), pages
 
 
-def splits_by_rows(dev: torch.device) -> None:
-    """us per call for 1-16 splits over decode buckets and contexts, with the split count the engine picks."""
+def splits_by_rows(dev: torch.device, rows_list: list[int], generated_list: list[int], counts: list[int]) -> None:
+    """us per call for each split count over decode buckets and contexts, with the count the engine picks."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    counts = (1, 2, 4, 8, 16)
     print("| heads x dim | rows | generated | " + " | ".join(f"{n} splits us" for n in counts) + " | best | engine |")
     print("|---" * (len(counts) + 5) + "|")
-    for (heads, kv_heads, dim), rows, generated in itertools.product(HEADS, (8, 32, 64, 128, 256), (128, 512, 896)):
+    for (heads, kv_heads, dim), rows, generated in itertools.product(HEADS, rows_list, generated_list):
         q, k_cache, v_cache, tables, lengths, _ = cache(heads, kv_heads, dim, rows, generated, True, dev)
         us = {n: graph_us(lambda: decode_attention(q, k_cache, v_cache, tables, lengths, PAGE, dim ** -0.5, n))
               for n in counts}
@@ -113,10 +112,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="")
     parser.add_argument("--splits-by-rows", action="store_true")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 128, 256], help="with --splits-by-rows")
+    parser.add_argument("--generated", type=int, nargs="+", default=[128, 512, 896], help="with --splits-by-rows")
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="with --splits-by-rows")
     args = parser.parse_args()
     dev = torch.device(args.device)
     if args.splits_by_rows:
-        splits_by_rows(dev)
+        splits_by_rows(dev, args.rows, args.generated, args.splits)
         return
     generated = 512
     rows = []
