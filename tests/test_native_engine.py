@@ -145,3 +145,14 @@ def test_default_cache_holds_a_full_batch_of_the_longest_sequences(model):
                            SamplingParams(max_new_tokens=4, **GREEDY))
     assert [len(o.token_ids) for o in outs] == [4] * 4
     assert engine.num_pages == 4 * (1 + 1) + 1  # per row a page of context and a partial-page copy; scratch
+
+
+def test_interleaved_samples_of_prompts_do_not_starve_a_small_cache(model):
+    """The default cache for one row holds one prompt and one sample; samples of two prompts given
+    interleaved run prompt by prompt instead of waiting on pages held for a queued sample."""
+    engine = make_engine(model, max_batch_size=1, max_context_len=17, page_size=8)
+    a, b = list(range(3, 15)), list(range(20, 31))
+    params = SamplingParams(max_new_tokens=3, **GREEDY)
+    outs = engine.generate([a, b, a, b], params)
+    want = [engine.generate([p], params)[0].token_ids for p in (a, b)]
+    assert [o.token_ids for o in outs] == [want[0], want[1], want[0], want[1]]

@@ -55,9 +55,14 @@ class Request:
 
 class Scheduler:
     def __init__(self, prompts: list[list[int]], max_new_tokens: int, page_size: int, pool: PagePool, max_rows: int):
-        counts = Counter(tuple(p) for p in prompts)
-        distinct = {key: PromptKV(list(key), n) for key, n in counts.items()}
-        self.waiting = deque(Request(i, distinct[tuple(p)]) for i, p in enumerate(prompts))
+        keys = [tuple(p) for p in prompts]
+        distinct = {key: PromptKV(list(key), n) for key, n in Counter(keys).items()}
+        # Samples of one prompt wait side by side (each prompt where it first appears): a prompt's
+        # pages are then held only while its samples run, and a cache with room for one prompt and
+        # one sample at a time never waits on pages held for samples queued behind other prompts.
+        first = {key: i for i, key in reversed(list(enumerate(keys)))}
+        order = sorted(range(len(keys)), key=lambda i: first[keys[i]])
+        self.waiting = deque(Request(i, distinct[keys[i]]) for i in order)
         self.running: list[Request] = []  # in row order: running[i] decodes in row i
         self.max_new_tokens, self.page_size, self.pool, self.max_rows = max_new_tokens, page_size, pool, max_rows
 
@@ -68,7 +73,7 @@ class Scheduler:
         return cdiv(len(prompt.tokens) % self.page_size + self.max_new_tokens, self.page_size)
 
     def admit(self) -> tuple[list[PromptKV], list[Request]]:
-        """Moves waiting requests into free rows, in order, while pages last.
+        """Moves waiting requests into free rows, in queue order, while pages last.
 
         Returns (prompts that need a prefill, newly running requests); new requests take the rows
         after the ones already running.
