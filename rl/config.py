@@ -278,6 +278,21 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     return cfg
 
 
+def check_paths(cfg: Config) -> None:
+    """The model and tokenizer folders exist and hold what loading them needs; run before any process
+    group, model or dataset is built, so a wrong path fails in a second with the key that names it."""
+    model = Path(cfg.model.path).expanduser()
+    _require(model.is_dir(), f"model.path {cfg.model.path!r}: no such folder (a local HF model folder)")
+    _require((model / "config.json").is_file(),
+             f"model.path {cfg.model.path!r}: no config.json in the folder (a local HF model folder)")
+    key, folder = ("model.tokenizer", cfg.model.tokenizer) if cfg.model.tokenizer else ("model.path", cfg.model.path)
+    tok = Path(folder).expanduser()
+    _require(tok.is_dir(), f"{key} {folder!r}: no such folder")
+    hint = "" if cfg.model.tokenizer else "; set model.tokenizer to a tokenizer folder"
+    _require(any((tok / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")),
+             f"{key} {folder!r}: no tokenizer.json or tokenizer_config.json in the folder{hint}")
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)

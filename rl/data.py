@@ -78,8 +78,9 @@ class Prompt:
 # ---------------------------------------------------------------------------- reading rows
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
+def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows of a JSONL file and, per row, where it is ("path:line", 1-based; blank lines skipped)."""
+    rows, where = [], []
     with path.open() as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -91,7 +92,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             if not isinstance(row, dict):
                 raise ConfigError(f"{path}:{line_no}: each line must be a JSON object")
             rows.append(row)
-    return rows
+            where.append(f"{path}:{line_no}")
+    return rows, where
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
@@ -111,6 +113,18 @@ def _generate_reasoning_gym(task: str, cfg: DataConfig) -> list[dict[str, Any]]:
             for item in dataset]
 
 
+def _prompt_problem(raw: Any) -> str:
+    """What is wrong with a row's prompt ('' if nothing): text, or chat messages with role and content."""
+    if isinstance(raw, str):
+        return "is empty" if not raw.strip() else ""
+    if isinstance(raw, list) and raw:
+        for i, m in enumerate(raw):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                return f"message {i} must be an object with string 'role' and 'content', got {m!r}"[:300]
+        return ""
+    return f"must be text or a non-empty list of chat messages, got {type(raw).__name__} {raw!r}"[:300]
+
+
 def read_rows(cfg: DataConfig) -> tuple[list[dict[str, Any]], str, str]:
     """Returns (rows, prompt_key, answer_key) for the configured source."""
     if cfg.source.startswith("reasoning_gym:"):
@@ -119,15 +133,21 @@ def read_rows(cfg: DataConfig) -> tuple[list[dict[str, Any]], str, str]:
     if not path.is_file():
         raise ConfigError(f"data.source: file not found: {path}")
     if path.suffix == ".jsonl":
-        rows = _read_jsonl(path)
+        rows, where = _read_jsonl(path)
     elif path.suffix == ".parquet":
         rows = _read_parquet(path)
+        where = [f"{path} row {i}" for i in range(len(rows))]
     else:
         raise ConfigError(f"data.source: {path} must end in .jsonl or .parquet, or be reasoning_gym:<task>")
-    for i, row in enumerate(rows):
+    for row, at in zip(rows, where):
         for key, name in ((cfg.prompt_key, "data.prompt_key"), (cfg.answer_key, "data.answer_key")):
             if key not in row:
-                raise ConfigError(f"{path} row {i}: missing key {key!r} ({name}); row keys: {sorted(row)}")
+                raise ConfigError(f"{at}: missing key {key!r} ({name}); row keys: {sorted(row)}")
+        problem = _prompt_problem(row[cfg.prompt_key])
+        if problem:
+            raise ConfigError(f"{at}: {cfg.prompt_key!r} (data.prompt_key) {problem}")
+        if row[cfg.answer_key] is None:
+            raise ConfigError(f"{at}: {cfg.answer_key!r} (data.answer_key) is null")
     return rows, cfg.prompt_key, cfg.answer_key
 
 

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from rl import parallel
 from rl.algo import grpo_advantages
-from rl.config import Config, dump, load_config, resolve
+from rl.config import Config, check_paths, dump, load_config, resolve
 from rl.data import PromptDataset, Sample, Status
 from rl.metrics import make_logger, memory_phase
 from rl.parallel import print0
@@ -171,6 +171,7 @@ def train_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str,
 
 def main(argv: list[str]) -> None:
     cfg = load_config(argv)  # config errors surface before any process group or model exists
+    check_paths(cfg)
     dist = parallel.init_distributed()
     cfg = resolve(cfg, dist.world_size)
     out_dir = Path(cfg.log.output_dir)

@@ -3,7 +3,7 @@ import tomllib
 
 import pytest
 
-from rl.config import ConfigError, config_from_dict, load_config, parse_overrides, resolve
+from rl.config import ConfigError, check_paths, config_from_dict, load_config, parse_overrides, resolve
 
 BASE = {"model": {"path": "m"}, "data": {"source": "d.jsonl"}}
 
@@ -83,3 +83,20 @@ def test_shipped_configs_load():
         extra = [f"--{k}=x" for k in ("model.path", "data.source") if not raw[k.split(".")[0]][k.split(".")[1]]]
         cfg = load_config(["--config", str(path), *extra])  # tiny.toml gets its paths on the command line
         json.dumps(cfg.to_dict())
+
+
+def test_model_and_tokenizer_folders_are_checked_first(tmp_path):
+    model, tok = tmp_path / "model", tmp_path / "tok"
+    model.mkdir()
+    tok.mkdir()
+    with pytest.raises(ConfigError, match=r"model.path '.*nope': no such folder"):
+        check_paths(make(model={"path": str(tmp_path / "nope")}))
+    with pytest.raises(ConfigError, match=r"model.path '.*model': no config.json"):
+        check_paths(make(model={"path": str(model)}))
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"model.path '.*model': no tokenizer.json .* set model.tokenizer"):
+        check_paths(make(model={"path": str(model)}))
+    with pytest.raises(ConfigError, match=r"model.tokenizer '.*tok': no tokenizer.json"):
+        check_paths(make(model={"path": str(model), "tokenizer": str(tok)}))
+    (tok / "tokenizer_config.json").write_text("{}")
+    check_paths(make(model={"path": str(model), "tokenizer": str(tok)}))

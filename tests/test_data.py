@@ -67,9 +67,19 @@ def test_bad_sources_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: invalid JSON"):
         read_rows(DataConfig(source=str(bad)))
     missing = tmp_path / "missing.jsonl"
-    missing.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
-    with pytest.raises(ConfigError, match=r"missing.jsonl row 1: missing key 'answer' \(data.answer_key\)"):
+    missing.write_text('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b"}\n')  # blank lines still count
+    with pytest.raises(ConfigError, match=r"missing.jsonl:3: missing key 'answer' \(data.answer_key\)"):
         read_rows(DataConfig(source=str(missing)))
+    for line, problem in [
+        ('{"prompt": 5, "answer": "1"}', r"'prompt' \(data.prompt_key\) must be text or a non-empty list"),
+        ('{"prompt": "  ", "answer": "1"}', r"'prompt' \(data.prompt_key\) is empty"),
+        ('{"prompt": [{"role": "user"}], "answer": "1"}', r"'prompt' \(data.prompt_key\) message 0 must be"),
+        ('{"prompt": "a", "answer": null}', r"'answer' \(data.answer_key\) is null"),
+    ]:
+        bad_row = tmp_path / "bad_row.jsonl"
+        bad_row.write_text('{"prompt": "ok", "answer": "1"}\n' + line + "\n")
+        with pytest.raises(ConfigError, match=r"bad_row.jsonl:2: " + problem):
+            read_rows(DataConfig(source=str(bad_row)))
     with pytest.raises(ConfigError, match="reasoning_gym:no_such_task"):
         read_rows(DataConfig(source="reasoning_gym:no_such_task"))
 
