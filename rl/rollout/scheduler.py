@@ -11,7 +11,7 @@ requests finishes. Page 0 is never handed out: padding tokens and idle rows writ
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -55,14 +55,16 @@ class Request:
 
 class Scheduler:
     def __init__(self, prompts: list[list[int]], max_new_tokens: int, page_size: int, pool: PagePool, max_rows: int):
-        keys = [tuple(p) for p in prompts]
-        distinct = {key: PromptKV(list(key), n) for key, n in Counter(keys).items()}
         # Samples of one prompt wait side by side (each prompt where it first appears): a prompt's
         # pages are then held only while its samples run, and a cache with room for one prompt and
         # one sample at a time never waits on pages held for samples queued behind other prompts.
-        first = {key: i for i, key in reversed(list(enumerate(keys)))}
-        order = sorted(range(len(keys)), key=lambda i: first[keys[i]])
-        self.waiting = deque(Request(i, distinct[keys[i]]) for i in order)
+        samples: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(prompts):
+            samples.setdefault(tuple(p), []).append(i)
+        self.waiting: deque[Request] = deque()
+        for key, indices in samples.items():
+            prompt = PromptKV(list(key), len(indices))
+            self.waiting.extend(Request(i, prompt) for i in indices)
         self.running: list[Request] = []  # in row order: running[i] decodes in row i
         self.max_new_tokens, self.page_size, self.pool, self.max_rows = max_new_tokens, page_size, pool, max_rows
 
