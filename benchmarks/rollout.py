@@ -38,6 +38,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def free_bytes(device: torch.device) -> int:
+    """Device memory free by the driver's count (0 off CUDA): it also sees memory outside torch's allocator."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes read + written per second by a large device-to-device copy (median of 10)."""
     if device.type != "cuda":
@@ -152,9 +157,9 @@ def sleep_round_trip(engine: NativeEngine, model, prompts: list[list[int]], new_
     before = [o.token_ids for o in engine.generate(prompts, greedy)]
     graphs = dict(engine.graphs)
     sync(device)
-    free_awake = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    free_awake = free_bytes(device)
     engine.sleep(2)
-    free_asleep = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    free_asleep = free_bytes(device)
     engine.wake_up(["weights"])
     engine.load_weights(all_weights(model))
     engine.reset_prefix_cache()
@@ -203,7 +208,7 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
     sync(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # what the previous model's run left cached is not the engine's
-    free_base = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    free_base = free_bytes(device)
     engine = NativeEngine(cfg, device, dtype, max_batch_size=batch, seed=0,
                           max_context_len=args.max_prompt_len + args.max_new_tokens)
     engine.load_weights(all_weights(model))
@@ -216,7 +221,7 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
     engine_s = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == batch * args.max_new_tokens
-    engine_bytes = free_base - (torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0)
+    engine_bytes = free_base - free_bytes(device)
 
     row = {"model": Path(path).name, "batch": batch, "prompt_lens": lens, "new_tokens": args.max_new_tokens,
            "engine_s": engine_s, "engine_tok_s": tokens / engine_s, "engine_bytes": engine_bytes}
