@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rl.rollout import SamplingParams
-from rl.rollout.model import DecoderModel, paged_attention_reference
+from rl.rollout.model import DecoderModel, paged_attention_reference, split_qkv
 from rl.rollout.native import NativeEngine
 from tests.test_engine import PROMPTS, full_weights
 from tests.tiny import tiny_config, tiny_model
@@ -75,6 +75,24 @@ def test_rope_and_store(dtype):
     assert rel_err(caches[1], caches[0]) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rounds_as_rope_and_store(dtype):
+    """The trainer's RoPE kernel (batch-invariant mode) gives the bits the engine's fused RoPE + cache
+    write gives, for q and for k."""
+    model = reference_model(dtype)
+    s = model.shape
+    tokens = 50
+    qkv = torch.randn(tokens, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, device=DEVICE, dtype=dtype)
+    positions = torch.randint(0, 200, (tokens,), device=DEVICE)
+    cache = torch.zeros(2, tokens, s.num_kv_heads, s.head_dim, device=DEVICE, dtype=dtype)
+    q, k, _ = (t.clone() for t in split_qkv(qkv, s))
+    kernels().rope_and_store(qkv, positions, torch.arange(tokens, device=DEVICE), model.cos, model.sin, cache[0],
+                             cache[1], s.num_heads, s.num_kv_heads, s.head_dim)
+    cos, sin = model.cos[positions], model.sin[positions]
+    assert torch.equal(kernels().rope(q, cos, sin), split_qkv(qkv, s)[0])
+    assert torch.equal(kernels().rope(k, cos, sin), cache[0])
+
+
 def test_silu_mul():
     gate_up = torch.randn(9, 2 * 1500, device=DEVICE, dtype=torch.bfloat16)
     want = torch.nn.functional.silu(gate_up[:, :1500]) * gate_up[:, 1500:]
@@ -97,6 +115,45 @@ def test_decode_attention(dtype, heads, kv_heads, head_dim, num_splits, page, bl
     got = kernels().decode_attention(q, k_cache, v_cache, block_tables, context_lens, page, head_dim ** -0.5,
                                      num_splits, block_n=block_n)
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_split_attention_does_not_depend_on_the_launch(dtype):
+    """Fixed-length splits: a row's output is the same bits with any number of (empty) extra splits,
+    in any batch, and matches the reference."""
+    heads, kv_heads, head_dim, page = 14, 2, 64, 64
+    k_cache = torch.randn(40 * page, kv_heads, head_dim, device=DEVICE, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    context_lens = torch.tensor([1, 64, 65, 200, 700, 1000], dtype=torch.int32, device=DEVICE)
+    block_tables = torch.stack([torch.randperm(40, device=DEVICE)[:16] for _ in range(6)]).int()
+    q = torch.randn(6, heads, head_dim, device=DEVICE, dtype=dtype)
+
+    def run(rows, splits):
+        return kernels().decode_attention(q[rows], k_cache, v_cache, block_tables[rows], context_lens[rows], page,
+                                          head_dim ** -0.5, splits, split_tokens=128)
+
+    full = run(slice(None), 8)
+    assert torch.equal(run(slice(None), 12), full)
+    assert torch.equal(run(slice(3, 5), 8), full[3:5])
+    assert torch.equal(run(slice(0, 2), 1), full[:2])  # contexts within the first split
+    want = paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, page)
+    assert rel_err(full, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_is_batch_invariant(dtype):
+    """A row's output does not depend on how many rows share the call or where it sits, nor a
+    column's on how many weight rows are computed with it (fused q/k/v against separate)."""
+    x = torch.randn(700, 192, device=DEVICE, dtype=dtype)
+    w = torch.randn(300, 192, device=DEVICE, dtype=dtype) / 14
+    b = torch.randn(300, device=DEVICE, dtype=dtype)
+    full = kernels().linear(x, w, b)
+    for rows in (slice(0, 1), slice(0, 7), slice(0, 64), slice(100, 356), slice(333, 700)):
+        assert torch.equal(kernels().linear(x[rows], w, b), full[rows])
+    assert torch.equal(kernels().linear(x, w[100:228], b[100:228]), full[:, 100:228])
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert rel_err(full, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(kernels().linear(x, w), want - b.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def test_sampler_matches_softmax_and_logprobs():
@@ -154,7 +211,7 @@ def test_advance_matches_torch_bookkeeping():
     logprobs = torch.randn(rows, generator=gen).to(DEVICE)
     bucket = 32
     want, before = copy.deepcopy(state), copy.deepcopy(state)
-    NativeEngine._advance(SimpleNamespace(rows=want, model=SimpleNamespace(fused=False), page_size=page),
+    NativeEngine._advance(SimpleNamespace(rows=want, on_gpu=False, page_size=page),
                           bucket, tokens[:bucket], logprobs[:bucket])
     kernels().advance(tokens[:bucket], logprobs[:bucket], state.done[:bucket], state.n_gen[:bucket],
                       state.out_tokens[:bucket], state.out_logprobs[:bucket], state.input_ids[:bucket],
@@ -197,6 +254,39 @@ def test_cuda_engine_top_p_top_k_in_graphs():
         logits = model(input_ids=ids).logits[0, len(PROMPTS[0]) - 1 : -1].float() / 0.9
     want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(outs[0].token_ids)[:, None]).squeeze(-1)
     assert torch.allclose(torch.tensor(outs[0].logprobs), want, atol=1e-4)
+
+
+@needs_cuda
+def test_batch_invariant_engine_and_trainer_forward_agree_bit_for_bit():
+    """bf16 on the GPU: the engine in batch-invariant mode (CUDA graphs, decode batches that shrink
+    as rows finish, contexts past one 512-token split) against the trainer's patched forward of the
+    same sequences in one right-padded batch. The network's bits agree; what is left is the float32
+    order of the two log-softmaxes (the default engine is ~1e-2 away from the HF bf16 forward)."""
+    import copy
+
+    from rl.invariant import make_batch_invariant
+
+    hf = tiny_model(seed=3, layers=4).to(DEVICE, torch.bfloat16).eval()
+    engine = NativeEngine(hf.config, DEVICE, torch.bfloat16, max_batch_size=16, seed=0, max_context_len=1024,
+                          batch_invariant=True)
+    engine.load_weights(full_weights(hf))
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 250, (n,)).tolist() for n in (600, 70, 5, 530)]
+    seqs = [p for p in prompts for _ in range(4)]
+    outs = engine.generate(seqs, SamplingParams(max_new_tokens=40, temperature=1.0, stop_token_ids=[7]))
+    patched = make_batch_invariant(copy.deepcopy(hf), 1024)
+    width = max(len(p) + len(o.token_ids) for p, o in zip(seqs, outs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=DEVICE)
+    for i, (p, o) in enumerate(zip(seqs, outs)):
+        ids[i, : len(p) + len(o.token_ids)] = torch.tensor(p + list(o.token_ids))
+    with torch.no_grad():
+        logp = torch.log_softmax(patched(input_ids=ids).logits.float(), -1)
+    gaps = []
+    for i, (p, o) in enumerate(zip(seqs, outs)):
+        target = torch.tensor(o.token_ids, device=DEVICE)
+        got = logp[i, len(p) - 1 : len(p) - 1 + len(target)].gather(-1, target[:, None]).squeeze(-1)
+        gaps.append((got - torch.tensor(o.logprobs, device=DEVICE)).abs().max().item())
+    assert max(gaps) < 1e-4, gaps
 
 
 @needs_cuda

@@ -66,7 +66,8 @@ def generate_rollout(engine: Engine, groups: list[list[Sample]], params: Samplin
     return samples
 
 
-def build_engine(cfg: RolloutConfig, model_path: str, hf_config, device: torch.device, rank: int):
+def build_engine(cfg: RolloutConfig, model_path: str, hf_config, device: torch.device, rank: int,
+                 batch_invariant: bool = False):
     """The configured engine, built empty: weights arrive with the first sync.
 
     Ranks of one tensor-parallel group (contiguous, `rank // tensor_parallel_size`) share a
@@ -81,7 +82,7 @@ def build_engine(cfg: RolloutConfig, model_path: str, hf_config, device: torch.d
 
     return NativeEngine(hf_config, device, dtype, cfg.max_batch_size, seed, max_context_len=cfg.max_context_len,
                         kv_cache_tokens=cfg.kv_cache_tokens, cuda_graphs=cfg.cuda_graphs,
-                        steps_per_poll=cfg.steps_per_poll)
+                        steps_per_poll=cfg.steps_per_poll, batch_invariant=batch_invariant)
 
 
 def engine_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -30,6 +30,59 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 engines must not silently drop to tf32
 
 
+# ----------------------------------------------------------------------------- batch-invariant GEMM
+
+# One tile configuration for every shape: a row's result then depends on that row and the weight
+# alone (the K loop runs in the same order over the same blocks whatever M and N are), never on how
+# many rows share the call. cuBLAS picks kernels, tile shapes and split-K by problem size, so the
+# same token rounds differently in a 256-row decode step and a 16k-token training forward.
+LINEAR_BLOCK_M, LINEAR_BLOCK_N, LINEAR_BLOCK_K, LINEAR_GROUP_M = 64, 64, 64, 8
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_row_stride, w_row_stride, out_row_stride,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)  # GROUP_M row tiles walk the columns together (weight reuse in L2)
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + rk) < K
+        x = tl.load(x_ptr + rm[:, None] * x_row_stride + (k0 + rk)[None, :], mask=(rm < M)[:, None] & kmask[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * w_row_stride + (k0 + rk)[None, :], mask=(rn < N)[:, None] & kmask[None, :],
+                    other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * out_row_stride + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T + bias, accumulated in float32 and rounded once; batch-invariant."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    out = x.new_empty(m, n)
+    grid = (triton.cdiv(m, LINEAR_BLOCK_M) * triton.cdiv(n, LINEAR_BLOCK_N),)
+    _linear_kernel[grid](x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0),
+                         out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N,
+                         BLOCK_K=LINEAR_BLOCK_K, GROUP_M=LINEAR_GROUP_M, DOT_PRECISION=_dot_precision(x.dtype),
+                         num_warps=4, num_stages=4)
+    return out
+
+
 # ----------------------------------------------------------------------------- RMSNorm
 
 
@@ -120,6 +173,33 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
                                         BLOCK_KV=triton.next_power_of_2(num_kv_heads), num_warps=2)
 
 
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    i = tl.arange(0, half)
+    c = tl.load(cos_ptr + tok * half + i).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + tok * half + i).to(tl.float32)[None, :]
+    h = tl.arange(0, BLOCK_H)[:, None]
+    mask = h < HEADS
+    offs = tok * HEADS * HEAD_DIM + h * HEAD_DIM + i[None, :]
+    x1, x2 = _rotate(tl.load(x_ptr + offs, mask=mask).to(tl.float32),
+                     tl.load(x_ptr + offs + half, mask=mask).to(tl.float32), c, s, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, x1, mask=mask)
+    tl.store(out_ptr + offs + half, x2, mask=mask)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of x (T, heads, D) by the rows cos, sin (T, D/2), rounded as `rope_and_store` rounds."""
+    tokens, heads, head_dim = x.shape
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _rope_kernel[(tokens,)](x, cos.contiguous(), sin.contiguous(), out, HEADS=heads, HEAD_DIM=head_dim,
+                            BLOCK_H=triton.next_power_of_2(heads), num_warps=2)
+    return out
+
+
 # ----------------------------------------------------------------------------- SiLU * up
 
 
@@ -146,10 +226,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
-    """Tokens [start, end) of a sequence's context that one split reads; splits start on block bounds."""
+def _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
+    """Tokens [start, end) of a sequence's context that one split reads; splits start on block bounds.
+
+    SPLIT_TOKENS > 0 fixes every split's length, so where a context is cut depends on its length
+    alone and not on how many splits the launch has (batch-invariant mode); splits past the end
+    read nothing and weigh nothing in the merge."""
     ctx = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    if SPLIT_TOKENS > 0:
+        per_split = SPLIT_TOKENS
+    else:
+        per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     return start, tl.minimum(start + per_split, ctx)
 
@@ -184,11 +271,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          part_lse_ptr, scale_log2, q_row_stride, bt_row_stride, num_splits,
                          GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         SPLIT_TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    start, end = _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N)
+    start, end = _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N, SPLIT_TOKENS)
 
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HEAD_DIM)
@@ -242,8 +329,13 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, page_size: int, scale: float, num_splits: int,
-                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """q (B, H, D) with unit stride over heads and dims; caches (slots, KV, D); returns (B, H * D)."""
+                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2, split_tokens: int = 0
+                     ) -> torch.Tensor:
+    """q (B, H, D) with unit stride over heads and dims; caches (slots, KV, D); returns (B, H * D).
+
+    `split_tokens` > 0 cuts every context into splits of that many tokens (a multiple of `block_n`;
+    `num_splits` must cover the longest context): each row's result then depends on its own
+    context alone, whatever the batch (see `batch_invariant_splits`)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -253,7 +345,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale * 1.4426950408889634,
         q.stride(0), block_tables.stride(0), num_splits, GROUP=group, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, PAGE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        SPLIT_TOKENS=split_tokens, DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
     out = q.new_empty(batch, num_heads * head_dim)
     _decode_merge_kernel[(batch,)](part_out, part_lse, out, num_splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                                    BLOCK_HEADS=triton.next_power_of_2(num_heads), num_warps=4)

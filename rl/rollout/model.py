@@ -21,6 +21,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# Batch-invariant mode: every context is cut into attention splits of this many tokens, wherever
+# the tokens sit in a batch (engine prefill, engine decode, the trainer's forward).
+INVARIANT_SPLIT_TOKENS = 512
+INVARIANT_PAGE = 64  # the trainer's page size for its one-sequence-per-row "cache"
 
 
 @dataclass(frozen=True)
@@ -101,14 +105,21 @@ def internal_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
 class DecoderModel:
     """Weights (`self.weights`, internal names) and the forward; owns no KV cache and no batch state."""
 
-    def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_positions: int):
+    def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_positions: int,
+                 batch_invariant: bool = False):
         self.shape = Shape.from_hf(hf_config)
         self.device, self.dtype = torch.device(device), dtype
-        self.fused = self.device.type == "cuda"  # Triton kernels instead of the torch definitions below
+        # Triton kernels instead of the torch definitions below: on CUDA, and in batch-invariant mode
+        # (there every op is a kernel the trainer's forward calls too; see rl/invariant.py).
+        self.batch_invariant = batch_invariant
+        self.fused = self.device.type == "cuda" or batch_invariant
+        self.linear = F.linear
         if self.fused:
             from rl.rollout import kernels
 
             self.kernels = kernels
+            if batch_invariant:
+                self.linear = kernels.linear
         reference = _hf_reference(hf_config)
         self.hf_shapes = {n: tuple(p.shape) for n, p in reference.named_parameters(remove_duplicate=False)}
         self.hf_buffers = {n for n, _ in reference.named_buffers(remove_duplicate=False)}
@@ -166,25 +177,31 @@ class DecoderModel:
         residual = None
         for i in range(self.shape.num_layers):
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.input_norm"])
-            qkv = F.linear(h, w[f"layers.{i}.qkv.weight"], w.get(f"layers.{i}.qkv.bias"))
+            qkv = self.linear(h, w[f"layers.{i}.qkv.weight"], w.get(f"layers.{i}.qkv.bias"))
             self.rope_and_store(qkv, positions, slots, kv[0, i], kv[1, i])
-            x = F.linear(attend(i, qkv), w[f"layers.{i}.o.weight"], w.get(f"layers.{i}.o.bias"))
+            x = self.linear(attend(i, qkv), w[f"layers.{i}.o.weight"], w.get(f"layers.{i}.o.bias"))
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.post_norm"])
-            x = F.linear(self.silu_mul(F.linear(h, w[f"layers.{i}.gate_up"])), w[f"layers.{i}.down"])
+            x = self.linear(self.silu_mul(self.linear(h, w[f"layers.{i}.gate_up"])), w[f"layers.{i}.down"])
         return x, residual
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h, _ = self.add_rms_norm(x, residual, self.weights["norm"])
-        return F.linear(h, self.weights.get("lm_head", self.weights["embed"]))  # (N, V) in the model dtype
+        return self.linear(h, self.weights.get("lm_head", self.weights["embed"]))  # (N, V) in the model dtype
 
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor
-                ) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
+                page_size: int) -> torch.Tensor:
         """Right-padded prompts (N, L) -> logits at each prompt's last token (N, V); pads write to `slots` 0."""
         n, length = tokens.shape
         s = self.shape
         positions = torch.arange(length, device=tokens.device).repeat(n)
+        if self.batch_invariant:  # every prompt token is a row of the decode kernel, as in the trainer
+            tables = (slots[:, ::page_size] // page_size).to(torch.int32).repeat_interleave(length, dim=0)
+            context_lens = (positions + 1).to(torch.int32)
 
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
+            if self.batch_invariant:
+                return invariant_attention(self.kernels, split_qkv(qkv, s)[0], kv[0, layer], kv[1, layer], tables,
+                                           context_lens, page_size, length)
             q, k, v = (t.reshape(n, length, -1, s.head_dim).transpose(1, 2) for t in split_qkv(qkv, s))
             group = s.num_heads // s.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -204,8 +221,9 @@ class DecoderModel:
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
             q = split_qkv(qkv, s)[0]
             if self.fused:
-                return self.kernels.decode_attention(q, kv[0, layer], kv[1, layer], block_tables, context_lens,
-                                                     page_size, s.head_dim ** -0.5, num_splits)
+                return self.kernels.decode_attention(
+                    q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size, s.head_dim ** -0.5,
+                    num_splits, split_tokens=INVARIANT_SPLIT_TOKENS if self.batch_invariant else 0)
             return paged_attention_reference(q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size)
 
         return self.logits(*self.layers(tokens, positions, slots, kv, attend))
@@ -217,6 +235,27 @@ def split_qkv(qkv: torch.Tensor, s: Shape) -> tuple[torch.Tensor, torch.Tensor, 
     t = qkv.shape[0]
     return (qkv[:, :q].view(t, s.num_heads, s.head_dim), qkv[:, q : q + kv].view(t, s.num_kv_heads, s.head_dim),
             qkv[:, q + kv :].view(t, s.num_kv_heads, s.head_dim))
+
+
+def invariant_num_splits(max_context: int) -> int:
+    return -(-max_context // INVARIANT_SPLIT_TOKENS)
+
+
+def invariant_attention(kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, max_context: int,
+                        rows_per_call: int = 8192) -> torch.Tensor:
+    """Batch-invariant attention of query rows q (R, H, D), each over its own first context_lens
+    cached tokens: the decode kernel with fixed-length splits, so a token's output is the same bits
+    whether it is decoded in a batch of 256, prefilled with its prompt or recomputed by the trainer.
+    Rows go `rows_per_call` at a time to bound the float32 partial outputs."""
+    splits = invariant_num_splits(max_context)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for r in range(0, q.shape[0], rows_per_call):
+        out[r : r + rows_per_call] = kernels.decode_attention(
+            q[r : r + rows_per_call], k_cache, v_cache, block_tables[r : r + rows_per_call],
+            context_lens[r : r + rows_per_call], page_size, q.shape[-1] ** -0.5, splits,
+            split_tokens=INVARIANT_SPLIT_TOKENS)
+    return out
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

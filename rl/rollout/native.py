@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from rl.rollout import Completion, SamplingParams, vmem
-from rl.rollout.model import DecoderModel, internal_shapes
+from rl.rollout.model import DecoderModel, internal_shapes, invariant_num_splits
 from rl.rollout.scheduler import PagePool, Request, Scheduler, cdiv
 
 TAGS = ("weights", "kv_cache")
@@ -124,11 +124,13 @@ class Rows:
 class NativeEngine:
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_batch_size: int = 256,
                  seed: int = 0, *, max_context_len: int = 4096, kv_cache_tokens: int = 0, cuda_graphs: bool = True,
-                 steps_per_poll: int = 16, page_size: int = 64, stable_memory: bool = True):
+                 steps_per_poll: int = 16, page_size: int = 64, stable_memory: bool = True,
+                 batch_invariant: bool = False):
         self.device, self.dtype = torch.device(device), dtype
         self.max_batch_size, self.max_context_len = max_batch_size, max_context_len
         self.page_size, self.steps_per_poll = page_size, steps_per_poll
-        self.model = DecoderModel(hf_config, self.device, dtype, max_context_len)
+        self.model = DecoderModel(hf_config, self.device, dtype, max_context_len, batch_invariant)
+        self.on_gpu = self.device.type == "cuda"  # Triton sampling and bookkeeping
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         # By default a full batch of the longest sequences fits: each may hold a page more than its
         # length needs (its copy of the prompt's last, partial page).
@@ -337,7 +339,8 @@ class NativeEngine:
             tokens[n, : len(p.tokens)] = torch.tensor(p.tokens)
             slots[n, : len(p.tokens)] = torch.tensor(p.pages)[t // self.page_size] * self.page_size + t % self.page_size
         lengths = torch.tensor([len(p.tokens) for p in prompts])
-        logits = self.model.prefill(tokens.to(self.device), lengths.to(self.device), slots.to(self.device), self.kv)
+        logits = self.model.prefill(tokens.to(self.device), lengths.to(self.device), slots.to(self.device), self.kv,
+                                    self.page_size)
         for n, p in enumerate(prompts):
             p.logits = logits[n]
 
@@ -372,7 +375,7 @@ class NativeEngine:
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p, r = self.params, self.rows
-        if not self.model.fused:
+        if not self.on_gpu:
             return sample_tokens(logits, p.temperature, p.top_p, p.top_k, self.generator)
         kernels = self.model.kernels
         if p.top_k <= 0 and p.top_p >= 1.0:
@@ -382,6 +385,8 @@ class NativeEngine:
                            lambda filtered: kernels.sample(filtered, unit, self.seed)[0])
 
     def _num_splits(self, bucket: int) -> int:
+        if self.model.batch_invariant:  # fixed-length splits: enough of them for the longest context
+            return invariant_num_splits(self.max_context_len)
         if not self.model.fused:
             return 1
         s = self.model.shape
@@ -399,7 +404,7 @@ class NativeEngine:
     def _advance(self, bucket: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Records the sampled tokens of rows [0, bucket), applies the stop rules, moves live rows on."""
         r = self.rows
-        if self.model.fused:  # the same bookkeeping in one launch
+        if self.on_gpu:  # the same bookkeeping in one launch
             self.model.kernels.advance(tokens, logprobs, r.done[:bucket], r.n_gen[:bucket], r.out_tokens[:bucket],
                                        r.out_logprobs[:bucket], r.input_ids[:bucket], r.positions[:bucket],
                                        r.context_lens[:bucket], r.slots[:bucket], r.block_tables[:bucket],
