@@ -30,6 +30,9 @@ class ModelConfig:
     random_init: bool = False  # build from config.json with random weights (tests, benchmarks)
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
+    # The native engine and the trainer compute each token with the same batch-invariant kernels, so
+    # rollout and training logprobs agree bit for bit (rl/invariant.py); slower decode, CUDA only.
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(ro.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
     _require(ro.engine == "vllm" or ro.tensor_parallel_size == 1,
              f"rollout.tensor_parallel_size={ro.tensor_parallel_size} needs rollout.engine='vllm'; the native engine is TP=1")
+    _require(not cfg.model.batch_invariant or ro.engine == "native",
+             "model.batch_invariant needs rollout.engine='native': the trainer reuses the native engine's kernels")
+    _require(not cfg.model.batch_invariant or ro.dtype == "auto",
+             f"model.batch_invariant needs rollout.dtype='auto' (the trainer's compute dtype), got {ro.dtype!r}")
     _require(ro.kv_cache_tokens >= 0, f"rollout.kv_cache_tokens must be >= 0, got {ro.kv_cache_tokens}")
     _require(ro.steps_per_poll >= 1, f"rollout.steps_per_poll must be >= 1, got {ro.steps_per_poll}")
     for key in ("rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "max_batch_size"):

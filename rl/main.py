@@ -9,6 +9,7 @@ and HTTP calls replaced by function calls and collectives).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,8 +19,9 @@ from transformers import AutoTokenizer
 
 from rl import parallel
 from rl.algo import grpo_advantages
-from rl.config import Config, check_paths, dump, load_config, resolve
+from rl.config import Config, ConfigError, check_paths, dump, load_config, resolve
 from rl.data import PromptDataset, Sample, Status
+from rl.invariant import make_batch_invariant
 from rl.metrics import make_logger, memory_phase
 from rl.parallel import print0
 from rl.reward import RewardInput, RewardPool
@@ -174,6 +176,9 @@ def main(argv: list[str]) -> None:
     check_paths(cfg)
     dist = parallel.init_distributed()
     cfg = resolve(cfg, dist.world_size)
+    if cfg.model.batch_invariant and dist.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("model.batch_invariant runs the native engine's Triton kernels in the trainer too: it needs "
+                          "a CUDA device (on a CPU only under TRITON_INTERPRET=1, for tests)")
     out_dir = Path(cfg.log.output_dir)
     if dist.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -187,10 +192,12 @@ def main(argv: list[str]) -> None:
     logger = make_logger(dist.is_main, cfg.log.output_dir, cfg.to_dict(), cfg.log.wandb,
                          cfg.log.wandb_project, cfg.log.run_name)
 
-    policy = shard_policy(load_hf_model(cfg.model, cfg.train.seed), dist.mesh, dist.device,
-                          cfg.model.gradient_checkpointing)
+    policy = load_hf_model(cfg.model, cfg.train.seed)
+    if cfg.model.batch_invariant:
+        policy = make_batch_invariant(policy, cfg.rollout.max_context_len)
+    policy = shard_policy(policy, dist.mesh, dist.device, cfg.model.gradient_checkpointing)
     optimizer, scheduler = build_optimizer(policy, cfg.train)
-    engine = build_engine(cfg.rollout, cfg.model.path, policy.config, dist.device, dist.rank)
+    engine = build_engine(cfg.rollout, cfg.model.path, policy.config, dist.device, dist.rank, cfg.model.batch_invariant)
     dtype = engine_dtype(cfg.rollout.dtype, dist.device)
     eos = tokenizer.eos_token_id
     sampling = SamplingParams.from_config(cfg.rollout, [eos] if isinstance(eos, int) else eos or [])

@@ -1,11 +1,13 @@
 """Multi-rank tests over gloo, each a real torchrun launch."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.tiny import save_tiny_model_dir, write_arithmetic_jsonl
@@ -90,3 +92,23 @@ def test_main_loop_four_ranks(tmp_path):
     for row in rows:
         assert row["rollout/num_samples"] == 8 * 4
         assert row["train/grad_norm"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+def test_main_loop_batch_invariant(tmp_path, monkeypatch):
+    """`model.batch_invariant` through the whole loop on 2 gloo ranks: the trainer's FSDP2 forward of
+    the patched model scores the engine's tokens as the engine did (the Triton kernels run in
+    float32 through Triton's interpreter here), and training and weight sync go on as usual."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rows = run_loop(tmp_path, 2, "--train.num_rollout=2", "--model.batch_invariant=true",
+                    "--reward.user_fn=tests.reward_fns:digit_fraction")
+    assert [r["weight_version"] for r in rows] == [2, 3]
+    for row in rows:
+        assert row["rollout/logprob_abs_diff_max"] < 1e-5
+        assert row["train/grad_norm"] > 0
+
+
+def test_batch_invariant_on_cpu_needs_the_interpreter(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(AssertionError, match="model.batch_invariant runs the native engine's Triton kernels"):
+        run_loop(tmp_path, 1, "--model.batch_invariant=true")

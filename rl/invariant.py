@@ -1,0 +1,199 @@
+"""Batch-invariant training forward: the trainer computes every token with the native engine's kernels.
+
+Two bf16 forwards of the same model that differ only in kernel choice (cuBLAS picking another
+tile shape at another batch size, another attention kernel) disagree by ~1e-2 in the logprobs of
+sampled tokens, because a flipped bf16 rounding in one layer is carried through the rest. With
+`model.batch_invariant = true` the engine and the trainer run one implementation whose result for
+a token does not depend on what else is in the batch:
+
+- every linear layer is `kernels.linear` (one tile shape for all problem sizes, no split-K);
+- attention is the engine's decode kernel with fixed 512-token splits, run with one row per token
+  over the sequence's own keys (`invariant_attention`), in the engine's prefill, its decode steps
+  and here alike;
+- RMSNorm, SiLU * up and RoPE are the engine's Triton kernels with its rounded cos/sin tables (HF's
+  torch RoPE differs from the engine's by one bf16 ulp in places on the GPU), and residual adds are
+  plain bf16 adds (the engine's fused add rounds the same way).
+
+So the rollout logprobs and the trainer's logprobs of the same tokens agree to the last bit of the
+network (the final log-softmax differs only in float32 summation order). Backward passes use plain
+torch: each custom op differentiates the same function through its torch definition.
+
+`make_batch_invariant(model, max_positions)` patches a `transformers` Llama / Qwen2 causal LM in
+place (before FSDP2 wraps it) and returns it. It assumes what `rl.train.collate` builds: one
+sequence per row, right-padded, positions 0, 1, 2, ... Padded positions compute garbage that the
+loss mask drops.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from rl.rollout.model import INVARIANT_PAGE, Shape, _rope_tables, invariant_attention
+
+def _kernels():
+    from rl.rollout import kernels
+
+    return kernels
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = _kernels().linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        grad_w = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def _recompute_grads(ctx, fn, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of fn(*saved tensors), the op's torch definition, for the inputs that want one."""
+    needs = ctx.needs_input_grad[: len(ctx.saved_tensors)]
+    with torch.enable_grad():
+        leaves = tuple(t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs))
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(fn(*leaves), wanted, grad) if wanted else ())
+    return tuple(next(grads) if t.requires_grad else None for t in leaves)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        out, _ = _kernels().add_rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), None, weight, eps)
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return *_recompute_grads(ctx, lambda x, w: rms_norm_reference(x, w, ctx.eps), grad), None
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor):
+        ctx.save_for_backward(gate, up)
+        gate_up = torch.cat([gate, up], dim=-1).reshape(-1, 2 * gate.shape[-1])
+        return _kernels().silu_mul(gate_up).view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _recompute_grads(ctx, lambda g, u: F.silu(g) * u, grad)
+
+
+class _Rope(torch.autograd.Function):
+    """x (T, heads, D) rotated by cos, sin (T, D/2) with the engine's RoPE arithmetic."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        ctx.save_for_backward(cos, sin)
+        return _kernels().rope(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = (t.float()[:, None, :] for t in ctx.saved_tensors)
+        g1, g2 = grad.float().chunk(2, dim=-1)  # the rotation's transpose: rotate back by the same angle
+        return torch.cat([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1).to(grad.dtype), None, None
+
+
+class _Attention(torch.autograd.Function):
+    """Causal GQA attention, q (B, T, H, D), k and v (B, T, KV, D) -> (B, T, H, D)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        b, t, h, d = q.shape
+        kv_heads, pages = k.shape[2], -(-t // INVARIANT_PAGE)
+        pad = pages * INVARIANT_PAGE - t
+        # Each sequence's keys and values as its own run of cache pages; every token is a query row.
+        k_cache = F.pad(k, (0, 0, 0, 0, 0, pad)).reshape(b * pages * INVARIANT_PAGE, kv_heads, d)
+        v_cache = F.pad(v, (0, 0, 0, 0, 0, pad)).reshape(b * pages * INVARIANT_PAGE, kv_heads, d)
+        tables = torch.arange(b * pages, dtype=torch.int32, device=q.device).view(b, pages).repeat_interleave(t, 0)
+        context_lens = torch.arange(1, t + 1, dtype=torch.int32, device=q.device).repeat(b)
+        out = invariant_attention(_kernels(), q.reshape(b * t, h, d), k_cache, v_cache, tables, context_lens,
+                                  INVARIANT_PAGE, t)
+        return out.view(b, t, h, d)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        def attend(q, k, v):
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=ctx.scale, enable_gqa=True)
+            return out.transpose(1, 2)
+
+        return *_recompute_grads(ctx, attend, grad), None
+
+
+def _attention_forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+    """The HF attention block with the engine's RoPE and attention (causal: right padding needs no mask)."""
+    if self.training and getattr(self, "attention_dropout", 0.0):
+        raise ValueError("batch-invariant attention has no dropout; set the model's attention_dropout to 0")
+    b, t = hidden_states.shape[:2]
+    d = self.head_dim
+    if abs(self.scaling - d ** -0.5) > 1e-12:
+        raise ValueError(f"batch-invariant attention uses the scale head_dim ** -0.5, the model asks for {self.scaling}")
+    cos, sin = (x.expand(b, t, d // 2).reshape(b * t, d // 2) for x in position_embeddings)
+    q = _Rope.apply(self.q_proj(hidden_states).view(b * t, -1, d), cos, sin).view(b, t, -1, d)
+    k = _Rope.apply(self.k_proj(hidden_states).view(b * t, -1, d), cos, sin).view(b, t, -1, d)
+    v = self.v_proj(hidden_states).view(b, t, -1, d)
+    return self.o_proj(_Attention.apply(q, k, v, self.scaling).reshape(b, t, -1)), None
+
+
+def _linear_forward(self, x):
+    return _Linear.apply(x, self.weight, self.bias)
+
+
+def _rms_norm_forward(self, x):
+    return _RMSNorm.apply(x, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x):
+    return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+def make_batch_invariant(model: torch.nn.Module, max_positions: int) -> torch.nn.Module:
+    """Patches a Llama / Qwen2 `transformers` causal LM to compute its forward with the engine's
+    batch-invariant kernels (see the module docstring); returns the same model."""
+    Shape.from_hf(model.config)  # the native engine's architecture checks: the two must compute alike
+    for module in model.modules():
+        if all(hasattr(module, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            module.forward = types.MethodType(_attention_forward, module)
+        elif isinstance(module, torch.nn.Linear):
+            module.forward = types.MethodType(_linear_forward, module)
+        elif type(module).__name__.endswith("RMSNorm"):
+            module.forward = types.MethodType(_rms_norm_forward, module)
+        elif all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            module.forward = types.MethodType(_mlp_forward, module)
+    # Plain attributes, not buffers: buffers would travel with the weights the trainer pushes.
+    rotary = model.model.rotary_emb
+    rotary.invariant_tables = _rope_tables(model, max_positions, torch.device("cpu"), torch.float32)
+
+    def rotary_forward(self, x, position_ids):
+        cos, sin = self.invariant_tables
+        if cos.device != x.device:  # the model moved (FSDP2, offload): follow it once
+            self.invariant_tables = cos, sin = cos.to(x.device), sin.to(x.device)
+        if int(position_ids.max()) >= cos.shape[0]:
+            raise ValueError(f"position {int(position_ids.max())} is past the batch-invariant RoPE tables "
+                             f"({cos.shape[0]} positions, rollout.max_context_len)")
+        # The engine's half tables (B, T, D/2), rounded from float32 to the activation dtype as it rounds
+        # them; only the patched attention reads them.
+        return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
+
+    rotary.forward = types.MethodType(rotary_forward, rotary)
+    return model
