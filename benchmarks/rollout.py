@@ -12,6 +12,11 @@ bandwidth measured in the same run, with the fraction of it the engine achieved 
 batch time, prefill included). It also checks, per model, the engine's logprobs against a bf16
 training forward of the same sequences, and that sleep(2) returns the engine's memory and that
 wake + load reproduces greedy outputs.
+
+    python benchmarks/rollout.py --batch-invariant --hf-steps -1   # the same in model.batch_invariant mode
+
+measures the engine in batch-invariant mode and its logprobs against the trainer's forward in that
+mode (rl/invariant.py), the HF forward then being a reference column.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rl.invariant import make_batch_invariant  # noqa: E402
 from rl.rollout import SamplingParams  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
 from rl.weights import iter_full_weights  # noqa: E402
@@ -126,22 +132,33 @@ def reference_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], bat
 
 
 @torch.no_grad()
-def logprob_parity(model, prompts: list[list[int]], outs, device: torch.device) -> dict:
+def logprob_parity(model, prompts: list[list[int]], outs, device: torch.device, max_context: int = 0) -> dict:
     """|engine logprob - training-forward logprob| over the generated tokens (model dtype forward, one
     sequence per forward), and, for scale, the same forward's own spread: batched 8 rows at a time vs
     one at a time, with HF's eager attention instead of SDPA (the same model and dtype, only another
-    attention kernel), and engine and bf16 forward each against a float32 forward of the same weights."""
+    attention kernel), and engine and bf16 forward each against a float32 forward of the same weights.
+
+    `max_context` > 0: the engine ran batch-invariant, and the training forward is the trainer's in
+    that mode (`make_batch_invariant`, 8 right-padded rows per forward); the HF forward becomes a
+    reference column."""
     seqs, lens = [p + o.token_ids for p, o in zip(prompts, outs)], [len(p) for p in prompts]
     engine = torch.cat([torch.tensor(o.logprobs, device=device) for o in outs])
     single = torch.cat(reference_logprobs(model, seqs, lens, 1, device))
+    trainer = single
+    if max_context:
+        patched = make_batch_invariant(copy.deepcopy(model), max_context)
+        trainer = torch.cat(reference_logprobs(patched, seqs, lens, 8, device))
+        del patched
     batched = torch.cat(reference_logprobs(model, seqs, lens, 8, device))
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     other_attention = torch.cat(reference_logprobs(eager, seqs, lens, 1, device))
     del eager
     exact = torch.cat(reference_logprobs(copy.deepcopy(model).float(), seqs, lens, 8, device))
-    d = (engine - single).abs()
+    d = (engine - trainer).abs()
     return {"mean_abs": d.mean().item(), "max_abs": d.max().item(), "tokens": d.numel(),
+            "exactly_equal_frac": (engine == trainer).float().mean().item(),
+            "engine_vs_hf_forward_mean_abs": (engine - single).abs().mean().item(),
             "bf16_batched_vs_single_mean_abs": (batched - single).abs().mean().item(),
             "bf16_sdpa_vs_eager_mean_abs": (other_attention - single).abs().mean().item(),
             "engine_vs_fp32_mean_abs": (engine - exact).abs().mean().item(),
@@ -209,8 +226,9 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
     if device.type == "cuda":
         torch.cuda.empty_cache()  # what the previous model's run left cached is not the engine's
     free_base = free_bytes(device)
-    engine = NativeEngine(cfg, device, dtype, max_batch_size=batch, seed=0,
-                          max_context_len=args.max_prompt_len + args.max_new_tokens)
+    max_context = args.max_prompt_len + args.max_new_tokens
+    engine = NativeEngine(cfg, device, dtype, max_batch_size=batch, seed=0, max_context_len=max_context,
+                          batch_invariant=args.batch_invariant)
     engine.load_weights(all_weights(model))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)  # no stop ids: EOS ignored
     engine.generate(prompts, SamplingParams(max_new_tokens=min(16, args.max_new_tokens)))  # warm-up: kernels compiled, graph captured
@@ -223,7 +241,7 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
     assert tokens == batch * args.max_new_tokens
     engine_bytes = free_base - free_bytes(device)
 
-    row = {"model": Path(path).name, "batch": batch, "prompt_lens": lens, "new_tokens": args.max_new_tokens,
+    row = {"model": Path(path).name + (" (batch-invariant)" if args.batch_invariant else ""), "batch": batch, "prompt_lens": lens, "new_tokens": args.max_new_tokens,
            "engine_s": engine_s, "engine_tok_s": tokens / engine_s, "engine_bytes": engine_bytes}
     row |= roofline(engine, lens, args.n_samples, args.max_new_tokens, bandwidth)
     row["roofline_tok_s"] = tokens / row["roofline_s"]
@@ -234,7 +252,8 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
         for name, ms in row["profile_ms_per_step"]:
             print(f"{ms:8.3f} ms/step  {name}")
     picks = list(range(0, batch, args.n_samples))[: args.parity_sequences]
-    row["logprob_parity"] = logprob_parity(model, [prompts[i] for i in picks], [outs[i] for i in picks], device)
+    row["logprob_parity"] = logprob_parity(model, [prompts[i] for i in picks], [outs[i] for i in picks], device,
+                                           max_context if args.batch_invariant else 0)
     row["sleep"] = sleep_round_trip(engine, model, distinct, min(64, args.max_new_tokens), device, free_base)
     row["sleep"]["freed_frac"] = 1 - row["sleep"]["engine_bytes_asleep"] / max(row["sleep"]["engine_bytes_awake"], 1)
     engine.sleep(2)
@@ -267,13 +286,15 @@ def table(rows: list[dict], bandwidth: float) -> str:
         lines.append(f"| {r['model']} | {r['batch']} x {r['new_tokens']} | {r['engine_tok_s']:,.0f} | "
                      f"{r['engine_s']:.2f} | {hf} | {r['roofline_tok_s']:,.0f} | {100 * r['roofline_frac']:.0f}% | "
                      f"{100 * r['roofline_shared_prompt_frac']:.0f}% |")
-    lines += ["", "| model | logprob mean abs diff | max abs diff | tokens | forward batched vs single | "
+    lines += ["", "| model | logprob mean abs diff | max abs diff | tokens | bitwise equal | engine vs HF forward | "
+              "forward batched vs single | "
               "forward SDPA vs eager attention | engine vs fp32 forward | forward vs fp32 forward | sleep(2) freed "
               "| engine memory awake -> asleep | greedy identical after wake | graphs kept |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, s = r["logprob_parity"], r["sleep"]
         lines.append(f"| {r['model']} | {p['mean_abs']:.2e} | {p['max_abs']:.2e} | {p['tokens']} | "
+                     f"{100 * p['exactly_equal_frac']:.1f}% | {p['engine_vs_hf_forward_mean_abs']:.2e} | "
                      f"{p['bf16_batched_vs_single_mean_abs']:.2e} | {p['bf16_sdpa_vs_eager_mean_abs']:.2e} | "
                      f"{p['engine_vs_fp32_mean_abs']:.2e} | "
                      f"{p['bf16_vs_fp32_mean_abs']:.2e} | "
@@ -294,6 +315,8 @@ def main() -> None:
     parser.add_argument("--hf-steps", type=int, default=0,
                         help="HF generate decode steps: 0 = all of them, N = only the first N, -1 = skip HF")
     parser.add_argument("--parity-sequences", type=int, default=32)
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="engine and training forward in batch-invariant mode (model.batch_invariant)")
     parser.add_argument("--profile", action="store_true", help="print device time per decode step by kernel")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
