@@ -30,7 +30,9 @@ import types
 
 import torch
 import torch.nn.functional as F
-from rl.rollout.model import INVARIANT_PAGE, Shape, _rope_tables, invariant_attention
+
+from rl.rollout.model import INVARIANT_PAGE, Shape, invariant_attention, rope_tables
+
 
 def _kernels():
     from rl.rollout import kernels
@@ -182,7 +184,7 @@ def make_batch_invariant(model: torch.nn.Module, max_positions: int) -> torch.nn
             module.forward = types.MethodType(_mlp_forward, module)
     # Plain attributes, not buffers: buffers would travel with the weights the trainer pushes.
     rotary = model.model.rotary_emb
-    rotary.invariant_tables = _rope_tables(model, max_positions, torch.device("cpu"), torch.float32)
+    rotary.invariant_tables = rope_tables(model, max_positions, torch.device("cpu"), torch.float32)
 
     def rotary_forward(self, x, position_ids):
         cos, sin = self.invariant_tables

@@ -127,7 +127,7 @@ class DecoderModel:
         unknown = sorted(self.hf_shapes.keys() - self.name_map.keys())
         if unknown:
             raise ValueError(f"{hf_config.model_type}: parameters the native engine does not implement: {unknown[:4]}")
-        self.cos, self.sin = _rope_tables(reference, max_positions, self.device, dtype)
+        self.cos, self.sin = rope_tables(reference, max_positions, self.device, dtype)
         self.weights: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ ops (Triton on CUDA, torch elsewhere)
@@ -280,7 +280,7 @@ def _hf_reference(hf_config) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
 
 
-def _rope_tables(reference: torch.nn.Module, max_positions: int, device: torch.device, dtype: torch.dtype
+def rope_tables(reference: torch.nn.Module, max_positions: int, device: torch.device, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (max_positions, D/2), computed in float32 by the HF rotary module on the CPU and
     rounded to the activation dtype as the HF forward rounds them."""
