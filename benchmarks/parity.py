@@ -9,6 +9,10 @@ float32 forward of the same weights. The table gives the engine-vs-trainer |logp
 and, for scale, how far each bf16 computation is from float32 and how far the bf16 forward moves
 when only its attention kernel changes (SDPA vs eager): when the engine is as close to float32 as
 the trainer is, what remains is bf16 rounding in two different kernel orders, not an engine error.
+
+`--batch-invariant` runs the engine in that mode and scores with the trainer's forward in that mode
+(`model.batch_invariant`, rl/invariant.py); on a CPU its Triton kernels run only under
+TRITON_INTERPRET=1, in float32 (`--dtype float32`).
 """
 
 from __future__ import annotations
@@ -41,12 +45,12 @@ QUESTIONS = [
 ]
 
 
-def load(path: Path, device: torch.device):
-    """(bf16 model on `device`, tokenizer) from a folder or a .gguf file."""
+def load(path: Path, device: torch.device, dtype: torch.dtype):
+    """(model in `dtype` on `device`, tokenizer) from a folder or a .gguf file."""
     folder, extra = (path.parent, {"gguf_file": path.name}) if path.suffix == ".gguf" else (path, {})
     tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa", **extra)
-    if extra:  # GGUF weights arrive dequantized: from here on it is a plain bf16 model
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **extra)
+    if extra:  # GGUF weights arrive dequantized: from here on it is a plain model
         model.hf_quantizer, model.is_quantized = None, False
     return model.to(device).eval(), tokenizer
 
@@ -66,15 +70,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-invariant", action="store_true")
     args = parser.parse_args()
     if not args.model.exists():
         raise SystemExit(f"--model {args.model}: no such file or folder")
-    device = torch.device(args.device)
-    model, tokenizer = load(args.model, device)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model, tokenizer = load(args.model, device, dtype)
     prompts = [encode(tokenizer, QUESTIONS[i % len(QUESTIONS)]) for i in range(args.prompts)]
     batch = [p for p in prompts for _ in range(args.n_samples)]
-    engine = NativeEngine(model.config, device, torch.bfloat16, max_batch_size=len(batch), seed=0,
-                          max_context_len=max(map(len, prompts)) + args.max_new_tokens)
+    max_context = max(map(len, prompts)) + args.max_new_tokens
+    engine = NativeEngine(model.config, device, dtype, max_batch_size=len(batch), seed=0, max_context_len=max_context,
+                          batch_invariant=args.batch_invariant)
     engine.load_weights(all_weights(model))
     start = time.perf_counter()
     outs = engine.generate(batch, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0,
@@ -82,13 +89,16 @@ def main() -> None:
     seconds = time.perf_counter() - start
     engine.sleep(2)
     tokens = sum(len(o.token_ids) for o in outs)
-    p = logprob_parity(model, batch, outs, device)
-    print(f"{args.model.name} on {device}: {len(batch)} sequences, {tokens} generated tokens in {seconds:.1f} s, "
+    p = logprob_parity(model, batch, outs, device, max_context if args.batch_invariant else 0)
+    mode = " (batch-invariant)" if args.batch_invariant else ""
+    print(f"{args.model.name}{mode} on {device}, {args.dtype}: {len(batch)} sequences, {tokens} generated tokens in {seconds:.1f} s, "
           f"mean logprob {sum(sum(o.logprobs) for o in outs) / tokens:.3f}")
-    print("| engine vs bf16 forward: mean abs | max abs | tokens | engine vs fp32 forward | bf16 forward vs fp32 "
-          "forward | bf16 forward batched vs single | bf16 forward SDPA vs eager attention |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| {p['mean_abs']:.2e} | {p['max_abs']:.2e} | {p['tokens']} | {p['engine_vs_fp32_mean_abs']:.2e} | "
+    print("| engine vs training forward: mean abs | max abs | tokens | bitwise equal | engine vs HF forward | "
+          "engine vs fp32 forward | HF forward vs fp32 forward | HF forward batched vs single | "
+          "HF forward SDPA vs eager attention |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| {p['mean_abs']:.2e} | {p['max_abs']:.2e} | {p['tokens']} | {100 * p['exactly_equal_frac']:.1f}% | "
+          f"{p['engine_vs_hf_forward_mean_abs']:.2e} | {p['engine_vs_fp32_mean_abs']:.2e} | "
           f"{p['bf16_vs_fp32_mean_abs']:.2e} | {p['bf16_batched_vs_single_mean_abs']:.2e} | "
           f"{p['bf16_sdpa_vs_eager_mean_abs']:.2e} |")
 
