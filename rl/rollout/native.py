@@ -130,8 +130,8 @@ class NativeEngine:
         self.max_batch_size, self.max_context_len = max_batch_size, max_context_len
         self.page_size, self.steps_per_poll = page_size, steps_per_poll
         self.model = DecoderModel(hf_config, self.device, dtype, max_context_len, batch_invariant)
-        self.on_gpu = self.device.type == "cuda"  # Triton sampling and bookkeeping
-        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.on_gpu = self.device.type == "cuda"  # graphs, Triton sampling and bookkeeping, device syncs
+        self.use_graphs = cuda_graphs and self.on_gpu
         # By default a full batch of the longest sequences fits: each may hold a page more than its
         # length needs (its copy of the prompt's last, partial page).
         pages = cdiv(kv_cache_tokens, page_size)
@@ -140,7 +140,7 @@ class NativeEngine:
         self.num_pages = pages + 1  # + the scratch page
         self.buckets = sorted({*(b for b in (1, 2, 4, 8, *range(16, max_batch_size, 16)) if b < max_batch_size),
                                max_batch_size})
-        if self.device.type == "cuda":
+        if self.on_gpu:
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.seed = torch.full((1,), seed, dtype=torch.long, device=self.device)  # bumped on the device
         self.generator = torch.Generator(self.device).manual_seed(seed)
@@ -209,7 +209,7 @@ class NativeEngine:
         if self.stable:
             self.weight_buffer.unmap()
             self.kv_buffer.unmap()
-        if self.device.type == "cuda":
+        if self.on_gpu:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
@@ -237,7 +237,7 @@ class NativeEngine:
                                               self.max_context_len + 1, self.device)
                 self.rows.clear(0, self.max_batch_size)  # kept rows (stable memory) start idle too
             self.asleep[tag] = False
-        if self.device.type == "cuda":
+        if self.on_gpu:
             torch.cuda.synchronize(self.device)
 
     def _new_weights(self) -> dict[str, torch.Tensor]:
@@ -256,7 +256,7 @@ class NativeEngine:
         self.sleep(2)
         self._drop_graphs()
         self.rows = None
-        if self.device.type == "cuda":
+        if self.on_gpu:
             torch.cuda.empty_cache()
 
     def _drop_graphs(self) -> None:
