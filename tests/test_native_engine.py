@@ -45,6 +45,27 @@ def test_continuous_batching_equals_one_at_a_time(model):
     assert len({len(o.token_ids) for o in batched}) > 1
 
 
+def test_polls_behind_the_next_chunk_when_nothing_waits(model, monkeypatch):
+    """With every request in a row, the host stops the device for a full poll only once a row has
+    finished, and never runs a chunk past the step where a row must have finished."""
+    engine = make_engine(model, max_batch_size=8, page_size=4, steps_per_poll=3)
+    polls = []
+    poll = engine._poll
+    monkeypatch.setattr(engine, "_poll", lambda *a: polls.append(1) or poll(*a))
+    free = engine.generate(GROUPED, SamplingParams(max_new_tokens=14, **GREEDY))
+    assert len(polls) == 1  # no stop ids: the one poll collects every row at max_new_tokens
+    assert all(len(o.token_ids) == 14 for o in free)
+    stops = (free[0].token_ids[4], free[3].token_ids[1])
+    params = SamplingParams(max_new_tokens=14, stop_token_ids=stops, **GREEDY)
+    polls.clear()
+    batched = engine.generate(GROUPED, params)
+    assert 1 < len(polls) < 14 // 3 + 1
+    single = one_at_a_time(engine, GROUPED, params)
+    assert [(o.token_ids, o.finish_reason) for o in batched] == [(o.token_ids, o.finish_reason) for o in single]
+    for got, want in zip(batched, single):
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
 def test_shared_prompts_sample_independently_with_exact_logprobs(model):
     engine = make_engine(model, max_batch_size=8, page_size=4)
     prompt = GROUPED[0]
@@ -121,6 +142,12 @@ def test_buffers_are_accepted_and_every_parameter_is_required(model):
         engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
     engine.load_weights([(n, t) for n, t in weights if n == "model.layers.1.mlp.up_proj.weight"])
     assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids) == 2
+
+
+def test_zero_temperature_is_refused_with_the_greedy_spelling(model):
+    engine = make_engine(model, max_batch_size=2)
+    with pytest.raises(ValueError, match="top_k=1"):
+        engine.generate(GROUPED[:1], SamplingParams(max_new_tokens=2, temperature=0.0))
 
 
 def test_prompt_longer_than_context_is_refused(model):

@@ -57,6 +57,37 @@ def test_add_rms_norm(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [2, 4])
+def test_add_rms_norm_reduces_partial_sums(dtype, parts):
+    """Float32 partial sums of a split-K GEMM: summed in order, rounded once, then added and normed."""
+    model = reference_model(dtype)
+    partials = torch.randn(parts, 37, 128, device=DEVICE)
+    res = torch.randn(37, 128, device=DEVICE, dtype=dtype)
+    w = torch.randn(128, device=DEVICE, dtype=dtype)
+    x = partials[0]
+    for p in partials[1:]:
+        x = x + p
+    want, want_res = model.add_rms_norm(x.to(dtype), res, w)
+    got, got_res = kernels().add_rms_norm(partials, res.clone(), w, model.shape.rms_norm_eps)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype and rel_err(got_res, want_res) < tol and rel_err(got, want) < tol
+    if DEVICE.type == "cuda":  # (the interpreter rounds to bfloat16 its own way)
+        assert torch.equal(got_res, want_res)
+
+
+@needs_cuda
+@pytest.mark.parametrize("parts", [2, 4])
+def test_linear_split_k(parts):
+    x = torch.randn(64, 2 * 4864, device=DEVICE, dtype=torch.bfloat16)[:, ::2]  # a strided view, as in decode
+    w = torch.randn(896, 4864, device=DEVICE, dtype=torch.bfloat16)
+    partials = kernels().linear_split_k(x, w, parts)
+    assert partials.shape == (parts, 64, 896) and partials.dtype == torch.float32
+    want = x.float() @ w.float().T
+    assert rel_err(partials.sum(0), want) < 1e-5
+    assert rel_err(kernels().linear_split_k(x.T.contiguous().T, w, parts).sum(0), want) < 1e-5  # column-major x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_and_store(dtype):
     model = reference_model(dtype)
     s = model.shape
@@ -97,6 +128,8 @@ def test_silu_mul():
     gate_up = torch.randn(9, 2 * 1500, device=DEVICE, dtype=torch.bfloat16)
     want = torch.nn.functional.silu(gate_up[:, :1500]) * gate_up[:, 1500:]
     assert rel_err(kernels().silu_mul(gate_up), want) < 1e-2
+    transposed = kernels().silu_mul(gate_up.T.contiguous(), transposed=True)  # (2I, T) in, (I, T) out
+    assert transposed.shape == (1500, 9) and torch.equal(transposed.T, kernels().silu_mul(gate_up))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

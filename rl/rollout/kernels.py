@@ -87,12 +87,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, n_cols,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, n_cols, part_stride,
+                         HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if PARTS > 1:  # float32 partial sums of a split-K GEMM: add them in order, round once like the GEMM would
+        for p in tl.static_range(1, PARTS):
+            x += tl.load(x_ptr + p * part_stride + row * n_cols + cols, mask=mask, other=0.0)
+        x = x.to(out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         # The sum is rounded to the activation dtype before normalising, as the HF forward does.
         x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
@@ -107,13 +111,26 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, n_cols,
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) * weight, x + residual); `residual` is updated in place."""
-    rows, cols = x.shape
-    out = torch.empty_like(x)
-    _add_rms_norm_kernel[(rows,)](x, x if residual is None else residual, weight, out, eps, cols,
-                                  HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
-                                  num_warps=4)
+    """(rms_norm(x + residual) * weight, x + residual); `residual` is updated in place.
+
+    `x` may also be (parts, rows, cols) float32 partial sums of a GEMM split over its inner dimension
+    (see `linear_split_k`): they are summed in order and rounded to the residual's dtype first."""
+    parts = x.shape[0] if x.dim() == 3 else 1
+    rows, cols = x.shape[-2:]
+    out = torch.empty(rows, cols, dtype=x.dtype if parts == 1 else residual.dtype, device=x.device)
+    _add_rms_norm_kernel[(rows,)](x, x if residual is None else residual, weight, out, eps, cols, rows * cols,
+                                  HAS_RESIDUAL=residual is not None, PARTS=parts,
+                                  BLOCK=triton.next_power_of_2(cols), num_warps=4)
     return out, (x if residual is None else residual)
+
+
+def linear_split_k(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T as `parts` float32 partial sums (parts, M, N) over slices of K, for
+    `add_rms_norm` to reduce: one batched cuBLAS call, and the sum happens in the kernel that reads
+    the result anyway instead of in a reduction kernel of its own."""
+    xs = x.unflatten(1, (parts, -1)).transpose(0, 1)  # (parts, M, K/parts): a view, row- or column-major
+    ws = weight.unflatten(1, (parts, -1)).permute(1, 2, 0)  # (parts, K/parts, N): a view
+    return torch.bmm(xs, ws) if x.dtype == torch.float32 else torch.bmm(xs, ws, out_dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- RoPE + KV cache write
@@ -204,21 +221,30 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, row_stride, up_offset, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    g = tl.load(gu_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gu_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + up_offset + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded like F.silu
     tl.store(out_ptr + row * n_cols + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """silu(gate) * up. `gate_up` is (T, 2I), gate columns then up columns; or, with `transposed`,
+    (2I, T), the gate rows then the up rows, and the result is (I, T)."""
+    block = 1024
+    if transposed:  # gate and up are two contiguous halves: one long row each
+        width, tokens = gate_up.shape
+        out = gate_up.new_empty(width // 2, tokens)
+        n = out.numel()
+        _silu_mul_kernel[(1, triton.cdiv(n, block))](gate_up, out, n, 0, n, BLOCK=block, num_warps=4)
+        return out
     rows, width = gate_up.shape
     out = gate_up.new_empty(rows, width // 2)
-    block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(width // 2, block))](gate_up, out, width // 2, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(rows, triton.cdiv(width // 2, block))](gate_up, out, width // 2, width, width // 2,
+                                                             BLOCK=block, num_warps=4)
     return out
 
 

@@ -25,6 +25,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 # the tokens sit in a batch (engine prefill, engine decode, the trainer's forward).
 INVARIANT_SPLIT_TOKENS = 512
 INVARIANT_PAGE = 64  # the trainer's page size for its one-sequence-per-row "cache"
+# Decode steps on CUDA of at most this many rows run the MLP in the layouts measured fastest for
+# them (see DecoderModel.mlp; benchmarks/NOTES.md, "Decode MLP layout").
+SMALL_BATCH_ROWS = 256
+DOWN_SPLITS = 2
 
 
 @dataclass(frozen=True)
@@ -166,11 +170,13 @@ class DecoderModel:
     # ------------------------------------------------------------------ forward
 
     def layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
-               attend: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+               attend: Callable[[int, torch.Tensor], torch.Tensor], decode: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs every decoder block over tokens (T,); returns (x, residual) before the final norm.
 
         Each block writes its rotated keys and values to `slots` of `kv` (2, layers, slots, KV, D);
         `attend(layer, qkv)` returns the attention output (T, heads * D) from the rotated `qkv`.
+        With `decode`, x may come as float32 partial sums (see `mlp`).
         """
         w = self.weights
         x = F.embedding(tokens, w["embed"])
@@ -181,8 +187,21 @@ class DecoderModel:
             self.rope_and_store(qkv, positions, slots, kv[0, i], kv[1, i])
             x = self.linear(attend(i, qkv), w[f"layers.{i}.o.weight"], w.get(f"layers.{i}.o.bias"))
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.post_norm"])
-            x = self.linear(self.silu_mul(self.linear(h, w[f"layers.{i}.gate_up"])), w[f"layers.{i}.down"])
+            x = self.mlp(h, w[f"layers.{i}.gate_up"], w[f"layers.{i}.down"], decode)
         return x, residual
+
+    def mlp(self, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, decode: bool) -> torch.Tensor:
+        """down(silu(gate) * up). A decode step on CUDA (at most SMALL_BATCH_ROWS rows) computes gate_up
+        as W @ h^T, the layout in which cuBLAS is fastest for a few hundred rows, and returns down's
+        result as DOWN_SPLITS float32 partial sums (parts, T, hidden) for `add_rms_norm` to reduce:
+        the output is too narrow to fill the GPU, and cuBLAS would otherwise split K itself and run
+        a reduction kernel of its own."""
+        if not (decode and self.device.type == "cuda" and not self.batch_invariant and h.shape[0] <= SMALL_BATCH_ROWS):
+            return self.linear(self.silu_mul(self.linear(h, gate_up)), down)
+        act = self.kernels.silu_mul(F.linear(gate_up, h), transposed=True).t()  # (I, T) seen as (T, I)
+        if self.shape.intermediate_size % DOWN_SPLITS:
+            return F.linear(act, down)
+        return self.kernels.linear_split_k(act, down, DOWN_SPLITS)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h, _ = self.add_rms_norm(x, residual, self.weights["norm"])
@@ -226,7 +245,7 @@ class DecoderModel:
                     num_splits, split_tokens=INVARIANT_SPLIT_TOKENS if self.batch_invariant else 0)
             return paged_attention_reference(q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size)
 
-        return self.logits(*self.layers(tokens, positions, slots, kv, attend))
+        return self.logits(*self.layers(tokens, positions, slots, kv, attend, decode=True))
 
 
 def split_qkv(qkv: torch.Tensor, s: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

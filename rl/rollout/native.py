@@ -7,7 +7,8 @@ block table, ...). One decode step — forward, sampling, recording the token an
 stop checks, advancing the row — runs entirely on the device, so on CUDA it is captured once per
 batch-size bucket and replayed; the host looks at the rows only every `steps_per_poll` steps,
 collects finished sequences, compacts the survivors to the front and refills the free rows from
-the waiting queue at once (prefilling each distinct prompt once; rl/rollout/scheduler.py).
+the waiting queue at once (prefilling each distinct prompt once; rl/rollout/scheduler.py). When
+no request waits, that look happens behind the next chunk of steps (see `generate`).
 
 Sleep levels mirror vLLM's: level 1 moves the weights to pinned host memory and frees the KV
 cache, level 2 frees both; `wake_up(tags)` restores what is asked. Graphs hold raw pointers: on a
@@ -279,6 +280,9 @@ class NativeEngine:
                              f"engine's max_context_len {self.max_context_len}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every prompt needs at least one token")
+        if not params.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (logprobs are under the tempered distribution), got "
+                             f"{params.temperature}; for greedy decoding pass top_k=1")
         if len(params.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(params.stop_token_ids)}")
 
@@ -290,6 +294,7 @@ class NativeEngine:
         sched = Scheduler(prompts, params.max_new_tokens, self.page_size, PagePool(self.num_pages), self.max_batch_size)
         results: list[Completion | None] = [None] * len(prompts)
         stops = set(params.stop_token_ids)
+        ahead: Callable[[], bool] | None = None  # "has a row finished?" after the chunk before the last
         while True:
             to_prefill, new = sched.admit()
             if to_prefill:
@@ -298,10 +303,23 @@ class NativeEngine:
                 self._start_rows(sched, new, len(sched.running) - len(new))
             if not sched.running:
                 break
+            # `generated` is an upper bound between polls (a row that stopped early stays put), so a
+            # chunk never runs past the step where the longest-lived row must have finished.
             steps = min(self.steps_per_poll, min(params.max_new_tokens - r.generated for r in sched.running))
-            bucket = next(b for b in self.buckets if b >= len(sched.running))
-            for _ in range(steps):
-                self._run_decode(bucket)
+            if steps > 0:
+                bucket = next(b for b in self.buckets if b >= len(sched.running))
+                for _ in range(steps):
+                    self._run_decode(bucket)
+                for request in sched.running:
+                    request.generated += steps
+                # While no request waits for a row, the host reads a one-flag summary of the chunk
+                # before this one as this one runs, and stops the GPU for a full poll only once a
+                # row has finished: the device never idles on a poll that finds nothing. Finished
+                # rows then wait up to one chunk longer, which costs nothing when no one is queued.
+                if not sched.waiting and (ahead is None or not ahead()):
+                    ahead = self._any_done(len(sched.running))
+                    continue
+            ahead = None
             finished = self._poll(sched, stops)
             for request, completion in finished:
                 results[request.index] = completion
@@ -440,6 +458,17 @@ class NativeEngine:
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 self._decode_step(bucket)  # recorded, not run
             self.graphs[key] = graph
+
+    def _any_done(self, rows: int) -> Callable[[], bool]:
+        """Starts copying "has any of rows [0, rows) finished?" to the host; the call returned waits for it."""
+        flag = self.rows.done[:rows].any()
+        if not self.on_gpu:
+            return lambda: bool(flag)
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return lambda: copied.synchronize() or bool(host)
 
     def _poll(self, sched: Scheduler, stops: set[int]) -> list[tuple[Request, Completion]]:
         """Collects finished rows (one host sync), frees their pages and compacts the rest forward."""

@@ -50,7 +50,7 @@ class Request:
     index: int  # position in the generate() call's prompt list
     prompt: PromptKV
     pages: list[int] = field(default_factory=list)  # private: copy of the prompt's partial page, then the response
-    generated: int = 0  # tokens generated so far, as of the last poll
+    generated: int = 0  # tokens generated: exact at a poll, an upper bound between polls
 
 
 class Scheduler:
