@@ -78,7 +78,7 @@ def test_add_rms_norm_reduces_partial_sums(dtype, parts):
 @needs_cuda
 @pytest.mark.parametrize("parts", [2, 4])
 def test_linear_split_k(parts):
-    x = torch.randn(64, 2 * 4864, device=DEVICE, dtype=torch.bfloat16)[:, ::2]  # a strided view, as in decode
+    x = torch.randn(64, 2 * 4864, device=DEVICE, dtype=torch.bfloat16)[:, ::2]  # any strided view
     w = torch.randn(896, 4864, device=DEVICE, dtype=torch.bfloat16)
     partials = kernels().linear_split_k(x, w, parts)
     assert partials.shape == (parts, 64, 896) and partials.dtype == torch.float32
