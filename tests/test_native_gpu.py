@@ -107,6 +107,31 @@ def test_rope_and_store(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rope_and_store_from_partial_sums(dtype, with_bias):
+    """Split-K partial sums of the qkv projection: summed with the bias and rounded once, then the
+    same rotation and cache writes as from the rounded projection; q comes back as a new tensor."""
+    model = reference_model(dtype)
+    s = model.shape
+    tokens, width = 23, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    partials = torch.randn(2, tokens, width, device=DEVICE)
+    bias = torch.randn(width, device=DEVICE, dtype=dtype) if with_bias else None
+    qkv = (partials[0] + partials[1] + (0 if bias is None else bias.float())).to(dtype)
+    positions = torch.randint(0, 200, (tokens,), device=DEVICE)
+    slots = torch.randperm(64, device=DEVICE)[:tokens]
+    caches = [torch.zeros(2, 64, s.num_kv_heads, s.head_dim, device=DEVICE, dtype=dtype) for _ in range(2)]
+    args = (model.cos, model.sin)
+    want_q = kernels().rope_and_store(qkv, positions, slots, *args, caches[0][0], caches[0][1], s.num_heads,
+                                      s.num_kv_heads, s.head_dim)
+    got_q = kernels().rope_and_store(partials, positions, slots, *args, caches[1][0], caches[1][1], s.num_heads,
+                                     s.num_kv_heads, s.head_dim, bias=bias)
+    assert got_q.shape == (tokens, s.num_heads * s.head_dim) and got_q.dtype == dtype
+    if dtype == torch.float32 or DEVICE.type == "cuda":  # (the interpreter rounds to bfloat16 its own way)
+        assert torch.equal(got_q, want_q) and torch.equal(caches[1], caches[0])
+    assert rel_err(got_q, want_q) < 1e-2 and rel_err(caches[1], caches[0]) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_rounds_as_rope_and_store(dtype):
     """The trainer's RoPE kernel (batch-invariant mode) gives the bits the engine's fused RoPE + cache
     write gives, for q and for k."""

@@ -146,12 +146,28 @@ def _rotate(x1, x2, c, s, DT: tl.constexpr):
 
 
 @triton.jit
-def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, row_stride,
+def _load_projection(ptr, part_stride, bias_ptr, col, mask, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     DT: tl.constexpr):
+    """Columns `col` of one token's projection: its value, or the sum of its float32 split-K partial
+    sums plus the bias, rounded once to DT as the GEMM's epilogue would."""
+    x = tl.load(ptr + col, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 1:
+        for p in tl.static_range(1, PARTS):
+            x += tl.load(ptr + p * part_stride + col, mask=mask, other=0.0)
+        if HAS_BIAS:
+            x += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(DT).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr,
+                       row_stride, part_stride, q_out_stride,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
-    dt: tl.constexpr = qkv_ptr.dtype.element_ty
+    dt: tl.constexpr = k_cache_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + tok)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     i = tl.arange(0, half)
@@ -160,34 +176,48 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
     base = qkv_ptr + tok * row_stride
 
     h = tl.arange(0, BLOCK_H)[:, None]
-    ptr = base + h * HEAD_DIM + i[None, :]
+    col = h * HEAD_DIM + i[None, :]
     mask = h < NUM_HEADS
-    q1, q2 = _rotate(tl.load(ptr, mask=mask).to(tl.float32), tl.load(ptr + half, mask=mask).to(tl.float32), c, s, dt)
-    tl.store(ptr, q1, mask=mask)
-    tl.store(ptr + half, q2, mask=mask)
+    q1, q2 = _rotate(_load_projection(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt),
+                     _load_projection(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt), c, s, dt)
+    tl.store(q_out_ptr + tok * q_out_stride + col, q1, mask=mask)
+    tl.store(q_out_ptr + tok * q_out_stride + col + half, q2, mask=mask)
 
     kh = tl.arange(0, BLOCK_KV)[:, None]
     mask = kh < NUM_KV_HEADS
-    ptr = base + NUM_HEADS * HEAD_DIM + kh * HEAD_DIM + i[None, :]
-    k1, k2 = _rotate(tl.load(ptr, mask=mask).to(tl.float32), tl.load(ptr + half, mask=mask).to(tl.float32), c, s, dt)
-    tl.store(ptr, k1, mask=mask)
-    tl.store(ptr + half, k2, mask=mask)
+    col = NUM_HEADS * HEAD_DIM + kh * HEAD_DIM + i[None, :]
+    k1, k2 = _rotate(_load_projection(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt),
+                     _load_projection(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt), c, s, dt)
+    if PARTS == 1:  # the rotated k stays in qkv too, where prefill's attention reads it
+        tl.store(base + col, k1, mask=mask)
+        tl.store(base + col + half, k2, mask=mask)
     cache = slot * (NUM_KV_HEADS * HEAD_DIM) + kh * HEAD_DIM + i[None, :]
     tl.store(k_cache_ptr + cache, k1, mask=mask)
     tl.store(k_cache_ptr + cache + half, k2, mask=mask)
-    v_ptr = base + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kh * HEAD_DIM + i[None, :]
-    tl.store(v_cache_ptr + cache, tl.load(v_ptr, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + cache + half, tl.load(v_ptr + half, mask=mask), mask=mask)
+    col = (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kh * HEAD_DIM + i[None, :]
+    v1 = _load_projection(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt)
+    v2 = _load_projection(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt)
+    tl.store(v_cache_ptr + cache, v1.to(dt), mask=mask)
+    tl.store(v_cache_ptr + cache + half, v2.to(dt), mask=mask)
 
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                   num_kv_heads: int, head_dim: int) -> None:
-    """Rotates q and k inside `qkv` (T, (H + 2 KV) * D) in place and writes k, v to their cache slots."""
-    _rope_store_kernel[(qkv.shape[0],)](qkv, cos, sin, positions, slots, k_cache, v_cache, qkv.stride(0),
-                                        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                                        BLOCK_H=triton.next_power_of_2(num_heads),
-                                        BLOCK_KV=triton.next_power_of_2(num_kv_heads), num_warps=2)
+                   num_kv_heads: int, head_dim: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotates q and k of `qkv` (T, (H + 2 KV) * D), writes k, v to their cache slots, returns the
+    rotated q (T, H * D). `qkv` is rotated in place and q is a view of it; or `qkv` is (parts, T, W)
+    float32 split-K partial sums (`linear_split_k`), summed here with `bias`, and q is a new tensor."""
+    parts = qkv.shape[0] if qkv.dim() == 3 else 1
+    tokens = qkv.shape[-2]
+    q = qkv[:, : num_heads * head_dim] if parts == 1 else qkv.new_empty(tokens, num_heads * head_dim,
+                                                                         dtype=k_cache.dtype)
+    _rope_store_kernel[(tokens,)](qkv, cos, sin, positions, slots, k_cache, v_cache, q, k_cache if bias is None else bias,
+                                  qkv.stride(-2), tokens * qkv.shape[-1], q.stride(0), NUM_HEADS=num_heads,
+                                  NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                                  BLOCK_H=triton.next_power_of_2(num_heads),
+                                  BLOCK_KV=triton.next_power_of_2(num_kv_heads), PARTS=parts,
+                                  HAS_BIAS=bias is not None and parts > 1, num_warps=2)
+    return q
 
 
 @triton.jit

@@ -25,9 +25,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 # the tokens sit in a batch (engine prefill, engine decode, the trainer's forward).
 INVARIANT_SPLIT_TOKENS = 512
 INVARIANT_PAGE = 64  # the trainer's page size for its one-sequence-per-row "cache"
-# Decode steps on CUDA of at most this many rows run the MLP in the layouts measured fastest for
-# them (see DecoderModel.mlp; benchmarks/NOTES.md, "Decode MLP layout").
+# Decode steps on CUDA of at most this many rows run the qkv and MLP GEMMs in the layouts measured
+# fastest for them (DecoderModel.qkv_and_rope and .mlp; benchmarks/NOTES.md, "Decode GEMM layouts").
 SMALL_BATCH_ROWS = 256
+QKV_SPLITS = 2
 DOWN_SPLITS = 2
 
 
@@ -175,20 +176,39 @@ class DecoderModel:
         """Runs every decoder block over tokens (T,); returns (x, residual) before the final norm.
 
         Each block writes its rotated keys and values to `slots` of `kv` (2, layers, slots, KV, D);
-        `attend(layer, qkv)` returns the attention output (T, heads * D) from the rotated `qkv`.
-        With `decode`, x may come as float32 partial sums (see `mlp`).
+        `attend(layer, qkv)` returns the attention output (T, heads * D) from the rotated `qkv` (whose
+        first heads * D columns are q). With `decode`, x may come as float32 partial sums (see `mlp`).
         """
         w = self.weights
         x = F.embedding(tokens, w["embed"])
         residual = None
         for i in range(self.shape.num_layers):
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.input_norm"])
-            qkv = self.linear(h, w[f"layers.{i}.qkv.weight"], w.get(f"layers.{i}.qkv.bias"))
-            self.rope_and_store(qkv, positions, slots, kv[0, i], kv[1, i])
+            qkv = self.qkv_and_rope(h, w[f"layers.{i}.qkv.weight"], w.get(f"layers.{i}.qkv.bias"), positions, slots,
+                                    kv[0, i], kv[1, i], decode)
             x = self.linear(attend(i, qkv), w[f"layers.{i}.o.weight"], w.get(f"layers.{i}.o.bias"))
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.post_norm"])
             x = self.mlp(h, w[f"layers.{i}.gate_up"], w[f"layers.{i}.down"], decode)
         return x, residual
+
+    def decode_layouts(self, h: torch.Tensor, decode: bool) -> bool:
+        """Whether this forward is a decode step on CUDA small enough for the split GEMM layouts."""
+        return decode and self.device.type == "cuda" and not self.batch_invariant and h.shape[0] <= SMALL_BATCH_ROWS
+
+    def qkv_and_rope(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                     slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: bool) -> torch.Tensor:
+        """The qkv projection with RoPE applied and k, v written to the cache; returns the rotated q's
+        columns first (qkv itself, or q alone). A decode step on CUDA splits the GEMM over its inner
+        dimension into QKV_SPLITS float32 partial sums that the RoPE kernel adds up with the bias: at
+        a few hundred rows the GEMM's K loop, not its bytes, sets its time."""
+        s = self.shape
+        if self.decode_layouts(h, decode) and QKV_SPLITS > 1 and s.hidden_size % QKV_SPLITS == 0:
+            return self.kernels.rope_and_store(self.kernels.linear_split_k(h, weight, QKV_SPLITS), positions, slots,
+                                               self.cos, self.sin, k_cache, v_cache, s.num_heads, s.num_kv_heads,
+                                               s.head_dim, bias=bias)
+        qkv = self.linear(h, weight, bias)
+        self.rope_and_store(qkv, positions, slots, k_cache, v_cache)
+        return qkv
 
     def mlp(self, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, decode: bool) -> torch.Tensor:
         """down(silu(gate) * up). A decode step on CUDA (at most SMALL_BATCH_ROWS rows) computes gate_up
@@ -196,10 +216,10 @@ class DecoderModel:
         result as DOWN_SPLITS float32 partial sums (parts, T, hidden) for `add_rms_norm` to reduce:
         the output is too narrow to fill the GPU, and cuBLAS would otherwise split K itself and run
         a reduction kernel of its own."""
-        if not (decode and self.device.type == "cuda" and not self.batch_invariant and h.shape[0] <= SMALL_BATCH_ROWS):
+        if not self.decode_layouts(h, decode):
             return self.linear(self.silu_mul(self.linear(h, gate_up)), down)
         act = self.kernels.silu_mul(F.linear(gate_up, h), transposed=True).t()  # (I, T) seen as (T, I)
-        if self.shape.intermediate_size % DOWN_SPLITS:
+        if DOWN_SPLITS == 1 or self.shape.intermediate_size % DOWN_SPLITS:
             return F.linear(act, down)
         return self.kernels.linear_split_k(act, down, DOWN_SPLITS)
 
@@ -238,7 +258,7 @@ class DecoderModel:
         s = self.shape
 
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
-            q = split_qkv(qkv, s)[0]
+            q = qkv[:, : s.num_heads * s.head_dim].view(-1, s.num_heads, s.head_dim)  # qkv, or q alone
             if self.fused:
                 return self.kernels.decode_attention(
                     q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size, s.head_dim ** -0.5,
