@@ -87,16 +87,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
+def _load_gemm_result(ptr, part_stride, bias_ptr, col, mask, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      DT: tl.constexpr):
+    """Columns `col` of one row of a GEMM's result, in float32: its value, or the sum in order of its
+    float32 split-K partial sums (`linear_split_k`) plus the bias, rounded once to DT as the GEMM's
+    epilogue would round it."""
+    x = tl.load(ptr + col, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 1:
+        for p in tl.static_range(1, PARTS):
+            x += tl.load(ptr + p * part_stride + col, mask=mask, other=0.0)
+        if HAS_BIAS:
+            x += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(DT).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, n_cols, part_stride,
                          HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-    if PARTS > 1:  # float32 partial sums of a split-K GEMM: add them in order, round once like the GEMM would
-        for p in tl.static_range(1, PARTS):
-            x += tl.load(x_ptr + p * part_stride + row * n_cols + cols, mask=mask, other=0.0)
-        x = x.to(out_ptr.dtype.element_ty)
+    x = _load_gemm_result(x_ptr + row * n_cols, part_stride, x_ptr, cols, mask, PARTS, False, out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         # The sum is rounded to the activation dtype before normalising, as the HF forward does.
         x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
@@ -146,21 +158,6 @@ def _rotate(x1, x2, c, s, DT: tl.constexpr):
 
 
 @triton.jit
-def _load_projection(ptr, part_stride, bias_ptr, col, mask, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     DT: tl.constexpr):
-    """Columns `col` of one token's projection: its value, or the sum of its float32 split-K partial
-    sums plus the bias, rounded once to DT as the GEMM's epilogue would."""
-    x = tl.load(ptr + col, mask=mask, other=0.0).to(tl.float32)
-    if PARTS > 1:
-        for p in tl.static_range(1, PARTS):
-            x += tl.load(ptr + p * part_stride + col, mask=mask, other=0.0)
-        if HAS_BIAS:
-            x += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
-        x = x.to(DT).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr,
                        row_stride, part_stride, q_out_stride,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -178,16 +175,16 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
     h = tl.arange(0, BLOCK_H)[:, None]
     col = h * HEAD_DIM + i[None, :]
     mask = h < NUM_HEADS
-    q1, q2 = _rotate(_load_projection(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt),
-                     _load_projection(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt), c, s, dt)
+    q1, q2 = _rotate(_load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt),
+                     _load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt), c, s, dt)
     tl.store(q_out_ptr + tok * q_out_stride + col, q1, mask=mask)
     tl.store(q_out_ptr + tok * q_out_stride + col + half, q2, mask=mask)
 
     kh = tl.arange(0, BLOCK_KV)[:, None]
     mask = kh < NUM_KV_HEADS
     col = NUM_HEADS * HEAD_DIM + kh * HEAD_DIM + i[None, :]
-    k1, k2 = _rotate(_load_projection(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt),
-                     _load_projection(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt), c, s, dt)
+    k1, k2 = _rotate(_load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt),
+                     _load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt), c, s, dt)
     if PARTS == 1:  # the rotated k stays in qkv too, where prefill's attention reads it
         tl.store(base + col, k1, mask=mask)
         tl.store(base + col + half, k2, mask=mask)
@@ -195,8 +192,8 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
     tl.store(k_cache_ptr + cache, k1, mask=mask)
     tl.store(k_cache_ptr + cache + half, k2, mask=mask)
     col = (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kh * HEAD_DIM + i[None, :]
-    v1 = _load_projection(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt)
-    v2 = _load_projection(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt)
+    v1 = _load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt)
+    v2 = _load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt)
     tl.store(v_cache_ptr + cache, v1.to(dt), mask=mask)
     tl.store(v_cache_ptr + cache + half, v2.to(dt), mask=mask)
 

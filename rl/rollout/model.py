@@ -148,12 +148,15 @@ class DecoderModel:
         return weight * normed.to(x.dtype), x
 
     def rope_and_store(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """Rotates q and k of `qkv` in place, writes k and v to their cache slots and returns `qkv`; on
+        the fused path `qkv` may be split-K partial sums, summed with `bias`, and q alone comes back."""
         s = self.shape
         if self.fused:
-            self.kernels.rope_and_store(qkv, positions, slots, self.cos, self.sin, k_cache, v_cache,
-                                        s.num_heads, s.num_kv_heads, s.head_dim)
-            return
+            q = self.kernels.rope_and_store(qkv, positions, slots, self.cos, self.sin, k_cache, v_cache,
+                                            s.num_heads, s.num_kv_heads, s.head_dim, bias=bias)
+            return q if qkv.dim() == 3 else qkv
         q, k, v = split_qkv(qkv, s)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # (T, 1, D/2)
         for x in (q, k):  # in the activation dtype, as the HF forward rotates
@@ -161,6 +164,7 @@ class DecoderModel:
             x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
+        return qkv
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -201,14 +205,10 @@ class DecoderModel:
         columns first (qkv itself, or q alone). A decode step on CUDA splits the GEMM over its inner
         dimension into QKV_SPLITS float32 partial sums that the RoPE kernel adds up with the bias: at
         a few hundred rows the GEMM's K loop, not its bytes, sets its time."""
-        s = self.shape
-        if self.decode_layouts(h, decode) and QKV_SPLITS > 1 and s.hidden_size % QKV_SPLITS == 0:
-            return self.kernels.rope_and_store(self.kernels.linear_split_k(h, weight, QKV_SPLITS), positions, slots,
-                                               self.cos, self.sin, k_cache, v_cache, s.num_heads, s.num_kv_heads,
-                                               s.head_dim, bias=bias)
-        qkv = self.linear(h, weight, bias)
-        self.rope_and_store(qkv, positions, slots, k_cache, v_cache)
-        return qkv
+        if self.decode_layouts(h, decode) and QKV_SPLITS > 1 and self.shape.hidden_size % QKV_SPLITS == 0:
+            parts = self.kernels.linear_split_k(h, weight, QKV_SPLITS)
+            return self.rope_and_store(parts, positions, slots, k_cache, v_cache, bias)
+        return self.rope_and_store(self.linear(h, weight, bias), positions, slots, k_cache, v_cache)
 
     def mlp(self, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, decode: bool) -> torch.Tensor:
         """down(silu(gate) * up). A decode step on CUDA (at most SMALL_BATCH_ROWS rows) computes gate_up
