@@ -91,6 +91,10 @@ class RewardConfig:
     user_fn: str = ""  # "pkg.module:function" replacing the math term
     num_workers: int = 2
     timeout_s: float = 10.0
+    start_timeout_s: float = 60.0  # a worker that is not ready by then stops the run
+    memory_limit_mb: int = 2048  # address-space limit of each worker; an input past it scores 0 (counted)
+    # steps in a row in which every reward failed (raised, timed out, worker died) before the run stops
+    max_failed_steps: int = 3
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,11 @@ class TrainConfig:
     clip_grad: float = 1.0
     offload: bool = False  # park parameters and optimizer state in host memory while the engine runs
     seed: int = 42
+    # optimizer steps in a row whose loss or grad norm is not finite (each skipped) before the run stops
+    max_bad_steps: int = 3
+    # collective timeout once the first rollout is done (start-up keeps 30 minutes for loading and compiling);
+    # a rank that stalls longer is named and the run stops
+    collective_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,13 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int = 20  # rollouts between saves; the last rollout is always saved (0: only the last)
+    keep_last: int = 2  # newest complete checkpoints kept
+    resume: str = "auto"  # auto: newest complete one under log.output_dir | never | a checkpoint folder
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -146,6 +162,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -350,11 +367,24 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(tr.num_rollout >= 1, "train.num_rollout must be >= 1")
     _require(algo.advantage_estimator in ("grpo",),
              f"algo.advantage_estimator must be 'grpo', got {algo.advantage_estimator!r}")
+    _require(ro.n_samples_per_prompt >= 2 or algo.advantage_estimator not in ("grpo",),
+             f"rollout.n_samples_per_prompt={ro.n_samples_per_prompt} with algo.advantage_estimator="
+             f"{algo.advantage_estimator!r}: a group baseline needs >= 2 samples per prompt (with 1, every "
+             f"advantage is 0 and nothing trains)")
     _require(algo.eps_clip > 0 and algo.eps_clip_high > 0, "algo.eps_clip and algo.eps_clip_high must be > 0")
     _require(rw.num_workers >= 1, "reward.num_workers must be >= 1")
     _require(rw.timeout_s > 0, "reward.timeout_s must be > 0")
     _require(rw.user_fn == "" or ":" in rw.user_fn, f"reward.user_fn must look like 'pkg.module:function', got {rw.user_fn!r}")
+    _require(rw.start_timeout_s > 0, f"reward.start_timeout_s must be > 0, got {rw.start_timeout_s}")
+    _require(rw.memory_limit_mb >= 0, f"reward.memory_limit_mb must be >= 0 (0: no limit), got {rw.memory_limit_mb}")
+    _require(rw.max_failed_steps >= 1, f"reward.max_failed_steps must be >= 1, got {rw.max_failed_steps}")
+    _require(tr.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {tr.max_bad_steps}")
+    _require(tr.collective_timeout_s > 0, f"train.collective_timeout_s must be > 0, got {tr.collective_timeout_s}")
     _require(cfg.weights.bucket_mb > 0, "weights.bucket_mb must be > 0")
+    ck = cfg.checkpoint
+    _require(ck.interval >= 0, f"checkpoint.interval must be >= 0 (0: only the last rollout), got {ck.interval}")
+    _require(ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")
+    _require(bool(ck.resume), "checkpoint.resume must be 'auto', 'never' or a checkpoint folder")
     if world_size is not None:
         tp = ro.tensor_parallel_size
         _require(world_size % tp == 0,

@@ -8,7 +8,6 @@ and HTTP calls replaced by function calls and collectives).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -26,9 +25,10 @@ from rl.metrics import make_logger, memory_phase
 from rl.parallel import print0
 from rl.reward import RewardInput, RewardPool
 from rl.reward import metrics as reward_metrics
+from rl.reward import reduce_metrics as reduce_reward_metrics
+from rl.policy import PolicyOffloader, build_optimizer, load_hf_model, shard_policy
 from rl.rollout import SamplingParams, build_engine, engine_dtype, generate_rollout
-from rl.train import (PolicyOffloader, build_optimizer, collate, load_hf_model, shard_policy,
-                      train_on_rollout)
+from rl.train import build_schedule, train_metrics, train_on_rollout
 from rl.weights import sync_weights
 
 
@@ -91,47 +91,6 @@ def assign_advantages(samples: list[Sample], std_normalization: bool) -> None:
         sample.advantage = adv
 
 
-def build_schedule(samples: list[Sample], cfg: Config, rank: int, world_size: int, device
-                   ) -> tuple[list[list], list[int], int]:
-    """Seed step 31: global batches in order, each split across DP ranks by balanced length, then
-    this rank's share cut into micro-batches. Returns (micro-batches per step, loss tokens per step,
-    padding micro-batches over all ranks).
-
-    Every rank holds the whole rollout, so each one computes every rank's cut and pads its own list
-    to the longest with zero-loss copies of a real micro-batch: FSDP's collectives need all ranks
-    to run the same number of forward/backward passes."""
-    steps, step_tokens, padding = [], [], 0
-    for start in range(0, len(samples), cfg.train.global_batch_size):
-        batch = samples[start : start + cfg.train.global_batch_size]
-        parts = parallel.balanced_partition([float(len(s.tokens)) for s in batch], world_size)
-        cuts = [cut_micro_batches(sorted((batch[i] for i in part), key=lambda s: len(s.tokens)),  # less padding
-                                  cfg.train.micro_batch_size, cfg.train.micro_batch_tokens) for part in parts]
-        mine = [collate(mb, device) for mb in cuts[rank]]
-        mine += [zero_loss(mine[0]) for _ in range(max(map(len, cuts)) - len(mine))]
-        padding += sum(len(mine) - len(c) for c in cuts)
-        steps.append(mine)
-        step_tokens.append(sum(sum(s.loss_mask) for s in batch))
-    return steps, step_tokens, padding
-
-
-def cut_micro_batches(samples: list[Sample], size: int, token_budget: int) -> list[list[Sample]]:
-    """Consecutive runs of `samples` (shortest first): `size` rows each, or, with a token budget,
-    as many rows as fit when every row is padded to the run's longest."""
-    if token_budget <= 0:
-        return [samples[i : i + size] for i in range(0, len(samples), size)]
-    out: list[list[Sample]] = [[]]
-    for s in samples:
-        if out[-1] and (len(out[-1]) + 1) * len(s.tokens) > token_budget:
-            out.append([])
-        out[-1].append(s)
-    return out
-
-
-def zero_loss(mb):
-    """A micro-batch that runs forward and backward but adds nothing to the loss or the metrics."""
-    return dataclasses.replace(mb, loss_mask=torch.zeros_like(mb.loss_mask))
-
-
 def rollout_metrics(samples: list[Sample], n_samples_per_prompt: int) -> dict[str, float]:
     rewards = torch.tensor([s.reward for s in samples])
     lengths = torch.tensor([float(s.response_length) for s in samples])
@@ -144,30 +103,6 @@ def rollout_metrics(samples: list[Sample], n_samples_per_prompt: int) -> dict[st
         "rollout/truncated_frac": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
         "rollout/zero_std_group_frac": (group_std == 0).float().mean().item(),
         "rollout/num_samples": float(len(samples)),
-    }
-
-
-def reduce_reward_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    out = {}
-    for key in per_rank[0]:
-        values = [m[key] for m in per_rank]
-        out[key] = sum(values) if key.endswith(("num_errors", "num_timeouts")) else sum(values) / len(values)
-    return out
-
-
-def train_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str, float]:
-    tokens = sum(m["tokens"] for m in per_rank)
-    mismatch_tokens = sum(m["mismatch_tokens"] for m in per_rank)
-    return {
-        "train/loss": sum(m["loss_sum"] for m in per_rank) / num_steps,
-        "train/clip_frac": sum(m["clipped_tokens"] for m in per_rank) / max(tokens, 1),
-        "train/entropy": sum(m["entropy_sum"] for m in per_rank) / max(tokens, 1),
-        "train/grad_norm": per_rank[0]["grad_norm"],
-        "train/lr": per_rank[0]["lr"],
-        "train/tokens": tokens,
-        "rollout/logprob_abs_diff_mean": sum(m["mismatch_abs_sum"] for m in per_rank) / max(mismatch_tokens, 1),
-        "rollout/logprob_abs_diff_max": max(m["mismatch_abs_max"] for m in per_rank),
-        "rollout/logprob_k3_kl": sum(m["mismatch_k3_sum"] for m in per_rank) / max(mismatch_tokens, 1),
     }
 
 
@@ -228,7 +163,7 @@ def main(argv: list[str]) -> None:
                 offloader.onload(dist.device)
             onload_train_s = time.perf_counter() - t
             t = time.perf_counter()
-            steps, step_tokens, padding = build_schedule(samples, cfg, dist.rank, dist.world_size, dist.device)
+            steps, step_tokens, padding = build_schedule(samples, cfg.train, dist.rank, dist.world_size, dist.device)
             local_stats = train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, dist.world_size,
                                            cfg.train, cfg.algo, cfg.rollout.temperature)
             train_stats = train_metrics(parallel.all_gather_objects([local_stats]), len(steps))

@@ -395,3 +395,11 @@ def metrics(result: RewardResult) -> dict[str, float]:
         "reward/num_errors": float(result.num_errors),
         "reward/num_timeouts": float(result.num_timeouts),
     }
+
+
+def reduce_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    out = {}
+    for key in per_rank[0]:
+        values = [m[key] for m in per_rank]
+        out[key] = sum(values) if key.endswith(("num_errors", "num_timeouts")) else sum(values) / len(values)
+    return out

@@ -1,65 +1,24 @@
-"""The policy under FSDP2 and one rollout's worth of optimizer steps.
+"""One rollout's worth of optimizer steps on the FSDP2 policy, and how a rollout is cut into them.
 
-The model is a plain `transformers` causal LM loaded in fp32 on every rank, then
-`fully_shard` is applied per decoder block and at the root (torchtitan's recipe):
-on GPU with bf16 compute and fp32 master weights and gradient reduction, on CPU in
-fp32. The loss is a token mean over the whole global batch of a step (every rank
-divides by the same global token count), so results do not depend on how samples
-were split into micro-batches or ranks.
+`build_schedule` splits the rollout into global batches, each into length-balanced DP
+shares and micro-batches (seed step 31). The loss is a token mean over the whole global
+batch of a step (every rank divides by the same global token count), so results do not
+depend on how samples were split into micro-batches or ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
 
+from rl import parallel
 from rl.algo import approx_kl_k3, can_reuse_old_logprobs, masked_sum, ppo_clip_loss
-from rl.config import AlgoConfig, ModelConfig, TrainConfig
+from rl.config import AlgoConfig, TrainConfig
 from rl.data import Sample
-
-
-def load_hf_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
-    """fp32 model on the CPU: pretrained weights, or random ones (identical on every rank) from the config."""
-    if cfg.random_init:
-        hf_config = AutoConfig.from_pretrained(cfg.path)
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
-                                                attn_implementation=cfg.attn_implementation)
-    return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32,
-                                                attn_implementation=cfg.attn_implementation)
-
-
-def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    block_types = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in block_types]
-    if not blocks:
-        raise ValueError(f"cannot find decoder blocks of {type(model).__name__} to shard")
-    return blocks
-
-
-def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" else MixedPrecisionPolicy()
-    for block in decoder_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    warmup = cfg.lr_warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
-    return optimizer, scheduler
 
 
 # ---------------------------------------------------------------------------- batches and logprobs
@@ -149,75 +108,48 @@ class ChunkedLogprobs(torch.autograd.Function):
         return grad, None, None, None
 
 
-class PolicyOffloader:
-    """Moves the policy's FSDP2 shards and optimizer state between the GPU and host memory around rollout.
+# ---------------------------------------------------------------------------- the schedule
 
-    Host copies live in pinned buffers allocated on the first offload and reused after, so both
-    directions run at copy-engine speed (pageable `model.to("cpu")` moved 1.5B's 18 GB of training
-    state at ~4 GB/s) and no host allocation happens per step. The buffers are cut from large pinned
-    arenas: torch's pinned allocator rounds every request up to a power of two, up to 2x the host
-    memory if each tensor asked for its own. Parameters move through `Module._apply`, so FSDP2
-    re-links its sharded storage exactly as it does for `model.to`. On a CPU run nothing moves.
-    """
 
-    ARENA_BYTES = 1 << 30
+def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_size: int, device
+                   ) -> tuple[list[list], list[int], int]:
+    """Seed step 31: global batches in order, each split across DP ranks by balanced length, then
+    this rank's share cut into micro-batches. Returns (micro-batches per step, loss tokens per step,
+    padding micro-batches over all ranks).
 
-    def __init__(self, model: torch.nn.Module, optimizer):
-        self.model, self.optimizer = model, optimizer
-        self.host: dict[tuple, torch.Tensor] = {}
-        self.arena, self.arena_used = torch.empty(0, dtype=torch.uint8), 0
+    Every rank holds the whole rollout, so each one computes every rank's cut and pads its own list
+    to the longest with zero-loss copies of a real micro-batch: FSDP's collectives need all ranks
+    to run the same number of forward/backward passes."""
+    steps, step_tokens, padding = [], [], 0
+    for start in range(0, len(samples), train.global_batch_size):
+        batch = samples[start : start + train.global_batch_size]
+        parts = parallel.balanced_partition([float(len(s.tokens)) for s in batch], world_size)
+        cuts = [cut_micro_batches(sorted((batch[i] for i in part), key=lambda s: len(s.tokens)),  # less padding
+                                  train.micro_batch_size, train.micro_batch_tokens) for part in parts]
+        mine = [collate(mb, device) for mb in cuts[rank]]
+        mine += [zero_loss(mine[0]) for _ in range(max(map(len, cuts)) - len(mine))]
+        padding += sum(len(mine) - len(c) for c in cuts)
+        steps.append(mine)
+        step_tokens.append(sum(sum(s.loss_mask) for s in batch))
+    return steps, step_tokens, padding
 
-    def offload(self) -> None:
-        self._move(torch.device("cpu"))
 
-    def onload(self, device: torch.device) -> None:
-        self._move(device)
+def cut_micro_batches(samples: list[Sample], size: int, token_budget: int) -> list[list[Sample]]:
+    """Consecutive runs of `samples` (shortest first): `size` rows each, or, with a token budget,
+    as many rows as fit when every row is padded to the run's longest."""
+    if token_budget <= 0:
+        return [samples[i : i + size] for i in range(0, len(samples), size)]
+    out: list[list[Sample]] = [[]]
+    for s in samples:
+        if out[-1] and (len(out[-1]) + 1) * len(s.tokens) > token_budget:
+            out.append([])
+        out[-1].append(s)
+    return out
 
-    def _move(self, device: torch.device) -> None:
-        if not torch.cuda.is_available():
-            return  # CPU training: the state already lives in host memory
-        self.optimizer.zero_grad(set_to_none=True)  # gradients are dead after the step: never copied
-        order = iter(range(1 << 62))
-        self.model._apply(lambda t: self._moved(("module", next(order)), t, device))
-        for i, state in enumerate(self.optimizer.state.values()):
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() > 0:  # Adam's 0-dim `step` stays on the host
-                    state[key] = self._moved(("optim", i, key), value, device)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
-    def _moved(self, key: tuple, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        if local.device == device:
-            return t
-        if device.type != "cpu":
-            moved = local.to(device, non_blocking=True)
-        elif local.untyped_storage().nbytes() > local.numel() * local.element_size():
-            # An unevenly sharded FSDP2 parameter: a view of its padded shard. FSDP2 re-pads the new
-            # local tensor into fresh host memory inside `_apply`, reading it at once, so this copy
-            # must have landed before returning (and a pinned buffer would go unused).
-            moved = local.cpu()
-        else:
-            buf = self.host.get(key)
-            if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-                buf = self.host[key] = self._pinned(local.shape, local.dtype)
-            moved = buf.copy_(local, non_blocking=True)
-        if isinstance(t, DTensor):  # same spec, new local tensor (from_local would move it to the mesh's device)
-            return DTensor(moved, t._spec, requires_grad=t.requires_grad)
-        return moved
-
-    def _pinned(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = shape.numel() * dtype.itemsize
-        if self.arena_used + nbytes > self.arena.numel():
-            size = max(self.ARENA_BYTES, 1 << max(nbytes - 1, 1).bit_length())  # what the allocator grants
-            self.arena, self.arena_used = self._new_arena(size), 0
-        view = self.arena[self.arena_used : self.arena_used + nbytes].view(dtype).view(shape)
-        self.arena_used += -(-nbytes // 512) * 512  # keep every buffer aligned
-        return view
-
-    @staticmethod
-    def _new_arena(size: int) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+def zero_loss(mb):
+    """A micro-batch that runs forward and backward but adds nothing to the loss or the metrics."""
+    return dataclasses.replace(mb, loss_mask=torch.zeros_like(mb.loss_mask))
 
 
 # ---------------------------------------------------------------------------- the train step
@@ -302,3 +234,19 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = scheduler.get_last_lr()[0]
     return out
+
+
+def train_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str, float]:
+    tokens = sum(m["tokens"] for m in per_rank)
+    mismatch_tokens = sum(m["mismatch_tokens"] for m in per_rank)
+    return {
+        "train/loss": sum(m["loss_sum"] for m in per_rank) / num_steps,
+        "train/clip_frac": sum(m["clipped_tokens"] for m in per_rank) / max(tokens, 1),
+        "train/entropy": sum(m["entropy_sum"] for m in per_rank) / max(tokens, 1),
+        "train/grad_norm": per_rank[0]["grad_norm"],
+        "train/lr": per_rank[0]["lr"],
+        "train/tokens": tokens,
+        "rollout/logprob_abs_diff_mean": sum(m["mismatch_abs_sum"] for m in per_rank) / max(mismatch_tokens, 1),
+        "rollout/logprob_abs_diff_max": max(m["mismatch_abs_max"] for m in per_rank),
+        "rollout/logprob_k3_kl": sum(m["mismatch_k3_sum"] for m in per_rank) / max(mismatch_tokens, 1),
+    }

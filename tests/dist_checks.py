@@ -11,10 +11,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
+from rl.policy import PolicyOffloader, build_optimizer, shard_policy  # noqa: E402
 from rl.rollout import SamplingParams  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
-from rl.train import (PolicyOffloader, build_optimizer, collate, shard_policy, token_logprobs,  # noqa: E402
-                      train_on_rollout)
+from rl.train import collate, token_logprobs, train_on_rollout  # noqa: E402
 from rl.weights import iter_full_weights, sync_weights  # noqa: E402
 from tests.tiny import tiny_model, training_state  # noqa: E402
 

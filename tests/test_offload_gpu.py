@@ -8,7 +8,7 @@ import torch
 
 from rl import parallel
 from rl.config import TrainConfig
-from rl.train import PolicyOffloader, build_optimizer, shard_policy
+from rl.policy import PolicyOffloader, build_optimizer, shard_policy
 from tests.tiny import local_tensor, tiny_model, training_state
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="offload moves state off a CUDA device")

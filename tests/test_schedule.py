@@ -2,9 +2,9 @@
 
 import torch
 
-from rl.config import Config, TrainConfig
+from rl.config import TrainConfig
 from rl.data import Sample
-from rl.main import build_schedule, cut_micro_batches
+from rl.train import build_schedule, cut_micro_batches
 
 
 def sample(index: int, prompt_len: int, response_len: int) -> Sample:
@@ -23,7 +23,7 @@ def test_cut_by_rows_and_by_padded_tokens():
 def test_every_rank_runs_the_same_number_of_micro_batches():
     lengths = [40, 3, 3, 3, 38, 3, 3, 36]  # balanced shares: [3, 3, 3, 40] and [3, 3, 36, 38]
     samples = [sample(i, 2, n) for i, n in enumerate(lengths)]
-    cfg = Config(train=TrainConfig(global_batch_size=8, micro_batch_tokens=45))
+    cfg = TrainConfig(global_batch_size=8, micro_batch_tokens=45)
     per_rank = [build_schedule(samples, cfg, rank, 2, torch.device("cpu")) for rank in range(2)]
     counts = [len(steps[0]) for steps, _, _ in per_rank]
     assert counts == [3, 3]  # rank 0 cuts 2 and pads one: [3, 3, 3] [40] | [3, 3] [36] [38]

@@ -13,7 +13,8 @@ from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, RolloutConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
 from rl.rollout import SamplingParams, build_engine, generate_rollout  # noqa: E402
-from rl.train import build_optimizer, collate, load_hf_model, shard_policy, token_logprobs, train_on_rollout  # noqa: E402
+from rl.policy import build_optimizer, load_hf_model, shard_policy  # noqa: E402
+from rl.train import collate, token_logprobs, train_on_rollout  # noqa: E402
 from rl.config import ModelConfig  # noqa: E402
 from rl.weights import sync_weights  # noqa: E402
 from tests.tiny import tiny_tokenizer  # noqa: E402
