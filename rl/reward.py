@@ -7,13 +7,20 @@ import path), format (a regex) and DAPO's soft overlong penalty. `RewardPool` ru
 crashes costs that sample a 0.0 and a count, not the run.
 
 How it departs from the textbook, where the reward is a function called inline:
-- Workers are `spawn`ed, never forked: the trainer holds torch and NCCL thread
-  pools that a fork would copy half-locked. Nothing here imports torch, so a
-  worker starts in about half a second (importing math_verify and sympy).
+- Workers are fresh interpreters running `python -m rl.reward_worker`, never forks (the trainer
+  holds torch and NCCL thread pools that a fork would copy half-locked) and never multiprocessing
+  spawns (which re-import the trainer's main module, rl.main, and with it torch and transformers).
+  A worker imports math_verify and sympy and nothing of the trainer; it is ready within
+  `start_timeout_s` or the run stops with a message naming the key.
 - A timeout is per input, counted from when a worker was handed it. It is
   enforced by killing that worker and starting a fresh one, because a hung
   Python call cannot be interrupted from outside. So k hanging inputs cost about
   ceil(k / num_workers) * timeout_s, and other inputs keep flowing meanwhile.
+- Each worker's address space is capped at `memory_limit_mb` (a worker needs about 70 MB): an
+  input that blows it raises MemoryError (or kills the worker), scores 0.0 and is counted, and the
+  worker is replaced.
+- What workers print goes to a pipe, not the trainer's stdout; the first `OUTPUT_LIMIT_BYTES` of
+  each `score` call are logged with the failures, the rest is counted and dropped.
 - Errors never propagate: a failed input gets 0.0 in every term, is counted
   and logged once (grouped by message) with its traceback.
 """
@@ -27,12 +34,15 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import numbers
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from rl.config import ConfigError, RewardConfig
@@ -188,38 +198,10 @@ def score_one(inp: RewardInput, cfg: RewardConfig) -> dict[str, float]:
     return terms
 
 
-# ---------------------------------------------------------------------------- worker side
-
-
-def warm_up(cfg: RewardConfig) -> None:
-    """Pays the imports before the worker reports ready, so no input's timeout is spent on them."""
-    if cfg.user_fn:
-        load_user_fn(cfg.user_fn)
-    else:
-        math_correct(r"\boxed{\frac{1}{2}}", "0.5")
-
-
-def serve(conn: multiprocessing.connection.Connection, cfg: RewardConfig) -> None:
-    """Worker main: scores (index, RewardInput) messages until the parent closes the pipe."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills us
-    try:
-        warm_up(cfg)
-    except Exception as e:
-        conn.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
-        return
-    conn.send(("ready",))
-    while True:
-        try:
-            index, inp = conn.recv()
-        except EOFError:
-            return
-        try:
-            conn.send(("ok", index, score_one(inp, cfg)))
-        except Exception as e:
-            conn.send(("error", index, f"{type(e).__name__}: {e}", traceback.format_exc()))
-
-
 # ---------------------------------------------------------------------------- pool
+
+OUTPUT_LIMIT_BYTES = 4096  # of what the workers print during one `score`, kept for the failure log
+RL_ROOT = str(Path(__file__).resolve().parents[1])  # where `python -m rl.reward_worker` finds `rl`
 
 
 @dataclass
@@ -229,28 +211,46 @@ class RewardResult:
     num_errors: int = 0
     num_timeouts: int = 0
 
+    @property
+    def all_failed(self) -> bool:
+        """Every input raised, timed out or lost its worker: the rewards are all 0.0 and mean nothing."""
+        return len(self.rewards) > 0 and self.num_errors + self.num_timeouts == len(self.rewards)
+
 
 @dataclass(eq=False)  # identity, so `self.workers.index` finds this very worker
 class Worker:
-    process: multiprocessing.process.BaseProcess
+    process: subprocess.Popen
     conn: multiprocessing.connection.Connection
     started_at: float
     ready: bool = False
     index: int | None = None  # the input it is scoring
     deadline: float = math.inf
+    printing: bool = True  # its stdout pipe is still open
 
 
 @dataclass
 class Failures:
-    """What went wrong in one `score` call, kept to log once per distinct message."""
+    """What went wrong in one `score` call, kept to log once per distinct message, and what workers printed."""
 
     errors: dict[str, list[int]] = field(default_factory=lambda: collections.defaultdict(list))
     tracebacks: dict[str, str] = field(default_factory=dict)
     timeouts: list[int] = field(default_factory=list)
+    printed: dict[int | None, bytearray] = field(default_factory=dict)  # by input; None: starting or idle
+    printed_bytes: int = 0  # all of it, kept or not
 
     def add_error(self, index: int, message: str, tb: str) -> None:
         self.errors[message].append(index)
         self.tracebacks.setdefault(message, tb)
+
+    def add_output(self, index: int | None, chunk: bytes) -> None:
+        room = OUTPUT_LIMIT_BYTES - sum(len(text) for text in self.printed.values())
+        if room > 0:
+            self.printed.setdefault(index, bytearray()).extend(chunk[:room])
+        self.printed_bytes += len(chunk)
+
+    def output_text(self) -> str:
+        return "\n".join(f"[{'input ' + str(i) if i is not None else 'no input'}] "
+                         f"{text.decode(errors='replace').rstrip()}" for i, text in self.printed.items())
 
 
 def log_failures(failures: Failures, timeout_s: float) -> None:
@@ -262,36 +262,76 @@ def log_failures(failures: Failures, timeout_s: float) -> None:
         log.warning("reward: %d input(s) scored 0.0 after exceeding reward.timeout_s=%g s (inputs %s); "
                     "their workers were killed and replaced", len(failures.timeouts), timeout_s,
                     failures.timeouts[:10])
+    if failures.printed_bytes:
+        kept = sum(len(text) for text in failures.printed.values())
+        log.warning("reward: workers printed %d bytes; the first %d, by input:\n%s",
+                    failures.printed_bytes, kept, failures.output_text())
+
+
+def read_output(worker: Worker, failures: Failures) -> None:
+    """Moves what the worker printed into `failures`, which keeps the first few KB. Reading all of it keeps
+    the pipe from filling and blocking the worker; at most 1 MB per call, so a worker printing in a loop
+    cannot keep the pool from its deadlines."""
+    for _ in range(16):
+        if not worker.printing:
+            return
+        try:
+            chunk = os.read(worker.process.stdout.fileno(), 1 << 16)
+        except BlockingIOError:
+            return
+        if chunk:
+            failures.add_output(worker.index, chunk)
+        else:
+            worker.printing = False
+
+
+def stop(process: subprocess.Popen) -> str:
+    """Kills the process (a no-op once it has exited) and says how it ended."""
+    process.kill()  # SIGKILL: a hung reward function may ignore anything gentler
+    code = process.wait()
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
 
 
 class RewardPool:
-    """`cfg.num_workers` spawned processes running `score_one`, each input bounded by `cfg.timeout_s`.
+    """`cfg.num_workers` worker processes (`rl.reward_worker`) running `score_one`, each input bounded by
+    `cfg.timeout_s`, each worker by `cfg.memory_limit_mb` and `cfg.start_timeout_s`.
 
-    Use as a context manager (or call `close()`). Not thread-safe: one `score` at a time.
+    Use as a context manager (or call `close()`). Not thread-safe: one `score` at a time, from the thread
+    that built the pool (a worker dies with the thread that started it).
     """
 
-    def __init__(self, cfg: RewardConfig, start_timeout_s: float = 60.0):
+    def __init__(self, cfg: RewardConfig):
         if cfg.num_workers < 1 or cfg.timeout_s <= 0:
             raise ConfigError("reward.num_workers must be >= 1 and reward.timeout_s > 0")
         if cfg.user_fn:
             load_user_fn(cfg.user_fn)  # a bad path fails here, in the parent, not as N worker errors
         self.cfg = cfg
-        self.start_timeout_s = start_timeout_s
-        self.ctx = multiprocessing.get_context("spawn")
         # Started without waiting: workers import while the caller does other work; `score` waits.
         self.workers = [self.start_worker() for _ in range(cfg.num_workers)]
 
     def start_worker(self) -> Worker:
-        parent_conn, child_conn = self.ctx.Pipe()
-        process = self.ctx.Process(target=serve, args=(child_conn, self.cfg), name="reward-worker", daemon=True)
-        process.start()
+        """`python -m rl.reward_worker`: a fresh interpreter that imports nothing of the trainer. A plain
+        exec, not multiprocessing's spawn, which would re-import the trainer's main module (rl.main)."""
+        started_at = time.monotonic()
+        parent_conn, child_conn = multiprocessing.Pipe()
+        fd = child_conn.fileno()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [RL_ROOT, os.environ.get("PYTHONPATH")])))
+        process = subprocess.Popen([sys.executable, "-u", "-m", "rl.reward_worker", str(fd)], pass_fds=[fd], env=env,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         child_conn.close()  # so the parent sees EOF when the worker dies
-        return Worker(process, parent_conn, started_at=time.monotonic())
+        os.set_blocking(process.stdout.fileno(), False)
+        parent_conn.send((sys.path, self.cfg))
+        return Worker(process, parent_conn, started_at)
 
-    def replace(self, worker: Worker) -> None:
-        worker.process.kill()  # SIGKILL: a hung reward function may ignore anything gentler
-        worker.process.join(timeout=5)
+    def retire(self, worker: Worker, failures: Failures) -> str:
+        how = stop(worker.process)
+        read_output(worker, failures)  # its last words, e.g. a fatal error's message
         worker.conn.close()
+        worker.process.stdout.close()
+        return how
+
+    def replace(self, worker: Worker, failures: Failures) -> None:
+        self.retire(worker, failures)
         self.workers[self.workers.index(worker)] = self.start_worker()
 
     def score(self, inputs: list[RewardInput]) -> RewardResult:
@@ -316,55 +356,65 @@ class RewardPool:
                 try:
                     worker.conn.send((index, inputs[index]))
                 except (BrokenPipeError, ConnectionResetError):
-                    pass  # it died while idle; `collect` sees the dead process and replaces it
+                    pass  # it died while idle; `collect` sees the closed socket and replaces it
                 worker.index, worker.deadline = index, time.monotonic() + self.cfg.timeout_s
 
     def wait(self) -> None:
-        """Blocks until a worker has news or the nearest deadline passes."""
-        deadlines = [w.deadline if w.ready else w.started_at + self.start_timeout_s for w in self.workers]
+        """Blocks until a worker has news (a message, output, its exit) or the nearest deadline passes."""
+        deadlines = [w.deadline if w.ready else w.started_at + self.cfg.start_timeout_s for w in self.workers]
         timeout = max(0.0, min(deadlines) - time.monotonic())
-        handles = [w.conn for w in self.workers] + [w.process.sentinel for w in self.workers]
+        handles = [w.conn for w in self.workers] + [w.process.stdout for w in self.workers if w.printing]
         multiprocessing.connection.wait(handles, timeout=timeout)
 
     def collect(self, worker: Worker, outcomes: list, failures: Failures) -> None:
-        """Takes one worker's messages, and replaces it if it died or ran past its deadline."""
+        """Takes one worker's output and messages, and replaces it if it died or ran past its deadline."""
+        read_output(worker, failures)
+        exited = False
         try:
             while worker.conn.poll():
                 message = worker.conn.recv()
                 if message[0] == "failed":
-                    raise RuntimeError(f"reward worker could not start: {message[1]}\n{message[2]}")
+                    self.retire(worker, failures)
+                    raise RuntimeError(f"reward worker could not start ({self.limits()}): {message[1]}\n"
+                                       f"{message[2]}{failures.output_text()}")
                 if message[0] == "ready":
                     worker.ready = True
                     continue
+                read_output(worker, failures)  # printed before it answered: belongs to this input
                 outcomes[message[1]] = message[2] if message[0] == "ok" else None
                 if message[0] == "error":
                     failures.add_error(message[1], message[2], message[3])
                 worker.index, worker.deadline = None, math.inf
+                if message[0] == "error" and message[4]:  # it ran out of memory and exits: replace it now
+                    exited = True
+                    break
         except (EOFError, OSError):
-            pass  # the pipe closed under us: the process check below handles it
+            exited = True  # the socket closed: the worker is gone or going
         now = time.monotonic()
-        if not worker.process.is_alive():
+        if exited or worker.process.poll() is not None:
+            how = self.retire(worker, failures)
             if not worker.ready:
-                raise RuntimeError(f"reward worker exited with code {worker.process.exitcode} while starting")
+                raise RuntimeError(f"reward worker exited with {how} while starting ({self.limits()})\n"
+                                   f"{failures.output_text()}")
             if worker.index is not None:
-                failures.add_error(worker.index, f"WorkerDied: reward worker exited with code "
-                                   f"{worker.process.exitcode}", "(no traceback: the process died)\n")
-            self.replace(worker)
+                failures.add_error(worker.index, f"WorkerDied: reward worker exited with {how}",
+                                   "(no traceback: the process died; what it printed is logged below)\n")
+            self.workers[self.workers.index(worker)] = self.start_worker()
         elif worker.index is not None and now >= worker.deadline:
             failures.timeouts.append(worker.index)
-            self.replace(worker)
-        elif not worker.ready and now >= worker.started_at + self.start_timeout_s:
-            raise RuntimeError(f"reward worker did not start within {self.start_timeout_s} s")
+            self.replace(worker, failures)
+        elif not worker.ready and now >= worker.started_at + self.cfg.start_timeout_s:
+            self.retire(worker, failures)
+            raise RuntimeError(f"reward worker did not start within reward.start_timeout_s="
+                               f"{self.cfg.start_timeout_s:g} s\n{failures.output_text()}")
+
+    def limits(self) -> str:
+        """For start-up errors: a too-small memory limit shows as any error at all (sympy's ImportError)."""
+        return f"reward.memory_limit_mb={self.cfg.memory_limit_mb}, reward.user_fn={self.cfg.user_fn!r}"
 
     def close(self) -> None:
         for worker in self.workers:
-            worker.process.terminate()
-        for worker in self.workers:
-            worker.process.join(timeout=5)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
-            worker.conn.close()
+            self.retire(worker, Failures())
         self.workers = []
 
     def __enter__(self) -> RewardPool:
@@ -392,14 +442,25 @@ def metrics(result: RewardResult) -> dict[str, float]:
         "reward/correct_mean": sum(result.terms["correct"]) / n,
         "reward/format_mean": sum(result.terms["format"]) / n,
         "reward/length_mean": sum(result.terms["length"]) / n,
+        "reward/num_inputs": float(len(result.rewards)),
         "reward/num_errors": float(result.num_errors),
         "reward/num_timeouts": float(result.num_timeouts),
     }
+
+
+COUNTS = ("num_inputs", "num_errors", "num_timeouts")  # summed over ranks and rounds; the rest averaged
 
 
 def reduce_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     out = {}
     for key in per_rank[0]:
         values = [m[key] for m in per_rank]
-        out[key] = sum(values) if key.endswith(("num_errors", "num_timeouts")) else sum(values) / len(values)
+        out[key] = sum(values) if key.endswith(COUNTS) else sum(values) / len(values)
     return out
+
+
+def all_failed(stats: dict[str, float]) -> bool:
+    """On `metrics` or `reduce_metrics` output: inputs were scored and every one failed (as
+    `RewardResult.all_failed`), so the step's rewards are all 0.0 and carry no signal."""
+    failed = stats["reward/num_errors"] + stats["reward/num_timeouts"]
+    return stats["reward/num_inputs"] > 0 and failed == stats["reward/num_inputs"]

@@ -31,3 +31,31 @@ def digit_fraction(prompt, response, label, metadata):
 def flat_on_multiples_of_4(prompt, response, label, metadata):
     """Zero for every response to a prompt whose answer is a multiple of 4 (a group a dynamic filter drops)."""
     return 0.0 if int(label) % 4 == 0 else digit_fraction(prompt, response, label, metadata)
+
+
+def trainer_modules(prompt, response, label, metadata):
+    """1.0 in a worker that imported nothing of the trainer; else raises, naming what it found."""
+    import sys
+
+    found = sorted(name for name in ("torch", "transformers", "rl.main") if name in sys.modules)
+    if found:
+        raise ImportError(f"reward worker imported {found}")
+    return 1.0
+
+
+def allocate(prompt, response, label, metadata):
+    """Allocates metadata["mb"] MB and touches every page, then scores exact match."""
+    block = bytearray(metadata["mb"] * 2**20)
+    block[:: 4096] = b"x" * len(block[:: 4096])
+    return exact(prompt, response, label, metadata)
+
+
+def chatty(prompt, response, label, metadata):
+    """Prints metadata["lines"] lines to stdout, stderr and straight to fd 1, then scores exact match."""
+    import sys
+
+    for i in range(metadata["lines"]):
+        print(f"chatty {response} stdout {i}")
+        print(f"chatty {response} stderr {i}", file=sys.stderr)
+    os.write(1, f"chatty {response} fd1\n".encode())
+    return exact(prompt, response, label, metadata)

@@ -1,18 +1,27 @@
+import importlib.util
 import logging
+import os
 import pickle
+import subprocess
+import sys
 import time
+import types
 
 import pytest
 
 from rl.config import ConfigError, RewardConfig
 from rl.reward import (
+    OUTPUT_LIMIT_BYTES,
     RewardInput,
     RewardPool,
+    RewardResult,
+    all_failed,
     extract_answer,
     format_score,
     length_penalty,
     math_correct,
     metrics,
+    reduce_metrics,
     score_one,
 )
 
@@ -143,7 +152,7 @@ def test_pool_scores_math():
                             "length": [0.0, 0.0, 0.0, -1.0]}
     assert (result.num_errors, result.num_timeouts) == (0, 0)
     assert metrics(result) == {"reward/correct_mean": 0.5, "reward/format_mean": 0.5, "reward/length_mean": -0.25,
-                               "reward/num_errors": 0.0, "reward/num_timeouts": 0.0}
+                               "reward/num_inputs": 4.0, "reward/num_errors": 0.0, "reward/num_timeouts": 0.0}
 
 
 def test_reward_function_that_raises_or_hangs_yields_zero_and_a_count(caplog):
@@ -167,6 +176,115 @@ def test_reward_function_that_raises_or_hangs_yields_zero_and_a_count(caplog):
         again = pool.score([make_input("a", "a"), make_input("a", "b")])  # killed worker was replaced
         assert again.rewards == [1.0, 0.0]
         assert (again.num_errors, again.num_timeouts) == (0, 0)
-        assert all(w.process.is_alive() for w in pool.workers)
+        assert all(w.process.poll() is None for w in pool.workers)
         workers = pool.workers
-    assert not any(w.process.is_alive() for w in workers)
+    assert all(w.process.poll() is not None for w in workers)
+
+
+def test_workers_import_nothing_of_the_trainer(monkeypatch, caplog):
+    # The trainer runs as `torchrun -m rl.main`: a multiprocessing spawn would re-import that main
+    # module in every worker, and with it torch and transformers.
+    main = types.ModuleType("__main__")
+    main.__spec__ = importlib.util.find_spec("rl.main")
+    main.__file__ = main.__spec__.origin
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with (RewardPool(RewardConfig(user_fn="tests.reward_fns:trainer_modules", num_workers=1)) as pool,
+          caplog.at_level(logging.WARNING, logger="rl.reward")):
+        result = pool.score([make_input("a", "a")])
+    assert result.rewards == [1.0], caplog.text
+
+
+def test_input_past_the_memory_limit_scores_zero_and_is_counted(caplog):
+    cfg = RewardConfig(user_fn="tests.reward_fns:allocate", num_workers=1, memory_limit_mb=256)
+    sizes_mb = [1, 1024, 1, 1024, 1, 1024, 1]
+    inputs = [make_input("a", "a", kind=f"{mb} MB") for mb in sizes_mb]
+    for inp, mb in zip(inputs, sizes_mb):
+        inp.metadata["mb"] = mb
+    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="rl.reward"):
+        result = pool.score(inputs)
+    # each input after a MemoryError runs in a fresh worker, never in the one that is exiting
+    assert result.rewards == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0], caplog.text
+    assert (result.num_errors, result.num_timeouts) == (3, 0)
+    assert "3 input(s) scored 0.0 after MemoryError: past reward.memory_limit_mb=256" in caplog.text
+
+
+def test_a_too_small_memory_limit_stops_at_start_naming_the_key():
+    with (pytest.raises(RuntimeError, match=r"reward worker could not start \(reward.memory_limit_mb=30"),
+          RewardPool(RewardConfig(num_workers=1, memory_limit_mb=30)) as pool):
+        pool.score([make_input(r"\boxed{1}", "1")])
+
+
+def test_a_worker_not_ready_within_start_timeout_stops_the_run():
+    with (pytest.raises(RuntimeError, match=r"did not start within reward.start_timeout_s=0.001 s"),
+          RewardPool(RewardConfig(num_workers=1, start_timeout_s=0.001)) as pool):
+        pool.score([make_input(r"\boxed{1}", "1")])
+
+
+def test_what_workers_print_is_captured_and_capped(capfd, caplog):
+    # 3 x 2000 lines on stdout and stderr, ~200 KB: past a pipe's 64 KB, so the pool must keep reading.
+    cfg = RewardConfig(user_fn="tests.reward_fns:chatty", num_workers=2)
+    inputs = [make_input(r, "a") for r in ("a", "b", "c")]
+    for inp in inputs:
+        inp.metadata["lines"] = 2000
+    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="rl.reward"):
+        result = pool.score(inputs)
+    assert result.rewards == [1.0, 0.0, 0.0]
+    assert (result.num_errors, result.num_timeouts) == (0, 0)
+    out, err = capfd.readouterr()
+    assert "chatty" not in out and "chatty" not in err  # nothing reached the trainer's stdout or stderr
+    printed = [r.getMessage() for r in caplog.records if "workers printed" in r.getMessage()]
+    assert len(printed) == 1 and len(printed[0]) < OUTPUT_LIMIT_BYTES + 500
+    assert "[input 0] chatty a stdout 0" in printed[0] or "[input 1] chatty b stdout 0" in printed[0]
+    total = sum(len(f"chatty {r} stdout {i}\n") + len(f"chatty {r} stderr {i}\n") for r in "abc" for i in range(2000))
+    total += sum(len(f"chatty {r} fd1\n") for r in "abc")
+    assert f"workers printed {total} bytes" in printed[0]
+
+
+def test_a_hung_worker_dies_with_the_trainer():
+    parent = subprocess.run([sys.executable, "-c", """
+import os, time
+from rl.config import RewardConfig
+from rl.reward import RewardInput, RewardPool
+pool = RewardPool(RewardConfig(user_fn="tests.reward_fns:by_kind", num_workers=1, timeout_s=1000))
+pool.score([RewardInput("q", "a", "a", 1, 10)])
+worker = pool.workers[0]
+worker.conn.send((0, RewardInput("q", "a", "a", 1, 10, {"kind": "hang"})))
+print(worker.process.pid, flush=True)
+os._exit(0)  # as a killed trainer: no close()
+"""], check=True, capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    pid = int(parent.stdout)
+    try:
+        for _ in range(300):
+            if not worker_running(pid):
+                break
+            time.sleep(0.1)
+        assert not worker_running(pid)
+    finally:
+        if worker_running(pid):
+            os.kill(pid, 9)
+
+
+def worker_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_all_failed():
+    def result(n, errors, timeouts):
+        return RewardResult(rewards=[0.0] * n, terms={}, num_errors=errors, num_timeouts=timeouts)
+
+    assert result(4, 3, 1).all_failed and result(2, 2, 0).all_failed and result(2, 0, 2).all_failed
+    assert not result(4, 3, 0).all_failed
+    assert not result(0, 0, 0).all_failed  # nothing scored is not a failed step
+
+    def stats(n, errors, timeouts):
+        return {"reward/num_inputs": n, "reward/num_errors": errors, "reward/num_timeouts": timeouts}
+
+    # two ranks, 4 + 1 scored: 3 + 1 failed -> one succeeded; 4 + 1 failed -> all failed
+    assert not all_failed(reduce_metrics([stats(4, 2, 1), stats(1, 1, 0)]))
+    assert all_failed(reduce_metrics([stats(4, 3, 1), stats(1, 0, 1)]))
+    assert all_failed(reduce_metrics([stats(4, 3, 1), stats(0, 0, 0)]))
+    assert not all_failed(reduce_metrics([stats(0, 0, 0), stats(0, 0, 0)]))

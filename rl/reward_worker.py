@@ -1,0 +1,90 @@
+"""A reward worker process: `python -u -m rl.reward_worker FD`, started by `rl.reward.RewardPool`.
+
+Its own main module, so a worker imports the standard library, `rl.config` and `rl.reward` (both
+standard library only), then math_verify and sympy or the user's reward function: never the
+trainer, torch or transformers. It talks to the pool over the socket FD:
+
+    pool -> worker   (sys_path, RewardConfig)             once, first
+    worker -> pool   ("ready",) | ("failed", message, traceback)
+    pool -> worker   (index, RewardInput)                 one at a time
+    worker -> pool   ("ok", index, terms) | ("error", index, message, traceback, exiting)
+
+Whatever it prints (stdout and stderr, fd 1 and 2) goes to a pipe the pool reads and caps.
+It runs under an address-space limit of `reward.memory_limit_mb`, so an input that explodes
+raises MemoryError here instead of taking the machine's memory; after one, the worker answers and
+exits, and the pool starts a fresh one rather than trust its heap.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import resource
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+from rl.config import RewardConfig
+from rl.reward import load_user_fn, math_correct, score_one
+
+PR_SET_PDEATHSIG = 1
+
+
+def limit_memory(limit_mb: int) -> None:
+    """Caps the address space (RLIMIT_AS): a little above the resident size, as it counts reserved mappings."""
+    if limit_mb <= 0:
+        return
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = limit_mb * 2**20 if hard == resource.RLIM_INFINITY else min(limit_mb * 2**20, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def die_with_parent() -> None:
+    """SIGKILL when the trainer dies, so a worker stuck in a hung reward function does not outlive it."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def warm_up(cfg: RewardConfig) -> None:
+    """Pays the imports before the worker reports ready, so no input's timeout is spent on them."""
+    if cfg.user_fn:
+        load_user_fn(cfg.user_fn)
+    else:
+        math_correct(r"\boxed{\frac{1}{2}}", "0.5")
+
+
+def serve(conn: Connection, cfg: RewardConfig) -> None:
+    """Scores (index, RewardInput) messages until the pool closes the socket or memory runs out."""
+    while True:
+        try:
+            index, inp = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", index, score_one(inp, cfg)))
+        except MemoryError:
+            conn.send(("error", index, f"MemoryError: past reward.memory_limit_mb={cfg.memory_limit_mb}",
+                       traceback.format_exc(), True))  # in the same message, so no input is sent to us meanwhile
+            return
+        except Exception as e:
+            conn.send(("error", index, f"{type(e).__name__}: {e}", traceback.format_exc(), False))
+
+
+def main(fd: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it kills us
+    die_with_parent()
+    conn = Connection(fd)
+    sys_path, cfg = conn.recv()
+    sys.path[:] = sys_path  # the trainer's, so a user function imports as it did there
+    try:
+        limit_memory(cfg.memory_limit_mb)
+        warm_up(cfg)
+    except Exception as e:
+        conn.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        return
+    conn.send(("ready",))
+    serve(conn, cfg)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
