@@ -159,7 +159,8 @@ def render_prompt(raw: Any, cfg: DataConfig, tokenizer) -> str:
     if isinstance(raw, list):  # already chat messages
         messages = [dict(m) for m in raw]
     else:
-        messages = [{"role": "user", "content": cfg.prompt_template.format(prompt=raw)}]
+        # Plain replacement, not str.format: templates hold literal braces ("\\boxed{}").
+        messages = [{"role": "user", "content": cfg.prompt_template.replace("{prompt}", raw)}]
     if cfg.system_prompt and messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": cfg.system_prompt})
     if not cfg.apply_chat_template:

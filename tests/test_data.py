@@ -3,7 +3,7 @@ import json
 import pytest
 
 from rl.config import ConfigError, DataConfig
-from rl.data import Prompt, PromptDataset, Sample, expand_groups, read_rows
+from rl.data import Prompt, PromptDataset, Sample, expand_groups, read_rows, render_prompt
 from tests.tiny import tiny_tokenizer, write_arithmetic_jsonl
 
 
@@ -105,3 +105,9 @@ def test_parquet_source_and_chat_messages(tmp_path):
     from rl.data import render_prompt
 
     assert render_prompt(messages, DataConfig(), tiny_tokenizer()).startswith("<|im_start|>user\nhi")
+
+
+def test_prompt_template_with_literal_braces():
+    cfg = DataConfig(prompt_template="{prompt} Put your final answer within \\boxed{}.", apply_chat_template=False)
+    assert render_prompt("What is {x} + 1?", cfg, tiny_tokenizer()) == \
+        "What is {x} + 1? Put your final answer within \\boxed{}."
