@@ -4,19 +4,36 @@ One torchrun program: NCCL on GPUs, gloo on CPU. Each engine (one rank, or a
 tensor-parallel group of contiguous ranks) generates whole prompt groups; samples
 are then gathered so every rank sees the full rollout, and each rank picks its
 length-balanced share for training.
-All collectives of the RL loop live here and are called from `main.py`.
+The loop's collectives on samples and scalars live here and are called from `main.py`;
+the weight-sync gathers live in `weights.py`, and FSDP2 issues its own inside forward
+and backward.
+
+Faults between ranks end the run instead of hanging it: a rank whose launcher dies is
+killed by the kernel (parent-death signal), the collective timeout drops from the
+start-up 30 minutes to a few once the first step is done (`set_collective_timeout`),
+and `step_barrier`, a monitored barrier on a side gloo group, names the ranks that did
+not arrive in time.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import heapq
 import os
+import re
+import signal
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# The parent as this process first saw it, read at import (before anything slow): when the launcher
+# dies before the parent-death signal is armed, the parent has changed by the time it is.
+_PARENT_AT_START = os.getppid()
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -26,14 +43,40 @@ class Dist:
     local_rank: int
     device: torch.device
     mesh: DeviceMesh
+    monitor_group: dist.ProcessGroup | None = None  # gloo side group of `step_barrier` (None: one rank)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
+class StalledRankError(RuntimeError):
+    """Some rank did not reach a `step_barrier` in time: the run stops instead of hanging."""
+
+
+def exit_with_launcher(parent_pid: int) -> None:
+    """Asks the kernel to SIGKILL this process when its parent (the torchrun agent) dies, and exits at once
+    if it already has. Without this a `kill -9` of the launcher leaves the ranks training unsupervised.
+    SIGKILL, not SIGTERM: nothing is left to report to, and a handler could keep a rank alive; reward
+    workers see their pipe close and exit. Linux only (prctl); elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        print(f"rank {os.environ.get('RANK', '?')}: the launcher (pid {parent_pid}) is gone; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 def init_distributed(timeout_minutes: int = 30) -> Dist:
-    """Joins the torchrun group (or makes a group of one when started with plain python)."""
+    """Joins the torchrun group (or makes a group of one when started with plain python).
+
+    Under torchrun the rank dies with its launcher; a plain python run is left alone (its parent is a
+    shell, which nohup or setsid runs outlive on purpose)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_launcher(_PARENT_AT_START)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     os.environ.setdefault("RANK", "0")
@@ -51,7 +94,47 @@ def init_distributed(timeout_minutes: int = 30) -> Dist:
                                 device_id=device if backend == "nccl" else None)
     world_size = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    return Dist(dist.get_rank(), world_size, local_rank, device, mesh)
+    # monitored_barrier exists for gloo only; a group of its own keeps it apart from NCCL's streams
+    monitor = dist.new_group(backend="gloo") if world_size > 1 else None
+    return Dist(dist.get_rank(), world_size, local_rank, device, mesh, monitor)
+
+
+def set_collective_timeout(seconds: float, mesh: DeviceMesh | None = None) -> None:
+    """Sets the timeout of collectives issued from now on, on the default group and the mesh's groups (FSDP2's).
+
+    Start-up keeps a long one (loading, compiling, the first rollout); after the first step a rank stuck
+    for `seconds` fails the collective on the others (gloo raises, NCCL's watchdog aborts) instead of
+    hanging them for half an hour."""
+    if not dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=seconds)
+    groups = [dist.distributed_c10d._get_default_group()]
+    if mesh is not None:
+        groups += [g for g in mesh.get_all_groups() if g not in groups]
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def step_barrier(d: Dist, timeout_s: float, where: str) -> None:
+    """Waits until every rank reaches this point; raises StalledRankError naming the ranks that did not
+    arrive within `timeout_s` (stalled or dead), so the run stops instead of hanging.
+
+    Call it where ranks rejoin after work of their own (generation, rewards), before the next
+    collective: a rank stuck in that work then shows up here by number rather than as an anonymous
+    collective timeout. Rank 0 names the missing ranks; the other ranks point to rank 0's message."""
+    if d.monitor_group is None:
+        return
+    try:
+        dist.monitored_barrier(d.monitor_group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as e:
+        found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(e))
+        if d.rank == 0 and found:
+            ranks = [int(r) for r in found.group(1).replace(",", " ").split()]
+            raise StalledRankError(f"rank(s) {ranks} did not reach {where} within {timeout_s:g} s (stalled or dead); "
+                                   f"stopping the run. See those ranks' output for where they were") from e
+        raise StalledRankError(f"rank {d.rank} reached {where} but rank 0 did not confirm that every rank did "
+                               f"within {timeout_s:g} s: rank 0's message names the stalled ranks (or rank 0 "
+                               f"is the one that stalled)") from e
 
 
 def teardown() -> None:

@@ -1,0 +1,53 @@
+"""Fault cases of rl.parallel, started by tests/test_parallel.py as `torchrun --nproc-per-node 2 tests/parallel_checks.py MODE OUT`.
+
+- orphan: each rank writes its pid to OUT/pid<rank> and keeps running collectives; the test kills
+  the launcher and watches the ranks go.
+- stall: rank 1 sleeps past a short step_barrier; rank 0 must name it and the run must fail.
+- timeout: after set_collective_timeout(3), rank 1 sleeps before an all_reduce that rank 0 is
+  already in; rank 0's all_reduce must fail after ~3 s, not after the start-up 30 minutes.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rl import parallel  # noqa: E402
+
+
+def main(mode: str, out_dir: str) -> None:
+    d = parallel.init_distributed()
+    out = Path(out_dir)
+    if mode == "orphan":
+        (out / f"pid{d.rank}").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 120  # bounded even if nothing kills it
+        while time.monotonic() < deadline:
+            dist.all_reduce(torch.ones(1))
+            time.sleep(0.2)
+    elif mode == "stall":
+        parallel.step_barrier(d, 30.0, "the end of step 0")  # both arrive: passes
+        if d.rank == 1:
+            time.sleep(20)
+        parallel.step_barrier(d, 2.0, "the end of step 1")
+    elif mode == "timeout":
+        dist.all_reduce(torch.ones(1, device=d.device))
+        parallel.set_collective_timeout(3.0, d.mesh)
+        if d.rank == 1:
+            time.sleep(20)
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1, device=d.device))
+            if d.device.type == "cuda":  # NCCL fails in its watchdog, which aborts the process
+                torch.cuda.synchronize()
+        finally:
+            (out / f"waited{d.rank}").write_text(f"{time.monotonic() - start:.1f}")
+    parallel.teardown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,84 @@
+"""Faults between ranks end the run: launcher death, a stalled rank, a collective past its timeout."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+
+
+def torchrun_cmd(mode: str, out: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+            "tests/parallel_checks.py", mode, str(out)]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def port(offset: int) -> int:
+    return 28000 + (os.getpid() + offset) % 1000
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")  # reparented zombies are dead, whether or not anyone reaps them
+
+
+@linux_only
+def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
+    launcher = subprocess.Popen(torchrun_cmd("orphan", tmp_path, port(0)), cwd=ROOT, env=env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pid_files = [tmp_path / f"pid{r}" for r in range(2)]
+    deadline = time.monotonic() + 120
+    while not all(f.exists() and f.read_text() for f in pid_files):
+        assert launcher.poll() is None and time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.2)
+    ranks = [int(f.read_text()) for f in pid_files]
+    try:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in ranks), f"ranks {[p for p in ranks if alive(p)]} outlived their launcher"
+    finally:
+        for p in ranks:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+@linux_only
+def test_a_rank_whose_launcher_is_already_gone_exits():
+    code = "from rl.parallel import exit_with_launcher; exit_with_launcher(1 << 22); print('still running')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 1 and "still running" not in proc.stdout
+    assert f"the launcher (pid {1 << 22}) is gone" in proc.stderr
+
+
+def test_a_stalled_rank_is_named_and_the_run_stops(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run(torchrun_cmd("stall", tmp_path, port(1)), cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=120, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert "StalledRankError: rank(s) [1] did not reach the end of step 1 within 2 s" in output, output[-3000:]
+    assert time.monotonic() - start < 60
+
+
+def test_collective_timeout_is_lowered(tmp_path):
+    proc = subprocess.run(torchrun_cmd("timeout", tmp_path, port(2)), cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode != 0  # rank 0's all_reduce times out
+    waited = float((tmp_path / "waited0").read_text())
+    assert 2.0 < waited < 15.0, (waited, proc.stderr[-3000:])
