@@ -68,6 +68,13 @@ def test_k3_is_nonnegative_and_zero_at_equality():
     assert approx_kl_k3(a, a).abs().max() == 0
 
 
+def test_k3_hand_value_and_argument_order():
+    """KL(pi || ref) from tokens drawn from pi: with log pi = 0 and log ref = log 2 the log-ratio is
+    log 2, so k3 = 2 - log 2 - 1 = 0.3069; swapped it would be 1/2 + log 2 - 1 = 0.1931."""
+    got = approx_kl_k3(torch.tensor([0.0]), torch.tensor([math.log(2)]))
+    assert got.item() == pytest.approx(1 - math.log(2), abs=1e-6)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_logprobs_match_log_softmax_and_its_gradient(temperature):
     torch.manual_seed(0)
