@@ -1,4 +1,7 @@
-"""Triton kernels for the native engine's GPU path (imported only when the engine runs on CUDA).
+"""Triton kernels for the native engine's GPU path, and for the batch-invariant mode of the engine
+and the trainer's forward (`rl/invariant.py`). Imported on first use: by the engine on CUDA or in
+batch-invariant mode, by the patched trainer forward, and by the tests, which on a machine without
+a GPU run them through Triton's interpreter (chosen when the kernels are decorated, at import).
 
 Each kernel replaces a short chain of torch ops whose launches and memory passes dominate a
 decode step at a few hundred rows: residual add + RMSNorm, RoPE + KV-cache write, SiLU * up,
@@ -388,7 +391,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     `split_tokens` > 0 cuts every context into splits of that many tokens (a multiple of `block_n`;
     `num_splits` must cover the longest context): each row's result then depends on its own
-    context alone, whatever the batch (see `batch_invariant_splits`)."""
+    context alone, whatever the batch (see `invariant_attention` in rl/rollout/model.py)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads

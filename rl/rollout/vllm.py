@@ -78,10 +78,9 @@ class VllmEngine:
         # with a traceback; no chat template is ever used here.
         logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
 
-        self.device = device
         self.llm = LLM(**engine_kwargs(model_path, cfg, device, dtype, seed))
         self.asleep = {tag: False for tag in TAGS}
-        self.calls: list[str] = []  # the order of memory transitions, for the metrics and tests
+        self.calls: list[str] = []  # the order of weight loads and memory transitions, for the tests
 
     # ------------------------------------------------------------------ memory
 
