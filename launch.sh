@@ -4,11 +4,18 @@
 #   bash launch.sh [--install] [--nproc N] CONFIG [--section.key=value ...]
 #   sbatch --nodes 2 --gpus-per-node 8 launch.sh CONFIG [...]      # SLURM, one torchrun per node
 #
+# SIGTERM or SIGUSR1 to this script reaches every rank as SIGUSR1: the run checkpoints at the end of
+# its step and exits 0. Under SLURM the job asks for SIGUSR1 two minutes before its time limit and,
+# once the ranks have stopped that way, requeues itself; the requeued job resumes from the checkpoint.
+#
 # --install  installs rl (and a CPU torch where no GPU and no torch is present) and prepares the
 #            config's model if it is one of the offline models rl.prepare knows.
 # --nproc N  ranks per node (default: the GPU count, or 2 on a CPU-only machine).
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"
 
@@ -40,16 +47,45 @@ if [[ -z "$nproc" ]]; then
   if [[ "$gpus" -gt 0 ]]; then nproc=$gpus; else nproc=2; fi
 fi
 
+# Runs a command in the background, turns SIGTERM/SIGUSR1 into SIGUSR1 for `children` of it (the
+# ranks under torchrun, which itself would die of SIGUSR1) or for `itself` (srun, which forwards
+# it to every task), then waits for it; `stopped` records that a signal came.
+stopped=0
+run_forwarding_stop() {
+  local target=$1; shift
+  "$@" &
+  local pid=$!
+  if [[ $target == children ]]; then
+    trap 'stopped=1; pkill -USR1 -P "$pid" 2>/dev/null || true' TERM USR1
+  else
+    trap 'stopped=1; kill -USR1 "$pid" 2>/dev/null || true' TERM USR1
+  fi
+  local rc=0
+  while true; do
+    wait "$pid" && rc=0 || rc=$?
+    kill -0 "$pid" 2>/dev/null || break  # wait returned for a trapped signal: the job still runs
+  done
+  trap - TERM USR1
+  return "$rc"
+}
+
 if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" ]]; then
   # The batch script itself: start one task per node, each running this script again.
-  exec srun --ntasks-per-node=1 bash "$0" --nproc "$nproc" "$config" "$@"
+  rc=0
+  run_forwarding_stop itself srun --ntasks-per-node=1 bash "$0" --nproc "$nproc" "$config" "$@" || rc=$?
+  if [[ $stopped == 1 && $rc == 0 ]]; then
+    echo "launch.sh: stopped at a checkpoint ahead of the time limit; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
+  exit "$rc"
 fi
 
 if [[ -n "${SLURM_STEP_ID:-}" ]]; then
   head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-  exec torchrun --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --nproc-per-node "$nproc" \
+  run_forwarding_stop children torchrun --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --nproc-per-node "$nproc" \
     --rdzv-backend c10d --rdzv-endpoint "$head:29500" --rdzv-id "$SLURM_JOB_ID" \
     -m rl.main --config "$config" "$@"
+  exit $?
 fi
 
-exec torchrun --standalone --nproc-per-node "$nproc" -m rl.main --config "$config" "$@"
+run_forwarding_stop children torchrun --standalone --nproc-per-node "$nproc" -m rl.main --config "$config" "$@"

@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = ""  # local HF folder (config.json + weights) or hub id
+    path: str = ""  # local HF folder (config.json + weights)
     tokenizer: str = ""  # defaults to `path`
     random_init: bool = False  # build from config.json with random weights (tests, benchmarks)
     attn_implementation: str = "sdpa"
@@ -150,6 +150,7 @@ class CheckpointConfig:
     interval: int = 20  # rollouts between saves; the last rollout is always saved (0: only the last)
     keep_last: int = 2  # newest complete checkpoints kept
     resume: str = "auto"  # auto: newest complete one under log.output_dir | never | a checkpoint folder
+    export_dtype: str = "auto"  # dtype of <output_dir>/final: auto (the model's config.json), float32, bfloat16
 
 
 @dataclass(frozen=True)
@@ -385,6 +386,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(ck.interval >= 0, f"checkpoint.interval must be >= 0 (0: only the last rollout), got {ck.interval}")
     _require(ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")
     _require(bool(ck.resume), "checkpoint.resume must be 'auto', 'never' or a checkpoint folder")
+    _require(ck.export_dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"checkpoint.export_dtype must be auto, float32, bfloat16 or float16, got {ck.export_dtype!r}")
     if world_size is not None:
         tp = ro.tensor_parallel_size
         _require(world_size % tp == 0,

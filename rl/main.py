@@ -8,25 +8,32 @@ and HTTP calls replaced by function calls and collectives).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from torch.distributed.elastic.multiprocessing.errors import record
+from transformers import AutoConfig, AutoTokenizer
 
-from rl import parallel
+from rl import checkpoint, parallel
 from rl.algo import grpo_advantages
+from rl.checks import check_model_and_tokenizer
 from rl.config import Config, ConfigError, check_paths, dump, load_config, resolve
 from rl.data import PromptDataset, Sample, Status
+from rl.export import export_policy
+from rl.health import Health, RunStopped
 from rl.invariant import make_batch_invariant
-from rl.metrics import make_logger, memory_phase
+from rl.metrics import make_logger, memory_phase, timed
 from rl.parallel import print0
+from rl.policy import PolicyOffloader, build_optimizer, load_hf_model, shard_policy
 from rl.reward import RewardInput, RewardPool
 from rl.reward import metrics as reward_metrics
 from rl.reward import reduce_metrics as reduce_reward_metrics
-from rl.policy import PolicyOffloader, build_optimizer, load_hf_model, shard_policy
 from rl.rollout import SamplingParams, build_engine, engine_dtype, generate_rollout
 from rl.train import build_schedule, train_metrics, train_on_rollout
 from rl.weights import sync_weights
@@ -48,40 +55,57 @@ def keep_group(group: list[Sample], dynamic_filter: str) -> bool:
     return True
 
 
-def collect_rollout(dataset: PromptDataset, engine, pool: RewardPool, sampling: SamplingParams, tokenizer,
-                    weight_version: int, cfg: Config, dist: parallel.Dist) -> tuple[list[Sample], dict[str, float]]:
+def collect_rollout(dataset: PromptDataset, engine, pool: RewardPool | None, sampling: SamplingParams, tokenizer,
+                    weight_version: int, rollout_id: int, cfg: Config, dist: parallel.Dist,
+                    barrier_timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
     """Draws rounds of `over_sampling_batch_size` prompts until `rollout_batch_size` groups pass the
-    dynamic filter (seed steps 16-28). Each rank generates and scores a contiguous share of every
-    round; the scored groups are gathered so all ranks filter and keep the same ones, in order."""
+    dynamic filter (seed steps 16-28). Each engine generates a contiguous share of every round and
+    its first rank scores it (the ranks of a TP group hold the same samples); the scored groups are
+    gathered so all ranks filter and keep the same ones, in order."""
     ro = cfg.rollout
     tp = ro.tensor_parallel_size
+    engine_index = dist.rank // tp
     kept, dropped, per_rank_reward_stats = [], [], []
     rollout_s = reward_s = 0.0
     rounds = 0
     while len(kept) < ro.rollout_batch_size and rounds < ro.max_sampling_rounds:
         rounds += 1
         groups = dataset.next_groups(ro.over_sampling_batch_size, ro.n_samples_per_prompt)
-        mine = parallel.shard_groups(groups, dist.rank // tp, dist.world_size // tp)
+        mine = parallel.shard_groups(groups, engine_index, dist.world_size // tp)
+        # The sampling stream depends only on (seed, rollout, round, engine): a resumed run redraws it.
+        seeded = dataclasses.replace(sampling, seed=sampling_seed(ro.seed, rollout_id, rounds, engine_index))
         t = time.perf_counter()
-        local = generate_rollout(engine, mine, sampling, weight_version, tokenizer,
+        local = generate_rollout(engine, mine, seeded, weight_version, tokenizer,
                                  progress=cfg.log.progress and dist.is_main)
+        parallel.step_barrier(dist, barrier_timeout_s, "the end of rollout generation")
         rollout_s += parallel.all_reduce_max(time.perf_counter() - t)
         t = time.perf_counter()
-        per_rank_reward_stats += parallel.all_gather_objects([score(pool, local, ro.max_new_tokens)])
+        per_rank_reward_stats += parallel.all_gather_objects(
+            [score(pool, local, ro.max_new_tokens)] if pool is not None else [])
         reward_s += time.perf_counter() - t
         scored = parallel.gather_engine_outputs(local, tp)  # engine order == group order: shards are contiguous
         for start in range(0, len(scored), ro.n_samples_per_prompt):
             group = scored[start : start + ro.n_samples_per_prompt]
             (kept if keep_group(group, ro.dynamic_filter) else dropped).append(group)
+    all_scored = [s for group in kept + dropped for s in group]
     drop_frac = len(dropped) / (len(kept) + len(dropped))
-    if len(kept) < ro.rollout_batch_size:  # out of rounds: top up with filtered groups, which train as zeros
+    topped_up = max(ro.rollout_batch_size - len(kept), 0)
+    if topped_up:  # out of rounds: top up with filtered groups, which train as zeros
         print0(f"rollout: only {len(kept)}/{ro.rollout_batch_size} groups passed rollout.dynamic_filter "
-               f"in {rounds} rounds; topping up with filtered groups")
-        kept += dropped[: ro.rollout_batch_size - len(kept)]
+               f"in {rounds} rounds; topping up with {topped_up} filtered groups (zero advantage)")
+        kept += dropped[:topped_up]
     samples = [s for group in kept[: ro.rollout_batch_size] for s in group]  # extra groups are discarded
     stats = {**reduce_reward_metrics(per_rank_reward_stats), "rollout/sampling_rounds": rounds,
-             "rollout/filtered_group_frac": drop_frac, "perf/rollout_s": rollout_s, "perf/reward_s": reward_s}
+             "rollout/filtered_group_frac": drop_frac, "rollout/topped_up_groups": topped_up,
+             "rollout/num_scored": len(all_scored),
+             "rollout/reward_mean_all_scored": sum(s.reward for s in all_scored) / len(all_scored),
+             "perf/rollout_s": rollout_s, "perf/reward_s": reward_s,
+             "perf/rollout_tokens_per_s": sum(s.response_length for s in all_scored) / max(rollout_s, 1e-9)}
     return samples, stats
+
+
+def sampling_seed(seed: int, rollout_id: int, sampling_round: int, engine_index: int) -> int:
+    return (seed + 1_000_003 * rollout_id + 10_007 * sampling_round + 101 * engine_index) % 2**31
 
 
 def assign_advantages(samples: list[Sample], std_normalization: bool) -> None:
@@ -94,14 +118,14 @@ def assign_advantages(samples: list[Sample], std_normalization: bool) -> None:
 def rollout_metrics(samples: list[Sample], n_samples_per_prompt: int) -> dict[str, float]:
     rewards = torch.tensor([s.reward for s in samples])
     lengths = torch.tensor([float(s.response_length) for s in samples])
-    group_std = rewards.view(-1, n_samples_per_prompt).std(dim=1)
+    per_group = rewards.view(-1, n_samples_per_prompt)
     return {
         "rollout/reward_mean": rewards.mean().item(),
         "rollout/reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/response_length_max": lengths.max().item(),
         "rollout/truncated_frac": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
-        "rollout/zero_std_group_frac": (group_std == 0).float().mean().item(),
+        "rollout/zero_std_group_frac": (per_group.amax(1) == per_group.amin(1)).float().mean().item(),
         "rollout/num_samples": float(len(samples)),
     }
 
@@ -115,94 +139,209 @@ def main(argv: list[str]) -> None:
         raise ConfigError("model.batch_invariant runs the native engine's Triton kernels in the trainer too: it needs "
                           "a CUDA device (on a CPU only under TRITON_INTERPRET=1, for tests)")
     out_dir = Path(cfg.log.output_dir)
-    if dist.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(dump(cfg))
+    lock, resume_from = claim_output_dir(cfg, dist)
     print0(f"rl: world_size={dist.world_size} device={dist.device.type}\n{dump(cfg)}")
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    eos_ids = check_model_and_tokenizer(cfg.model, cfg.rollout, AutoConfig.from_pretrained(cfg.model.path), tokenizer)
     dataset = PromptDataset.from_config(cfg.data, tokenizer)
     print0(f"data: {len(dataset.prompts)} prompts, {dataset.num_filtered} dropped by max_prompt_len")
-    reward_pool = RewardPool(cfg.reward)
-    logger = make_logger(dist.is_main, cfg.log.output_dir, cfg.to_dict(), cfg.log.wandb,
-                         cfg.log.wandb_project, cfg.log.run_name)
+    # Only the first rank of each engine scores: the ranks of a TP group hold the same samples.
+    reward_pool = RewardPool(cfg.reward) if dist.rank % cfg.rollout.tensor_parallel_size == 0 else None
 
     policy = load_hf_model(cfg.model, cfg.train.seed)
     if cfg.model.batch_invariant:
         policy = make_batch_invariant(policy, cfg.rollout.max_context_len)
     policy = shard_policy(policy, dist.mesh, dist.device, cfg.model.gradient_checkpointing)
     optimizer, scheduler = build_optimizer(policy, cfg.train)
+    health = Health(cfg.train.max_bad_steps, cfg.reward.max_failed_steps, policy.config.vocab_size)
+    start, weight_version = 0, 1  # seed step 8: the first push is version 1
+    if resume_from:
+        path, state = checkpoint.load_newest(resume_from, policy, optimizer)
+        scheduler.load_state_dict(state.scheduler)
+        dataset.load_state_dict(state.data)
+        health.load_state_dict(state.health)
+        start, weight_version = state.rollout_id + 1, state.weight_version
+        print0(f"checkpoint: resumed from {path}: rollout {start} next, weight_version {weight_version}")
     engine = build_engine(cfg.rollout, cfg.model.path, policy.config, dist.device, dist.rank, cfg.model.batch_invariant)
     dtype = engine_dtype(cfg.rollout.dtype, dist.device)
-    eos = tokenizer.eos_token_id
-    sampling = SamplingParams.from_config(cfg.rollout, [eos] if isinstance(eos, int) else eos or [])
-
-    sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)  # seed step 8: first push is version 1
-    weight_version = 1
+    sampling = SamplingParams.from_config(cfg.rollout, eos_ids)
+    sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)
     offloader = PolicyOffloader(policy, optimizer) if cfg.train.offload else None
     if offloader:
         offloader.offload()
+    logger = make_logger(dist.is_main, cfg.log.output_dir, cfg.to_dict(), cfg.log.wandb, cfg.log.wandb_project,
+                         cfg.log.run_name, start_rollout=start)
+    stop = StopSignals()
+    barrier_timeout_s = cfg.train.collective_timeout_s
+    hf_sources = [Path(cfg.model.path), Path(cfg.model.tokenizer or cfg.model.path)]
+    finished = start >= cfg.train.num_rollout
+    if finished:
+        print0(f"rl: the run in {out_dir} already finished rollout {start - 1} (train.num_rollout="
+               f"{cfg.train.num_rollout}); pass a larger --train.num_rollout to train further")
     try:
-        for rollout_id in range(cfg.train.num_rollout):
-            step_start = time.perf_counter()
+        for rollout_id in range(start, cfg.train.num_rollout):
+            step_start, times = time.perf_counter(), {}
             # B. rollout (seed steps 14-32)
             samples, rollout_stats = collect_rollout(dataset, engine, reward_pool, sampling, tokenizer,
-                                                     weight_version, cfg, dist)
+                                                     weight_version, rollout_id, cfg, dist,
+                                                     barrier_timeout_s if rollout_id > start else STARTUP_TIMEOUT_S)
+            health.after_rewards(int(rollout_stats["rollout/num_scored"]),
+                                 int(rollout_stats["reward/num_errors"] + rollout_stats["reward/num_timeouts"]))
             assign_advantages(samples, cfg.algo.grpo_std_normalization)
             memory = memory_phase("rollout", dist.device)
 
             # C. the engine yields its memory
-            t = time.perf_counter()
-            engine.sleep(cfg.rollout.sleep_level)
-            offload_s = time.perf_counter() - t
+            with timed(times, "perf/offload_s"):
+                engine.sleep(cfg.rollout.sleep_level)
             memory |= memory_phase("asleep", dist.device)
 
             # D. train
-            t = time.perf_counter()
-            if offloader:
-                offloader.onload(dist.device)
-            onload_train_s = time.perf_counter() - t
-            t = time.perf_counter()
-            steps, step_tokens, padding = build_schedule(samples, cfg.train, dist.rank, dist.world_size, dist.device)
-            local_stats = train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, dist.world_size,
-                                           cfg.train, cfg.algo, cfg.rollout.temperature)
-            train_stats = train_metrics(parallel.all_gather_objects([local_stats]), len(steps))
+            with timed(times, "perf/onload_train_s"):
+                if offloader:
+                    offloader.onload(dist.device)
+            with timed(times, "perf/train_s"):
+                steps, step_tokens, padding = build_schedule(samples, cfg.train, dist.rank, dist.world_size,
+                                                             dist.device)
+                local_stats = train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, dist.world_size,
+                                               cfg.train, cfg.algo, cfg.rollout.temperature)
+                train_stats = train_metrics(parallel.all_gather_objects([local_stats]), len(steps))
             train_stats["train/padding_micro_batches"] = padding
-            train_s = time.perf_counter() - t
             memory |= memory_phase("train", dist.device)
 
-            # E. weights into the engine, version + 1
-            t = time.perf_counter()
-            engine.wake_up(["weights"])
-            onload_weights_s = time.perf_counter() - t
-            sync_stats = sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)
-            weight_version += 1
-            t = time.perf_counter()
-            if offloader:
-                offloader.offload()
-            offload_train_s = time.perf_counter() - t
+            # E. weights into the engine, version + 1; a rollout whose every step was skipped leaves it as it was
+            with timed(times, "perf/onload_weights_s"):
+                engine.wake_up(["weights"])
+            sync_stats = {}
+            if train_stats["train/skipped_steps"] < len(steps):
+                sync_stats = sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)
+                weight_version += 1
+            with timed(times, "perf/offload_train_s"):
+                if offloader:
+                    offloader.offload()
             engine.reset_prefix_cache()
-            t = time.perf_counter()
-            engine.wake_up(["kv_cache"])
-            onload_kv_s = time.perf_counter() - t
+            with timed(times, "perf/onload_kv_s"):
+                engine.wake_up(["kv_cache"])
             memory |= memory_phase("weight_sync", dist.device)
 
-            metrics = {"rollout_id": rollout_id, "weight_version": weight_version,
-                       **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **rollout_stats,
-                       **train_stats, **sync_stats, **memory, "perf/offload_s": offload_s, "perf/train_s": train_s,
-                       "perf/onload_train_s": onload_train_s, "perf/offload_train_s": offload_train_s,
-                       "perf/onload_weights_s": onload_weights_s, "perf/onload_kv_s": onload_kv_s,
-                       "perf/step_s": time.perf_counter() - step_start,
-                       "data/epoch": dataset.epoch, "data/prompts_filtered": dataset.num_filtered}
-            metrics["perf/rollout_tokens_per_s"] = (
-                metrics["rollout/response_length_mean"] * len(samples) / max(metrics["perf/rollout_s"], 1e-9))
-            logger.log(metrics)
+            row = {"rollout_id": rollout_id, "weight_version": weight_version,
+                   **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **rollout_stats,
+                   **train_stats, **sync_stats, **memory, **times,
+                   "data/epoch": dataset.epoch, "data/prompts_filtered": dataset.num_filtered}
+            try:
+                health.after_train(row, len(steps))
+            finally:
+                row |= health.metrics()
+                row["perf/step_s"] = time.perf_counter() - step_start
+                logger.log(row)
+
+            if rollout_id == start:  # start-up (loading, compiling, the first rollout) is over
+                parallel.set_collective_timeout(barrier_timeout_s, dist.mesh)
+
+            # F. checkpoint: on the interval, after the last rollout, and when asked to stop
+            stopping = parallel.all_reduce_max(float(stop.received is not None)) > 0
+            last = rollout_id == cfg.train.num_rollout - 1
+            if last or stopping or (cfg.checkpoint.interval and (rollout_id + 1) % cfg.checkpoint.interval == 0):
+                save_checkpoint(cfg, rollout_id, weight_version, policy, optimizer, scheduler, dataset, health,
+                                hf_sources, dist)
+            if stopping:
+                print0(f"rl: stopping after rollout {rollout_id} ({stop.received or 'signal on another rank'}); "
+                       f"run the same command to resume")
+                break
+        else:
+            finished = True
+        if finished and (start < cfg.train.num_rollout or not (out_dir / "final").is_dir()):
+            written = export_policy(policy, hf_sources, out_dir / "final", cfg.checkpoint.export_dtype, dist.is_main)
+            print0(f"rl: the trained policy is in {written}")
+        print0(health.summary())
     finally:
         logger.close()
-        reward_pool.close()
+        if reward_pool is not None:
+            reward_pool.close()
+        if lock is not None:
+            lock.close()
     engine.close()  # vLLM's model-parallel groups go before the process group they live in
     parallel.teardown()
 
 
+STARTUP_TIMEOUT_S = 1800.0  # the process group's own timeout while models load and kernels compile
+
+
+def claim_output_dir(cfg: Config, dist: parallel.Dist):
+    """Rank 0 locks the run folder and decides what to resume from; every rank gets the same answer
+    (or the same error). A fresh run writes config.json; a resumed one keeps the earlier config beside it."""
+    lock, candidates, error = None, [], ""
+    if dist.is_main:
+        try:
+            lock = checkpoint.lock_output_dir(cfg.log.output_dir)
+            candidates = checkpoint.resume_candidates(cfg.log.output_dir, cfg.checkpoint.resume, cfg.model.path)
+            keep_config(Path(cfg.log.output_dir), cfg, resumed=bool(candidates))
+        except ConfigError as e:
+            error = str(e)
+    error, candidates = parallel.all_gather_objects([(error, [str(p) for p in candidates])])[0]
+    if error:
+        raise ConfigError(error)
+    return lock, [Path(p) for p in candidates]
+
+
+def keep_config(out_dir: Path, cfg: Config, resumed: bool) -> None:
+    path = out_dir / "config.json"
+    text = dump(cfg)
+    if resumed and path.is_file() and path.read_text() != text:
+        earlier = json.loads(path.read_text())
+        changed = sorted(f"{section}.{key}" for section, values in cfg.to_dict().items()
+                         for key, value in values.items() if earlier.get(section, {}).get(key) != value)
+        kept = out_dir / f"config.{time.strftime('%Y%m%d-%H%M%S')}.json"
+        os.replace(path, kept)
+        print0(f"config: resuming with changed keys {', '.join(changed)}; the earlier config is kept as {kept}")
+    path.write_text(text)
+
+
+def save_checkpoint(cfg: Config, rollout_id: int, weight_version: int, policy, optimizer, scheduler,
+                    dataset: PromptDataset, health: Health, hf_sources: list[Path], dist: parallel.Dist) -> None:
+    start = time.perf_counter()
+    state = checkpoint.TrainerState(rollout_id=rollout_id, weight_version=weight_version, data=dataset.state_dict(),
+                                    scheduler=scheduler.state_dict(), health=health.state_dict(),
+                                    config=cfg.to_dict(), world_size=dist.world_size)
+    path = checkpoint.save(cfg.log.output_dir, state, policy, optimizer, hf_sources, cfg.checkpoint.keep_last)
+    print0(f"checkpoint: saved {path} in {time.perf_counter() - start:.1f} s")
+
+
+class StopSignals:
+    """SIGTERM and SIGUSR1 (a preemption notice) ask the loop to checkpoint and stop at the end of the step."""
+
+    def __init__(self):
+        self.received: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.received = signal.Signals(signum).name
+
+
+def record_error(message: str) -> None:
+    """Writes the one-line cause where torchrun's failure summary reads it (its error file), so the
+    summary names the cause instead of `error_file: <N/A>`."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                     "timestamp": str(int(time.time()))}}}, f)
+
+
+def cli(argv: list[str]) -> int:
+    """A bad config or input, or a fault the run cannot survive: one line on rank 0 and exit 2 (input) or
+    1 (run stopped). Anything else is a bug and keeps its traceback (recorded for torchrun's summary)."""
+    try:
+        record(main)(argv)
+    except (ConfigError, RunStopped, parallel.StalledRankError) as e:
+        message = f"rl: {'error' if isinstance(e, ConfigError) else 'stopped'}: {e}"
+        if os.environ.get("RANK", "0") == "0":
+            print(message, file=sys.stderr, flush=True)
+        record_error(message)
+        return 2 if isinstance(e, ConfigError) else 1
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(cli(sys.argv[1:]))

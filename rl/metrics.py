@@ -1,18 +1,26 @@
 """One flat dict of metrics per rollout step: stdout, `<output_dir>/metrics.jsonl`, wandb.
 
 Only rank 0 writes; other ranks get a `NullLogger`, so the loop never branches on
-rank. wandb runs offline unless `WANDB_API_KEY` is set, and its absence or failure
-never costs the JSONL record.
+rank. wandb runs offline unless `WANDB_API_KEY` is set. The JSONL file is always valid
+JSON Lines: a non-finite value is written as `null`, each row goes out in one write and
+is flushed to disk, a row that fails to write (a full disk) is cut back off and stops the
+run, a cut-off last line left by a crash is dropped when the file is opened again, and a
+resumed run drops the rows past its checkpoint before appending.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from rl.health import RunStopped
 
 PRINT_KEYS = ("rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm",
               "train/clip_frac", "perf/step_s", "perf/rollout_s", "perf/train_s", "perf/weight_sync_s")
@@ -24,6 +32,16 @@ def format_line(metrics: dict[str, Any]) -> str:
         if key in metrics:
             parts.append(f"{key.split('/', 1)[1]}={metrics[key]:.4g}")
     return " | ".join(parts)
+
+
+@contextlib.contextmanager
+def timed(times: dict[str, float], key: str):
+    """Adds the seconds the block takes to `times[key]`."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[key] = times.get(key, 0.0) + time.perf_counter() - start
 
 
 def memory_phase(phase: str, device: torch.device) -> dict[str, float]:
@@ -40,10 +58,50 @@ def memory_phase(phase: str, device: torch.device) -> dict[str, float]:
     return stats
 
 
+def finite_or_none(value: Any) -> Any:
+    """JSON has no NaN or Infinity: non-finite floats become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The rows of a metrics file and how many lines could not be read (a cut-off last line)."""
+    rows, bad = [], 0
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                bad += 1
+    return rows, bad
+
+
+def keep_rows_before(path: Path, rollout_id: int) -> tuple[int, int]:
+    """Rewrites `path` with only its readable rows of rollouts before `rollout_id`.
+    Returns (rows dropped, unreadable lines dropped)."""
+    rows, bad = read_rows(path)
+    kept = [r for r in rows if r.get("rollout_id", -1) < rollout_id]
+    if len(kept) != len(rows) or bad or (path.is_file() and path.read_bytes()[-1:] not in (b"\n", b"")):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+    return len(rows) - len(kept), bad
+
+
 class MetricsLogger:
-    def __init__(self, output_dir: str, config: dict[str, Any], use_wandb: bool, project: str, run_name: str):
+    def __init__(self, output_dir: str, config: dict[str, Any], use_wandb: bool, project: str, run_name: str,
+                 start_rollout: int = 0):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        dropped, bad = keep_rows_before(self.path, start_rollout)
+        if dropped:
+            print(f"metrics: dropped {dropped} row(s) of rollouts >= {start_rollout} from {self.path} "
+                  f"(written after the checkpoint the run resumes from)", flush=True)
+        if bad:
+            print(f"metrics: dropped {bad} cut-off line(s) from {self.path}", flush=True)
         self.wandb_run = None
         if use_wandb:
             import wandb
@@ -51,11 +109,20 @@ class MetricsLogger:
             if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
                 os.environ["WANDB_MODE"] = "offline"
             self.wandb_run = wandb.init(project=project, name=run_name or None, config=config,
-                                        dir=str(self.path.parent))
+                                        dir=str(self.path.parent), resume="allow")
 
     def log(self, metrics: dict[str, Any]) -> None:
+        line = json.dumps({k: finite_or_none(v) for k, v in metrics.items()}, allow_nan=False) + "\n"
         with self.path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
+            size = f.tell()
+            try:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as e:
+                f.truncate(size)  # never leave half a row for the next one to run into
+                raise RunStopped(f"cannot write {self.path} ({e.strerror or e}): the run stops rather than lose "
+                                 f"metrics; free space and rerun the same command to resume") from e
         print(format_line(metrics), flush=True)
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=metrics["rollout_id"])
@@ -74,5 +141,5 @@ class NullLogger:
 
 
 def make_logger(is_main: bool, output_dir: str, config: dict[str, Any], use_wandb: bool, project: str,
-                run_name: str):
-    return MetricsLogger(output_dir, config, use_wandb, project, run_name) if is_main else NullLogger()
+                run_name: str, start_rollout: int = 0):
+    return MetricsLogger(output_dir, config, use_wandb, project, run_name, start_rollout) if is_main else NullLogger()

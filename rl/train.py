@@ -9,6 +9,7 @@ depend on how samples were split into micro-batches or ranks.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,6 @@ from rl import parallel
 from rl.algo import approx_kl_k3, can_reuse_old_logprobs, masked_sum, ppo_clip_loss
 from rl.config import AlgoConfig, TrainConfig
 from rl.data import Sample
-
 
 # ---------------------------------------------------------------------------- batches and logprobs
 
@@ -203,9 +203,10 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
         old = compute_old_logprobs(model, all_micro_batches, temperature)
         for mb in all_micro_batches:
             add_mismatch(sums, torch.stack([old[i] for i in mb.indices]), mb.rollout_logprobs, mb.loss_mask)
-    grad_norms = []
+    grad_norms, skipped, trailing_skipped = [], 0, 0
     for step_index, (micro_batches, global_tokens) in enumerate(zip(steps, step_tokens, strict=True)):
         denom = max(global_tokens, 1)
+        step_loss = torch.zeros((), device=device)
         for mb in micro_batches:
             logprobs, entropy = token_logprobs(model, mb, temperature)
             if not old and step_index == 0:  # the policy has not moved yet: these are the old logprobs
@@ -221,18 +222,27 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
             # FSDP averages gradients over ranks; scale so the result is the global token mean.
             (loss * dp_size).backward()
             sums["loss_sum"] += loss.detach()
+            step_loss += loss.detach()
             sums["clipped_tokens"] += masked_sum(clipped, mb.loss_mask)
             sums["entropy_sum"] += masked_sum(entropy, mb.loss_mask)
             sums["tokens"] += mb.loss_mask.sum()
         grad_norms.append(clip_grad_norm(model, train.clip_grad))
-        optimizer.step()
-        scheduler.step()
+        # A non-finite loss or gradient on any rank: skip the step on all of them, so the weights (and
+        # the engine that receives them) keep their last finite values; the caller counts the streak.
+        if parallel.all_reduce_max(float(not (torch.isfinite(step_loss) and math.isfinite(grad_norms[-1])))):
+            skipped += 1
+            trailing_skipped += 1
+        else:
+            optimizer.step()
+            scheduler.step()
+            trailing_skipped = 0
         optimizer.zero_grad(set_to_none=True)
     if isinstance(model, FSDPModule):
         model.reshard()
     out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all the sums
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = scheduler.get_last_lr()[0]
+    out["skipped_steps"], out["trailing_skipped_steps"] = skipped, trailing_skipped
     return out
 
 
@@ -244,6 +254,8 @@ def train_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str,
         "train/clip_frac": sum(m["clipped_tokens"] for m in per_rank) / max(tokens, 1),
         "train/entropy": sum(m["entropy_sum"] for m in per_rank) / max(tokens, 1),
         "train/grad_norm": per_rank[0]["grad_norm"],
+        "train/skipped_steps": per_rank[0]["skipped_steps"],
+        "train/trailing_skipped_steps": per_rank[0]["trailing_skipped_steps"],
         "train/lr": per_rank[0]["lr"],
         "train/tokens": tokens,
         "rollout/logprob_abs_diff_mean": sum(m["mismatch_abs_sum"] for m in per_rank) / max(mismatch_tokens, 1),

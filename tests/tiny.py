@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -55,6 +55,12 @@ def save_tiny_model_dir(path: Path, seed: int = 0, **kwargs) -> Path:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    # Loaded beside a Qwen2 config, the tokenizer may gain that family's <|endoftext|>: the embedding must cover it.
+    loaded = len(AutoTokenizer.from_pretrained(path))
+    if loaded > model.config.vocab_size:
+        model = tiny_model(seed, vocab_size=loaded, **kwargs)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(path)
     return path
 
 
@@ -77,3 +83,21 @@ def training_state(model: torch.nn.Module, optimizer) -> list[torch.Tensor]:
     for state in optimizer.state.values():
         tensors += [local_tensor(v).clone() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
     return tensors
+
+
+def save_sharded_tiny_model_dir(path: Path, seed: int = 0, max_shard_size: str = "100KB", **kwargs) -> Path:
+    """`save_tiny_model_dir` with the weights split over several safetensors files and an index."""
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer()
+    tiny_model(seed, vocab_size=max(len(tokenizer), 256), **kwargs).save_pretrained(path, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def rewrite_safetensors(path: Path, drop: tuple[str, ...] = (), add: dict[str, torch.Tensor] | None = None) -> None:
+    """Rewrites a folder's single model.safetensors without the `drop` tensors and with the `add` ones."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = {k: v for k, v in load_file(file).items() if k not in drop}
+    save_file({**tensors, **(add or {})}, file, metadata={"format": "pt"})

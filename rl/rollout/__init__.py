@@ -27,6 +27,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # restarts the engine's sampling stream for this call (None: continue it)
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, eos_token_ids: Iterable[int]) -> SamplingParams:

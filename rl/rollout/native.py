@@ -329,6 +329,10 @@ class NativeEngine:
 
     def _set_sampling(self, params: SamplingParams) -> None:
         self.params = params
+        if params.seed is not None:  # a fixed stream per call: a resumed run draws what the first run drew
+            self.generator.manual_seed(params.seed)
+            if self.on_gpu:
+                self.seed.fill_(params.seed)  # in place: captured graphs read this address
         r = self.rows
         r.inv_temperature.fill_(1.0 / params.temperature)
         r.top_p.fill_(params.top_p)

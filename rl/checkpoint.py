@@ -1,0 +1,262 @@
+"""Checkpoints: save a run, resume it exactly, and export the policy as a Hugging Face folder.
+
+A checkpoint is one folder `<output_dir>/checkpoints/rollout_<N>/` holding everything the
+loop needs to continue after rollout N as if it had never stopped:
+- `model_optim/`: the policy and AdamW state, sharded with `torch.distributed.checkpoint`
+  (DCP): each rank writes its own FSDP2 shards, and a later load reshards to any rank count;
+- `trainer_state.json`: rollout_id, weight_version, the data cursor, the LR schedule, the
+  health counters and the resolved config (rank 0);
+- `rng/rank_<r>.pt`: every rank's torch (and CUDA) and Python RNG states;
+- `hf/`: the model's config, generation config and tokenizer files, so that
+  `python -m rl.export` needs nothing but the checkpoint.
+
+Atomicity: all ranks write into `.rollout_<N>.tmp/`; once every rank is done, rank 0
+renames it to `rollout_<N>` (one rename on one filesystem) and then prunes to the newest
+`keep_last`. A kill at any moment leaves either the old set or the new one whole; leftover
+`.tmp` folders are never read and are removed by the next save. Loading tries the newest
+complete checkpoint and falls back to the one before it, with a warning naming both,
+when it cannot be read.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import re
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from rl import parallel
+from rl.config import ConfigError
+from rl.parallel import print0
+
+CHECKPOINTS = "checkpoints"
+_NAME = re.compile(r"rollout_(\d+)")
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+            "added_tokens.json")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What the loop restores besides tensors: where it was and what it had counted."""
+
+    rollout_id: int  # the last finished rollout
+    weight_version: int
+    data: dict[str, int]
+    scheduler: dict[str, Any]
+    health: dict[str, Any]
+    config: dict[str, Any]
+    world_size: int
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Finished checkpoints under `output_dir`, oldest first (temporary folders are not listed)."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def rollout_of(path: Path) -> int:
+    m = _NAME.fullmatch(path.name)
+    if m is None:
+        raise ValueError(f"{path}: not a checkpoint folder (expected rollout_<N>)")
+    return int(m.group(1))
+
+
+# ---------------------------------------------------------------------------- save
+
+
+def save(output_dir: str | Path, state: TrainerState, model: torch.nn.Module, optimizer, hf_sources: list[Path],
+         keep_last: int) -> Path:
+    """Writes the checkpoint of rollout `state.rollout_id` on every rank (a collective) and returns its path."""
+    root = checkpoint_root(output_dir)
+    final = root / f"rollout_{state.rollout_id}"
+    tmp = root / f".rollout_{state.rollout_id}.tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "model_optim"))
+    torch.save(rng_state(), tmp / "rng" / f"rank_{dist.get_rank()}.pt")
+    if dist.get_rank() == 0:
+        _write_json(tmp / "trainer_state.json", state.__dict__)
+        copy_hf_files(hf_sources, tmp / "hf")
+    dist.barrier()  # every rank's shards are on disk
+    if dist.get_rank() == 0:
+        if final.exists():  # a rerun of the same rollout (after a resume from an older one)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        prune(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Removes all but the newest `keep_last` complete checkpoints and any leftover temporary folder."""
+    for stale in root.glob(".rollout_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    complete = complete_checkpoints(root.parent)
+    for old in complete[: max(len(complete) - keep_last, 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_hf_files(sources: list[Path], out: Path) -> None:
+    """The config, generation config and tokenizer files of the model (first source that has each)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in HF_FILES:
+        for folder in sources:
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, out / name)
+                break
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with path.open("w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def read_trainer_state(path: Path) -> TrainerState:
+    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+
+
+def load(path: Path, model: torch.nn.Module, optimizer) -> TrainerState:
+    """Restores model and optimizer (resharded to this run's ranks) and this rank's RNG; a collective."""
+    state = read_trainer_state(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    both = {"model": model_sd, "optim": optim_sd}
+    dcp.load(both, checkpoint_id=str(path / "model_optim"))
+    set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+    rng = path / "rng" / f"rank_{dist.get_rank()}.pt"
+    if state.world_size == dist.get_world_size() and rng.is_file():
+        set_rng_state(torch.load(rng, weights_only=False))
+    else:
+        print0(f"checkpoint: {path} was written by {state.world_size} ranks, resumed on {dist.get_world_size()}; "
+               f"model, optimizer, schedule and data cursor are resharded, per-rank RNG states start afresh")
+    return state
+
+
+def load_newest(candidates: list[Path], model: torch.nn.Module, optimizer) -> tuple[Path, TrainerState]:
+    """Loads the newest of `candidates` that every rank can read; falls back with a warning naming both."""
+    errors = []
+    for path in reversed(candidates):
+        try:
+            state = load(path, model, optimizer)
+            failed = ""
+        except (Exception, CheckpointException) as e:  # a truncated or half-deleted checkpoint: any read error
+            failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if not parallel.all_reduce_max(float(bool(failed))):
+            if errors:
+                print0(f"warning: checkpoint {errors[-1][0]} could not be loaded ({errors[-1][1]}); "
+                       f"resumed from {path} instead")
+            return path, state
+        errors.append((path, failed or "another rank could not read it"))
+        print0(f"checkpoint: could not load {path}: {errors[-1][1]}")
+    raise RuntimeError("no checkpoint could be loaded: " + "; ".join(f"{p}: {e}" for p, e in errors))
+
+
+# ---------------------------------------------------------------------------- the run folder
+
+
+def resume_candidates(output_dir: str | Path, resume: str, model_path: str) -> list[Path]:
+    """The checkpoints to resume from, newest last ([] for a fresh run), per `checkpoint.resume`.
+
+    A folder that already holds a run is never written over silently: without a checkpoint to
+    continue from, or with `resume = "never"`, the run stops and says what to pass."""
+    out = Path(output_dir)
+    complete = complete_checkpoints(out)
+    rows = _count_lines(out / "metrics.jsonl")
+    if resume == "never":
+        if complete or rows:
+            raise ConfigError(f"log.output_dir {str(out)!r} already holds a run ({rows} metric rows, "
+                              f"{len(complete)} checkpoints) and checkpoint.resume='never': pass "
+                              f"--checkpoint.resume=auto to continue it, or another log.output_dir")
+        return []
+    if resume == "auto":
+        if not complete:
+            if rows:
+                raise ConfigError(f"log.output_dir {str(out)!r} holds {rows} metric rows of an earlier run but no "
+                                  f"complete checkpoint to resume from: pass another log.output_dir (or remove "
+                                  f"that folder to start over there)")
+            return []
+        written_for = read_trainer_state(complete[-1]).config["model"]["path"]
+        if written_for != model_path:
+            raise ConfigError(f"log.output_dir {str(out)!r} holds checkpoints of a run of model.path {written_for!r}, "
+                              f"not {model_path!r}: pass another log.output_dir, or "
+                              f"--checkpoint.resume={complete[-1]} to start from it on purpose")
+        return complete
+    path = Path(resume)
+    if not (path / "trainer_state.json").is_file() or not (path / "model_optim").is_dir():
+        raise ConfigError(f"checkpoint.resume={resume!r}: not a complete checkpoint folder (expected "
+                          f"trainer_state.json and model_optim/; they are under <output_dir>/checkpoints/rollout_<N>)")
+    return [path]
+
+
+def _count_lines(path: Path) -> int:
+    return sum(1 for line in path.read_text(errors="replace").splitlines() if line.strip()) if path.is_file() else 0
+
+
+def lock_output_dir(output_dir: str | Path):
+    """An exclusive lock on the run folder for as long as the returned file stays open (rank 0 holds it)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    handle = (out / ".lock").open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(f"log.output_dir {str(out)!r} is in use by a running job ({holder}): "
+                          f"wait for it to end or pass another log.output_dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    return handle

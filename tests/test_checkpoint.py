@@ -1,0 +1,171 @@
+"""Checkpoints on 2 gloo ranks: exact resume, crash and fallback, resharding, preemption, export, the run folder."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.test_distributed import ROOT, torchrun
+from tests.tiny import save_tiny_model_dir, write_arithmetic_jsonl
+
+COMPARED = ["rollout_id", "weight_version", "rollout/reward_mean", "train/loss", "train/grad_norm"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inputs")
+    return save_tiny_model_dir(root / "model"), write_arithmetic_jsonl(root / "train.jsonl")
+
+
+def launch(inputs, out: Path, nproc: int = 2, *overrides: str, check: bool = True,
+           script: tuple[str, ...] = ("-m", "rl.main")) -> subprocess.CompletedProcess:
+    model, data = inputs
+    args = [*script, "--config", str(ROOT / "configs/tiny.toml"), f"--model.path={model}", f"--data.source={data}",
+            f"--log.output_dir={out}", "--reward.user_fn=tests.reward_fns:digit_fraction", *overrides]
+    if check:
+        return torchrun(nproc, *args)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(29500 + os.getpid() % 1000), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "model.safetensors")
+
+
+def checkpoints(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+def test_resume_is_exact(inputs, tmp_path):
+    """4 rollouts straight == 2 rollouts, a stop, and 2 more resumed: same metrics, bitwise-equal weights."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch(inputs, straight, 2, "--train.num_rollout=4", "--checkpoint.interval=2")
+    launch(inputs, resumed, 2, "--train.num_rollout=2", "--checkpoint.interval=2")
+    launch(inputs, resumed, 2, "--train.num_rollout=4", "--checkpoint.interval=2", "--checkpoint.resume=auto")
+    a, b = rows(straight), rows(resumed)
+    assert [r["rollout_id"] for r in b] == [0, 1, 2, 3]
+    for ra, rb in zip(a, b, strict=True):
+        assert {k: ra[k] for k in COMPARED} == {k: rb[k] for k in COMPARED}
+    wa, wb = final_weights(straight), final_weights(resumed)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert checkpoints(resumed) == ["rollout_1", "rollout_3"]  # keep_last = 2
+    changed = sorted(json.loads(p.read_text())["train"]["num_rollout"] for p in resumed.glob("config*.json"))
+    assert changed == [2, 4]  # the earlier config is kept beside the new one
+
+
+def test_kill_during_save_resumes_from_the_previous_checkpoint(inputs, tmp_path):
+    out = tmp_path / "run"
+    proc = launch(inputs, out, 2, "--train.num_rollout=4", "--checkpoint.interval=1", check=False,
+                  script=("tests/crash_in_save.py", "2"))
+    assert proc.returncode != 0
+    assert checkpoints(out) == [".rollout_2.tmp", "rollout_0", "rollout_1"]
+    assert [r["rollout_id"] for r in rows(out)] == [0, 1, 2]
+    proc = launch(inputs, out, 2, "--train.num_rollout=4", "--checkpoint.interval=1")
+    assert "resumed from" in proc.stdout and "rollout_1" in proc.stdout
+    assert [r["rollout_id"] for r in rows(out)] == [0, 1, 2, 3]  # row 2 was dropped and written again
+    assert checkpoints(out) == ["rollout_2", "rollout_3"]
+
+
+def test_unreadable_checkpoint_falls_back_with_a_warning(inputs, tmp_path):
+    out = tmp_path / "run"
+    launch(inputs, out, 2, "--train.num_rollout=2", "--checkpoint.interval=1")
+    for shard in (out / "checkpoints" / "rollout_1" / "model_optim").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])  # torn by a failing disk
+    proc = launch(inputs, out, 2, "--train.num_rollout=3", "--checkpoint.interval=1")
+    text = proc.stdout + proc.stderr
+    assert "rollout_1 could not be loaded" in text and "resumed from" in text and "rollout_0 instead" in text
+    assert [r["rollout_id"] for r in rows(out)] == [0, 1, 2]
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(inputs, tmp_path):
+    out = tmp_path / "run"
+    launch(inputs, out, 2, "--train.num_rollout=2")
+    proc = launch(inputs, out, 1, "--train.num_rollout=3")
+    assert "written by 2 ranks, resumed on 1" in proc.stdout
+    assert [(r["rollout_id"], r["weight_version"]) for r in rows(out)] == [(0, 2), (1, 3), (2, 4)]
+
+
+def test_sigterm_saves_and_exits_zero_then_resumes(inputs, tmp_path):
+    model, data = inputs
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(["bash", "launch.sh", "--nproc", "2", "configs/tiny.toml", f"--model.path={model}",
+                             f"--data.source={data}", f"--log.output_dir={out}", "--train.num_rollout=1000",
+                             "--reward.user_fn=tests.reward_fns:digit_fraction"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not ((out / "metrics.jsonl").is_file() and rows(out)):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    assert "stopping after rollout" in output
+    done = [r["rollout_id"] for r in rows(out)]
+    assert checkpoints(out) == [f"rollout_{done[-1]}"] and not (out / "final").exists()
+    launch(inputs, out, 2, f"--train.num_rollout={done[-1] + 2}")
+    assert [r["rollout_id"] for r in rows(out)] == list(range(done[-1] + 2))
+
+
+def test_finished_run_is_neither_mixed_nor_lost(inputs, tmp_path):
+    out = tmp_path / "run"
+    launch(inputs, out, 1, "--train.num_rollout=2")
+    before = (out / "metrics.jsonl").read_text()
+    proc = launch(inputs, out, 1, "--train.num_rollout=2")
+    assert "already finished rollout 1" in proc.stdout
+    assert (out / "metrics.jsonl").read_text() == before
+    proc = launch(inputs, out, 1, "--train.num_rollout=2", "--checkpoint.resume=never", check=False)
+    assert proc.returncode != 0 and "already holds a run" in proc.stderr and "--checkpoint.resume=auto" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_metrics_without_a_checkpoint_are_not_overwritten(inputs, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"rollout_id": 0}\n')
+    proc = launch(inputs, out, 1, check=False)
+    assert proc.returncode != 0 and "no complete checkpoint" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == '{"rollout_id": 0}\n'
+
+
+def test_a_second_run_into_a_busy_folder_is_refused(inputs, tmp_path):
+    from rl.checkpoint import lock_output_dir
+
+    out = tmp_path / "run"
+    held = lock_output_dir(out)  # as a running job holds it
+    try:
+        proc = launch(inputs, out, 1, check=False)
+    finally:
+        held.close()
+    assert proc.returncode != 0 and "is in use by a running job" in proc.stderr
+
+
+def test_exported_folder_gives_the_trained_policy(inputs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    launch(inputs, out, 2, "--train.num_rollout=2")
+    exported = tmp_path / "exported"
+    subprocess.run([sys.executable, "-m", "rl.export", str(out / "checkpoints" / "rollout_1"), str(exported)],
+                   cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    ids = torch.tensor([[1, 5, 9, 13, 40, 41]])
+    with torch.no_grad():
+        final = AutoModelForCausalLM.from_pretrained(out / "final").eval()(ids).logits
+        again = AutoModelForCausalLM.from_pretrained(exported).eval()(ids).logits
+        initial = AutoModelForCausalLM.from_pretrained(inputs[0]).eval()(ids).logits
+    assert torch.equal(final, again)
+    assert (final - initial).abs().max() > 1e-4  # trained, not the starting weights
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / "final" / name).is_file()
