@@ -57,21 +57,21 @@ class Health:
         """Counts skipped steps (the streak crosses rollouts) and warns on a stuck or collapsed policy."""
         skipped, trailing = int(row["train/skipped_steps"]), int(row["train/trailing_skipped_steps"])
         self.bad_steps = self.bad_steps + skipped if skipped == steps else trailing
+        if skipped:
+            self.warn("train/skipped_steps", skipped, "0 (a non-finite loss or grad norm: the step was skipped)")
         if self.bad_steps >= self.max_bad_steps:
             raise RunStopped(f"train: {self.bad_steps} optimizer steps in a row had a non-finite loss or grad norm "
                              f"(loss={row['train/loss']}, grad_norm={row['train/grad_norm']}; train.max_bad_steps="
                              f"{self.max_bad_steps}); they were skipped, so the weights are those of the last finite "
                              f"step. Lower train.lr or check the rewards and data")
-        if skipped:
-            self.warn("train/skipped_steps", skipped, "0 (a non-finite loss or grad norm: the step was skipped)")
         entropy, grad_norm = row["train/entropy"], row["train/grad_norm"]
         if skipped == steps or not math.isfinite(entropy):
             return
         if self.first_entropy is None:
             self.first_entropy = entropy
-        if entropy >= 0.98 * self.uniform_entropy and self.first_entropy < 0.9 * self.uniform_entropy:
-            self.warn("train/entropy", entropy, f"well below ln(vocab) = {self.uniform_entropy:.3f}: the policy has "
-                      "become uniform over the vocabulary (learning rate too high?)")
+        if entropy >= 0.999 * self.uniform_entropy:  # even a random init is below this
+            self.warn("train/entropy", entropy, f"well below ln(vocab) = {self.uniform_entropy:.4g}: the policy is "
+                      "uniform over the vocabulary (learning rate too high?)")
         elif entropy < 1e-3 and self.first_entropy > 0.1:
             self.warn("train/entropy", entropy, f"> 1e-3 (started at {self.first_entropy:.3f}): the policy has "
                       "collapsed onto single tokens")

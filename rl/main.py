@@ -186,8 +186,13 @@ def main(argv: list[str]) -> None:
             samples, rollout_stats = collect_rollout(dataset, engine, reward_pool, sampling, tokenizer,
                                                      weight_version, rollout_id, cfg, dist,
                                                      barrier_timeout_s if rollout_id > start else STARTUP_TIMEOUT_S)
-            health.after_rewards(int(rollout_stats["rollout/num_scored"]),
-                                 int(rollout_stats["reward/num_errors"] + rollout_stats["reward/num_timeouts"]))
+            try:
+                health.after_rewards(int(rollout_stats["rollout/num_scored"]),
+                                     int(rollout_stats["reward/num_errors"] + rollout_stats["reward/num_timeouts"]))
+            except RunStopped:  # the step's rollout row is kept
+                logger.log({"rollout_id": rollout_id, "weight_version": weight_version, **rollout_stats,
+                            **health.metrics()})
+                raise
             assign_advantages(samples, cfg.algo.grpo_std_normalization)
             memory = memory_phase("rollout", dist.device)
 
@@ -209,13 +214,12 @@ def main(argv: list[str]) -> None:
             train_stats["train/padding_micro_batches"] = padding
             memory |= memory_phase("train", dist.device)
 
-            # E. weights into the engine, version + 1; a rollout whose every step was skipped leaves it as it was
+            # E. weights into the engine, version + 1 (the same weights and version when every step was skipped:
+            # a sleeping engine may have dropped its copy)
             with timed(times, "perf/onload_weights_s"):
                 engine.wake_up(["weights"])
-            sync_stats = {}
-            if train_stats["train/skipped_steps"] < len(steps):
-                sync_stats = sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)
-                weight_version += 1
+            sync_stats = sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)
+            weight_version += int(train_stats["train/skipped_steps"] < len(steps))
             with timed(times, "perf/offload_train_s"):
                 if offloader:
                     offloader.offload()

@@ -59,3 +59,8 @@ def chatty(prompt, response, label, metadata):
         print(f"chatty {response} stderr {i}", file=sys.stderr)
     os.write(1, f"chatty {response} fd1\n".encode())
     return exact(prompt, response, label, metadata)
+
+
+def wrong_signature(text):
+    """A reward function written for another trainer's calling convention: fails on every input."""
+    return float(bool(text))

@@ -1,0 +1,98 @@
+"""The metrics file stays valid JSON Lines through NaN, a full disk, a crash mid-row and a resume; health bands."""
+
+import errno
+import json
+import os
+
+import pytest
+
+from rl.health import Health, RunStopped
+from rl.metrics import MetricsLogger
+
+
+def logger(tmp_path, start=0):
+    return MetricsLogger(str(tmp_path), {}, use_wandb=False, project="", run_name="", start_rollout=start)
+
+
+def lines(tmp_path):
+    return (tmp_path / "metrics.jsonl").read_text().splitlines()
+
+
+def test_non_finite_values_are_null(tmp_path):
+    logger(tmp_path).log({"rollout_id": 0, "train/loss": float("nan"), "train/grad_norm": float("inf"), "x": 1.5})
+    assert json.loads(lines(tmp_path)[0], parse_constant=lambda c: pytest.fail(c)) == {
+        "rollout_id": 0, "train/loss": None, "train/grad_norm": None, "x": 1.5}
+
+
+def test_a_failed_write_leaves_no_partial_row_and_stops(tmp_path, monkeypatch):
+    log = logger(tmp_path)
+    log.log({"rollout_id": 0})
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", disk_full)  # the row is in the page cache, the disk refuses it
+    with pytest.raises(RunStopped, match="No space left on device"):
+        log.log({"rollout_id": 1, "train/loss": 0.5})
+    monkeypatch.undo()
+    assert lines(tmp_path) == ['{"rollout_id": 0}']
+    log.log({"rollout_id": 1})
+    assert [json.loads(line)["rollout_id"] for line in lines(tmp_path)] == [0, 1]
+
+
+def test_a_cut_off_last_line_is_dropped_on_open(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"rollout_id": 0}\n{"rollout_id": 1, "train/lo')
+    logger(tmp_path, start=1).log({"rollout_id": 1})
+    assert [json.loads(line)["rollout_id"] for line in lines(tmp_path)] == [0, 1]
+
+
+def test_a_resume_drops_the_rows_past_its_checkpoint(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"rollout_id": i}) + "\n" for i in range(5)))
+    logger(tmp_path, start=3).log({"rollout_id": 3, "again": True})
+    assert [json.loads(line) for line in lines(tmp_path)] == [{"rollout_id": 0}, {"rollout_id": 1}, {"rollout_id": 2},
+                                                              {"rollout_id": 3, "again": True}]
+
+
+def row(skipped=0, trailing=0, entropy=2.0, grad_norm=1.0, zero_std=0.0):
+    return {"train/skipped_steps": skipped, "train/trailing_skipped_steps": trailing, "train/entropy": entropy,
+            "train/grad_norm": grad_norm, "train/loss": 0.1, "rollout/zero_std_group_frac": zero_std}
+
+
+def test_skipped_steps_stop_the_run_when_in_a_row_across_rollouts():
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    health.after_train(row(skipped=1, trailing=1), steps=2)  # the good step came first
+    health.after_train(row(skipped=1, trailing=0), steps=2)  # then a good one ends the streak
+    assert health.bad_steps == 0
+    health.after_train(row(skipped=1, trailing=1), steps=2)
+    health.after_train(row(skipped=1, trailing=1, entropy=float("nan")), steps=1)
+    with pytest.raises(RunStopped, match="3 optimizer steps in a row"):
+        health.after_train(row(skipped=1, trailing=1), steps=1)
+
+
+def test_failed_rewards_stop_the_run_only_in_a_row():
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    health.after_rewards(scored=8, failed=8)
+    health.after_rewards(scored=8, failed=7)
+    health.after_rewards(scored=8, failed=8)
+    with pytest.raises(RunStopped, match="every reward failed in 2 steps in a row"):
+        health.after_rewards(scored=8, failed=8)
+
+
+def test_health_bands_warn_and_count(capsys):
+    import math
+
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    health.after_train(row(entropy=2.0), steps=1)
+    assert health.metrics()["health/warnings"] == 0
+    health.after_train(row(entropy=math.log(100)), steps=1)  # uniform over the vocabulary
+    health.after_train(row(entropy=1e-5), steps=1)  # collapsed onto single tokens
+    health.after_train(row(grad_norm=0.0), steps=1)
+    health.after_train(row(grad_norm=0.0, zero_std=1.0), steps=1)  # nothing to learn: not a fault
+    health.after_train(row(grad_norm=0.0), steps=1)
+    health.after_train(row(grad_norm=0.0), steps=1)
+    out = capsys.readouterr().out
+    assert "health warning: train/entropy = 4.605" in out and "health warning: train/entropy = 1e-05" in out
+    assert out.count("health warning: train/grad_norm") == 1
+    assert health.metrics()["health/warnings"] == 3
+    restored = Health(3, 2, 100, state=json.loads(json.dumps(health.state_dict())))  # as a checkpoint keeps it
+    assert restored.metrics() == health.metrics()
