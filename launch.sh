@@ -83,7 +83,7 @@ fi
 if [[ -n "${SLURM_STEP_ID:-}" ]]; then
   head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
   run_forwarding_stop children torchrun --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --nproc-per-node "$nproc" \
-    --rdzv-backend c10d --rdzv-endpoint "$head:29500" --rdzv-id "$SLURM_JOB_ID" \
+    --rdzv-backend c10d --rdzv-endpoint "$head:${RDZV_PORT:-29500}" --rdzv-id "$SLURM_JOB_ID" \
     -m rl.main --config "$config" "$@"
   exit $?
 fi

@@ -169,3 +169,33 @@ def test_exported_folder_gives_the_trained_policy(inputs, tmp_path):
     assert (final - initial).abs().max() > 1e-4  # trained, not the starting weights
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (out / "final" / name).is_file()
+
+
+def test_two_nodes_through_the_slurm_launch_path_checkpoint_and_resume(inputs, tmp_path):
+    """launch.sh as a SLURM job step on two "nodes" of this machine: one torchrun each, joined by the c10d
+    rendezvous the script sets up (scontrol answers with this host), then the same job again resumes."""
+    model, data = inputs
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    (fake_bin / "scontrol").chmod(0o755)
+    out = tmp_path / "run"
+
+    def job(num_rollout: int) -> str:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": f"{fake_bin}:{os.environ['PATH']}",
+               "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[0-1]",
+               "RDZV_PORT": str(30500 + os.getpid() % 1000)}
+        nodes = [subprocess.Popen(["bash", "launch.sh", "--nproc", "1", "configs/tiny.toml", f"--model.path={model}",
+                                   f"--data.source={data}", f"--log.output_dir={out}",
+                                   f"--train.num_rollout={num_rollout}",
+                                   "--reward.user_fn=tests.reward_fns:digit_fraction"],
+                                  cwd=ROOT, env={**env, "SLURM_NODEID": str(i)}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for i in range(2)]
+        logs = [node.communicate(timeout=600)[0] for node in nodes]
+        assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-2000:] for log in logs)
+        return "\n".join(logs)
+
+    assert "world_size=2" in job(2)
+    assert "resumed from" in job(3)
+    assert [(r["rollout_id"], r["weight_version"]) for r in rows(out)] == [(0, 2), (1, 3), (2, 4)]
+    assert checkpoints(out) == ["rollout_1", "rollout_2"]
