@@ -1,5 +1,6 @@
 """Checkpoints on 2 gloo ranks: exact resume, crash and fallback, resharding, preemption, export, the run folder."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -199,3 +200,19 @@ def test_two_nodes_through_the_slurm_launch_path_checkpoint_and_resume(inputs, t
     assert "resumed from" in job(3)
     assert [(r["rollout_id"], r["weight_version"]) for r in rows(out)] == [(0, 2), (1, 3), (2, 4)]
     assert checkpoints(out) == ["rollout_1", "rollout_2"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_loads_the_exported_folder(inputs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    launch(inputs, out, 1, "--train.num_rollout=1")
+    subprocess.run([sys.executable, "tests/vllm_export_check.py", str(out / "final"), str(tmp_path / "vllm.json")],
+                   cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
+    got = json.loads((tmp_path / "vllm.json").read_text())
+    ids = torch.tensor([got["ids"]])
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(out / "final").eval()(ids).logits[0, :-1]
+    want = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(got["logprobs"]), want, atol=1e-3)
