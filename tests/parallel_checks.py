@@ -3,8 +3,9 @@
 - orphan: each rank writes its pid to OUT/pid<rank> and keeps running collectives; the test kills
   the launcher and watches the ranks go.
 - stall: rank 1 sleeps past a short step_barrier; rank 0 must name it and the run must fail.
-- timeout: after set_collective_timeout(3), rank 1 sleeps before an all_reduce that rank 0 is
-  already in; rank 0's all_reduce must fail after ~3 s, not after the start-up 30 minutes.
+- timeout: after set_collective_timeout(3), rank 1 sleeps 20 s before an all_reduce that rank 0 is
+  already in (it writes OUT/started0 first); the run must fail ~3 s later, not when rank 1 wakes
+  (nor after the start-up 30 minutes).
 """
 
 import os
@@ -27,7 +28,7 @@ def main(mode: str, out_dir: str) -> None:
         (out / f"pid{d.rank}").write_text(str(os.getpid()))
         deadline = time.monotonic() + 120  # bounded even if nothing kills it
         while time.monotonic() < deadline:
-            dist.all_reduce(torch.ones(1))
+            dist.all_reduce(torch.ones(1, device=d.device))
             time.sleep(0.2)
     elif mode == "stall":
         parallel.step_barrier(d, 30.0, "the end of step 0")  # both arrive: passes
@@ -39,13 +40,10 @@ def main(mode: str, out_dir: str) -> None:
         parallel.set_collective_timeout(3.0, d.mesh)
         if d.rank == 1:
             time.sleep(20)
-        start = time.monotonic()
-        try:
-            dist.all_reduce(torch.ones(1, device=d.device))
-            if d.device.type == "cuda":  # NCCL fails in its watchdog, which aborts the process
-                torch.cuda.synchronize()
-        finally:
-            (out / f"waited{d.rank}").write_text(f"{time.monotonic() - start:.1f}")
+        (out / f"started{d.rank}").write_text(repr(time.time()))
+        dist.all_reduce(torch.ones(1, device=d.device))
+        if d.device.type == "cuda":  # NCCL fails in its watchdog, which aborts the process
+            torch.cuda.synchronize()
     parallel.teardown()
 
 
