@@ -1,22 +1,59 @@
 """The policy: build it, shard it with FSDP2, its optimizer, and parking it in host memory.
 
-The model is a plain `transformers` causal LM; `fully_shard` is applied per decoder
-block and at the root (torchtitan's recipe): on GPU with bf16 compute and fp32 master
-weights and gradient reduction, on CPU in fp32.
+The model is a plain `transformers` causal LM, built the torchtitan way: on the meta device
+(no memory), `fully_shard` per decoder block and at the root (on GPU with bf16 compute and
+fp32 master weights and gradient reduction, on CPU in fp32), materialised empty on the
+device, then filled from the folder's safetensors with each rank reading only the rows of
+its own shard. No rank ever holds the whole fp32 model, where `from_pretrained` on every
+rank held one full copy each (8 ranks of a 7B model: 8 x 28 GB of host memory).
+Unlike `from_pretrained`, a weight missing from the files (or one the model does not
+have) stops the run instead of being randomly initialised with a warning.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
+from pathlib import Path
+
 import torch
+from safetensors import safe_open
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from rl.config import ModelConfig, TrainConfig
+from rl.config import ConfigError, ModelConfig, TrainConfig
+from rl.invariant import make_batch_invariant
+
+
+def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_context_len: int) -> torch.nn.Module:
+    """The sharded policy with its weights: meta model -> (batch-invariant patch) -> fully_shard -> to_empty ->
+    each rank loads its rows from the safetensors. `model.random_init` instead builds the whole model on the
+    CPU from `seed` (identical on every rank) and shards it. `max_context_len` sizes the batch-invariant
+    RoPE tables."""
+    hf_config = AutoConfig.from_pretrained(cfg.path)
+    if cfg.random_init:
+        model = load_hf_model(cfg, seed)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                     attn_implementation=cfg.attn_implementation)
+    if cfg.batch_invariant:  # patches forwards and builds its tables on the CPU: works on a meta model
+        model = make_batch_invariant(model, max_context_len)
+    model = shard_policy(model, mesh, device, cfg.gradient_checkpointing)
+    if not cfg.random_init:
+        model.to_empty(device=device)
+        init_non_persistent_buffers(model)
+        load_safetensors(model, cfg.path)
+        if (Path(cfg.path).expanduser() / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(cfg.path)
+    return model
 
 
 def load_hf_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
-    """fp32 model on the CPU: pretrained weights, or random ones (identical on every rank) from the config."""
+    """fp32 model on the CPU: pretrained weights, or random ones (identical on every rank) from the config.
+    Holds the whole model: `build_policy` loads pretrained weights shard by shard instead."""
     if cfg.random_init:
         hf_config = AutoConfig.from_pretrained(cfg.path)
         torch.manual_seed(seed)
@@ -24,6 +61,110 @@ def load_hf_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
                                                 attn_implementation=cfg.attn_implementation)
     return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32,
                                                 attn_implementation=cfg.attn_implementation)
+
+
+def init_non_persistent_buffers(model: torch.nn.Module) -> None:
+    """Buffers that are computed, not saved (RoPE's inv_freq), hold garbage after `to_empty`: each module
+    that has them is built again on the CPU from its config and its buffers are copied over."""
+    for name, module in model.named_modules():
+        names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
+        if not names:
+            continue
+        if not hasattr(module, "config"):
+            raise ValueError(f"cannot recompute the non-persistent buffers {names} of {name} "
+                             f"({type(module).__name__}): it has no config to rebuild it from")
+        with torch.device("cpu"):
+            fresh = type(module)(config=module.config)
+        with torch.no_grad():
+            for n in names:
+                module._buffers[n].copy_(fresh._buffers[n])
+
+
+def weight_files(path: str) -> list[Path]:
+    """The folder's safetensors files: the shards its index lists, or the single model.safetensors."""
+    folder = Path(path).expanduser()
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ConfigError(f"model.path {path!r}: {index.name} lists {absent[:3]}, not in the folder")
+        return files
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    raise ConfigError(f"model.path {path!r}: no model.safetensors or model.safetensors.index.json "
+                      f"(the policy loads safetensors weights only)")
+
+
+def _state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint of `model` holds, by name: parameters (tied ones under each name) and persistent buffers."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for n, buf in module._buffers.items():
+            if buf is not None and n not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{n}" if prefix else n] = buf
+    return out
+
+
+def _names(names: list[str]) -> str:
+    return f"{len(names)} ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
+
+
+def check_weight_names(model: torch.nn.Module, file_keys: set[str], path: str) -> None:
+    """Every tensor of the model is in the files (tied ones under any of their names) and nothing else is."""
+    targets = _state_tensors(model)
+    tied: dict[int, list[str]] = {}
+    for name, t in targets.items():
+        tied.setdefault(id(t), []).append(name)
+    missing = [names[0] for names in tied.values() if not any(n in file_keys for n in names)]
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    ignored.append(re.compile(r"rotary_emb\.inv_freq$"))  # computed, though some old checkpoints saved it
+    unexpected = sorted(k for k in file_keys if k not in targets and not any(p.search(k) for p in ignored))
+    if missing or unexpected:
+        raise ConfigError(f"model.path {path!r}: the safetensors weights do not match the model of its config.json: "
+                          f"missing {_names(missing)}, unexpected {_names(unexpected)}")
+
+
+def load_safetensors(model: torch.nn.Module, path: str) -> None:
+    """Copies the folder's weights into the materialised (sharded) model: a rank reads only the rows of its
+    own FSDP2 shard of each tensor (dim 0, split like torch.chunk), straight from the memory-mapped file."""
+    files = weight_files(path)
+    file_keys: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            file_keys.update(dict.fromkeys(f.keys(), file))
+    check_weight_names(model, set(file_keys), path)
+    targets = _state_tensors(model)
+    loaded: set[int] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    target = targets.get(key)
+                    if target is None or id(target) in loaded:  # ignored, or a tied tensor already filled
+                        continue
+                    _copy_own_rows(target, f, key, path)
+                    loaded.add(id(target))
+
+
+def _copy_own_rows(target: torch.Tensor, f, key: str, path: str) -> None:
+    stored = f.get_slice(key)
+    shape = tuple(stored.get_shape())
+    if shape != tuple(target.shape):
+        raise ConfigError(f"model.path {path!r}: {key} has shape {list(shape)} in the safetensors but "
+                          f"{list(target.shape)} in the model of its config.json")
+    if not isinstance(target, DTensor):
+        target.copy_(f.get_tensor(key))
+        return
+    local = target.to_local()
+    mesh = target.device_mesh
+    rows = math.ceil(shape[0] / mesh.size())
+    start = mesh.get_local_rank() * rows
+    if local.shape[0] != max(0, min(rows, shape[0] - start)):
+        raise ValueError(f"{key}: local shard {list(local.shape)} is not rows {start}.. of {list(shape)} split "
+                         f"like torch.chunk over {mesh.size()} ranks")
+    if local.shape[0]:
+        local.copy_(stored[start : start + local.shape[0]])
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,0 +1,62 @@
+"""The policy built on the meta device and loaded shard by shard equals a plain `from_pretrained` model,
+on 2 gloo ranks: untied, tied and sharded-safetensors folders, random init, and a folder whose weights
+do not match its config."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny import rewrite_safetensors, save_sharded_tiny_model_dir, save_tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("policy_load")
+    save_tiny_model_dir(out / "plain", seed=1)
+    save_tiny_model_dir(out / "tied", seed=2, tie=True)
+    save_sharded_tiny_model_dir(out / "sharded", seed=3)
+    broken = save_tiny_model_dir(out / "broken", seed=4)
+    rewrite_safetensors(broken, drop=("model.layers.1.mlp.down_proj.weight",),
+                        add={"model.layers.7.extra.weight": torch.zeros(2)})
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    if importlib.util.find_spec("triton") is not None:
+        env["TRITON_INTERPRET"] = "1"  # Triton's interpreter runs the batch-invariant kernels on the CPU
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(27000 + os.getpid() % 1000), "tests/policy_load_checks.py", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return [json.loads((out / f"results{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("folder", ["plain", "tied", "sharded"])
+def test_weights_and_logits_equal_from_pretrained(results, folder):
+    for rank in results:
+        r = rank[folder]
+        assert r["weights_differ"] == [] and r["params_not_in_files"] == []
+        assert r["buffers_differ"] == []  # RoPE's inv_freq recomputed after to_empty
+        assert r["logits_max_diff"] == 0.0
+        assert r["tied"] == (folder == "tied")
+
+
+def test_random_init_is_seeded_and_identical_on_every_rank(results):
+    assert all(rank["random_init"]["weights_differ"] == [] for rank in results)
+
+
+def test_missing_and_unexpected_weights_stop_with_their_names(results):
+    for rank in results:
+        message = rank["broken"]
+        assert "missing 1 (model.layers.1.mlp.down_proj.weight)" in message, message
+        assert "unexpected 1 (model.layers.7.extra.weight)" in message, message
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+def test_batch_invariant_patch_on_the_meta_model(results):
+    assert all(rank["batch_invariant"]["logits_max_diff"] == 0.0 for rank in results)
