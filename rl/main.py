@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -27,10 +28,9 @@ from rl.config import Config, ConfigError, check_paths, dump, load_config, resol
 from rl.data import PromptDataset, Sample, Status
 from rl.export import export_policy
 from rl.health import Health, RunStopped
-from rl.invariant import make_batch_invariant
 from rl.metrics import make_logger, memory_phase, timed
 from rl.parallel import print0
-from rl.policy import PolicyOffloader, build_optimizer, load_hf_model, shard_policy
+from rl.policy import PolicyOffloader, build_optimizer, build_policy
 from rl.reward import RewardInput, RewardPool
 from rl.reward import metrics as reward_metrics
 from rl.reward import reduce_metrics as reduce_reward_metrics
@@ -149,20 +149,22 @@ def main(argv: list[str]) -> None:
     # Only the first rank of each engine scores: the ranks of a TP group hold the same samples.
     reward_pool = RewardPool(cfg.reward) if dist.rank % cfg.rollout.tensor_parallel_size == 0 else None
 
-    policy = load_hf_model(cfg.model, cfg.train.seed)
-    if cfg.model.batch_invariant:
-        policy = make_batch_invariant(policy, cfg.rollout.max_context_len)
-    policy = shard_policy(policy, dist.mesh, dist.device, cfg.model.gradient_checkpointing)
+    t = time.perf_counter()
+    policy = build_policy(cfg.model, dist.mesh, dist.device, cfg.train.seed, cfg.rollout.max_context_len)
+    print0(f"policy: built, sharded and loaded in {time.perf_counter() - t:.1f} s; host memory peak of rank 0 "
+           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     optimizer, scheduler = build_optimizer(policy, cfg.train)
     health = Health(cfg.train.max_bad_steps, cfg.reward.max_failed_steps, policy.config.vocab_size)
     start, weight_version = 0, 1  # seed step 8: the first push is version 1
     if resume_from:
+        t = time.perf_counter()
         path, state = checkpoint.load_newest(resume_from, policy, optimizer)
         scheduler.load_state_dict(state.scheduler)
         dataset.load_state_dict(state.data)
         health.load_state_dict(state.health)
         start, weight_version = state.rollout_id + 1, state.weight_version
-        print0(f"checkpoint: resumed from {path}: rollout {start} next, weight_version {weight_version}")
+        print0(f"checkpoint: resumed from {path} in {time.perf_counter() - t:.1f} s: rollout {start} next, "
+               f"weight_version {weight_version}")
     engine = build_engine(cfg.rollout, cfg.model.path, policy.config, dist.device, dist.rank, cfg.model.batch_invariant)
     dtype = engine_dtype(cfg.rollout.dtype, dist.device)
     sampling = SamplingParams.from_config(cfg.rollout, eos_ids)
@@ -255,8 +257,9 @@ def main(argv: list[str]) -> None:
         else:
             finished = True
         if finished and (start < cfg.train.num_rollout or not (out_dir / "final").is_dir()):
+            t = time.perf_counter()
             written = export_policy(policy, hf_sources, out_dir / "final", cfg.checkpoint.export_dtype, dist.is_main)
-            print0(f"rl: the trained policy is in {written}")
+            print0(f"rl: the trained policy is in {written} (exported in {time.perf_counter() - t:.1f} s)")
         print0(health.summary())
     finally:
         logger.close()
