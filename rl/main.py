@@ -258,6 +258,8 @@ def main(argv: list[str]) -> None:
             finished = True
         if finished and (start < cfg.train.num_rollout or not (out_dir / "final").is_dir()):
             t = time.perf_counter()
+            if offloader:  # the gathers run on the device
+                offloader.onload(dist.device)
             written = export_policy(policy, hf_sources, out_dir / "final", cfg.checkpoint.export_dtype, dist.is_main)
             print0(f"rl: the trained policy is in {written} (exported in {time.perf_counter() - t:.1f} s)")
         print0(health.summary())

@@ -13,9 +13,9 @@ from rl import checkpoint, main  # noqa: E402
 
 
 def save_then_die_on_rank_1(crash_at: int, dcp_save):
-    def save(state, checkpoint_id):
-        dcp_save(state, checkpoint_id=checkpoint_id)
-        if os.environ.get("RANK") == "1" and f".rollout_{crash_at}.tmp" in str(checkpoint_id):
+    def save(state, storage_writer):
+        dcp_save(state, storage_writer=storage_writer)
+        if os.environ.get("RANK") == "1" and f".rollout_{crash_at}.tmp" in str(storage_writer.path):
             os.kill(os.getpid(), signal.SIGKILL)
 
     return save
