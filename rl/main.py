@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoTokenizer
 from rl import checkpoint, parallel
 from rl.algo import grpo_advantages
 from rl.checks import check_model_and_tokenizer
-from rl.config import Config, ConfigError, check_paths, dump, load_config, resolve
+from rl.config import Config, ConfigError, RolloutConfig, check_paths, dump, load_config, resolve
 from rl.data import PromptDataset, Sample, Status
 from rl.export import export_policy
 from rl.health import Health, RunStopped
@@ -56,13 +56,12 @@ def keep_group(group: list[Sample], dynamic_filter: str) -> bool:
 
 
 def collect_rollout(dataset: PromptDataset, engine, pool: RewardPool | None, sampling: SamplingParams, tokenizer,
-                    weight_version: int, rollout_id: int, cfg: Config, dist: parallel.Dist,
+                    weight_version: int, rollout_id: int, ro: RolloutConfig, progress: bool, dist: parallel.Dist,
                     barrier_timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
     """Draws rounds of `over_sampling_batch_size` prompts until `rollout_batch_size` groups pass the
     dynamic filter (seed steps 16-28). Each engine generates a contiguous share of every round and
     its first rank scores it (the ranks of a TP group hold the same samples); the scored groups are
     gathered so all ranks filter and keep the same ones, in order."""
-    ro = cfg.rollout
     tp = ro.tensor_parallel_size
     engine_index = dist.rank // tp
     kept, dropped, per_rank_reward_stats = [], [], []
@@ -76,7 +75,7 @@ def collect_rollout(dataset: PromptDataset, engine, pool: RewardPool | None, sam
         seeded = dataclasses.replace(sampling, seed=sampling_seed(ro.seed, rollout_id, rounds, engine_index))
         t = time.perf_counter()
         local = generate_rollout(engine, mine, seeded, weight_version, tokenizer,
-                                 progress=cfg.log.progress and dist.is_main)
+                                 progress=progress and dist.is_main)
         parallel.step_barrier(dist, barrier_timeout_s, "the end of rollout generation")
         rollout_s += parallel.all_reduce_max(time.perf_counter() - t)
         t = time.perf_counter()
@@ -186,7 +185,7 @@ def main(argv: list[str]) -> None:
             step_start, times = time.perf_counter(), {}
             # B. rollout (seed steps 14-32)
             samples, rollout_stats = collect_rollout(dataset, engine, reward_pool, sampling, tokenizer,
-                                                     weight_version, rollout_id, cfg, dist,
+                                                     weight_version, rollout_id, cfg.rollout, cfg.log.progress, dist,
                                                      barrier_timeout_s if rollout_id > start else STARTUP_TIMEOUT_S)
             try:
                 health.after_rewards(int(rollout_stats["rollout/num_scored"]),

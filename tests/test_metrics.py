@@ -96,3 +96,20 @@ def test_health_bands_warn_and_count(capsys):
     assert health.metrics()["health/warnings"] == 3
     restored = Health(3, 2, 100, state=json.loads(json.dumps(health.state_dict())))  # as a checkpoint keeps it
     assert restored.metrics() == health.metrics()
+
+
+def test_zero_std_group_frac_counts_groups_of_equal_rewards_including_groups_of_one():
+    from rl.data import Sample
+    from rl.main import rollout_metrics
+
+    def samples(rewards):
+        out = []
+        for r in rewards:
+            s = Sample(prompt="", tokens=[1, 2])
+            s.append_response_tokens([3], [-0.5])
+            s.reward = r
+            out.append(s)
+        return out
+
+    assert rollout_metrics(samples([1.0, 0.0, 1.0]), 1)["rollout/zero_std_group_frac"] == 1.0  # std of one is NaN
+    assert rollout_metrics(samples([1.0, 1.0, 0.0, 1.0]), 2)["rollout/zero_std_group_frac"] == 0.5
