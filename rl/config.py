@@ -143,6 +143,18 @@ class LogConfig:
     wandb_project: str = "rl"
     run_name: str = ""
     progress: bool = True  # tqdm bar over samples during rollout
+    sample_interval: int = 0  # > 0: every that many rollouts, <output_dir>/samples/rollout_<N>.jsonl
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    source: str = ""  # like data.source (same keys and templates); "" turns evaluation off
+    num_examples: int = 64  # prompts evaluated (and rows drawn from a generated task)
+    interval: int = 10  # rollouts between evals; one runs before the first update and one after the last
+    n_samples: int = 1  # > 1: also pass@n_samples, sampled at `temperature`
+    temperature: float = 1.0
+    seed: int = 4321  # a generated task's seed: keep it apart from data.seed
+    task_config: dict[str, Any] | None = None  # a generated task's kwargs (default: data.task_config)
 
 
 @dataclass(frozen=True)
@@ -164,6 +176,7 @@ class Config:
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -382,6 +395,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(tr.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {tr.max_bad_steps}")
     _require(tr.collective_timeout_s > 0, f"train.collective_timeout_s must be > 0, got {tr.collective_timeout_s}")
     _require(cfg.weights.bucket_mb > 0, "weights.bucket_mb must be > 0")
+    ev = cfg.eval
+    _require(ev.num_examples >= 1, f"eval.num_examples must be >= 1, got {ev.num_examples}")
+    _require(ev.interval >= 1, f"eval.interval must be >= 1, got {ev.interval}")
+    _require(ev.n_samples >= 1, f"eval.n_samples must be >= 1, got {ev.n_samples}")
+    _require(ev.temperature > 0, f"eval.temperature must be > 0, got {ev.temperature}")
+    _require(ev.source != data.source or ev.seed != data.seed or not ev.source.startswith("reasoning_gym:"),
+             f"eval.source is the training task with the training seed (data.seed={data.seed}): set eval.seed "
+             f"to another value so that the eval prompts are held out")
+    _require(cfg.log.sample_interval >= 0, f"log.sample_interval must be >= 0, got {cfg.log.sample_interval}")
     ck = cfg.checkpoint
     _require(ck.interval >= 0, f"checkpoint.interval must be >= 0 (0: only the last rollout), got {ck.interval}")
     _require(ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")

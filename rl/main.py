@@ -26,6 +26,7 @@ from rl.algo import grpo_advantages
 from rl.checks import check_model_and_tokenizer
 from rl.config import Config, ConfigError, RolloutConfig, check_paths, dump, load_config, resolve
 from rl.data import PromptDataset, Sample, Status
+from rl.evaluate import evaluate, load_eval_prompts
 from rl.export import export_policy
 from rl.health import Health, RunStopped
 from rl.metrics import make_logger, memory_phase, timed
@@ -148,6 +149,14 @@ def main(argv: list[str]) -> None:
     # Only the first rank of each engine scores: the ranks of a TP group hold the same samples.
     reward_pool = RewardPool(cfg.reward) if dist.rank % cfg.rollout.tensor_parallel_size == 0 else None
 
+    eval_prompts: list = []
+    if cfg.eval.source:
+        eval_prompts, overlapping = load_eval_prompts(cfg.eval, cfg.data, tokenizer, dataset.prompts)
+        if not eval_prompts:
+            raise ConfigError(f"eval.source={cfg.eval.source!r}: every eval prompt also appears among the training "
+                              f"prompts; choose another eval.source or eval.seed")
+        print0(f"eval: {len(eval_prompts)} held-out prompts ({overlapping} dropped: also training prompts)")
+
     t = time.perf_counter()
     policy = build_policy(cfg.model, dist.mesh, dist.device, cfg.train.seed, cfg.rollout.max_context_len)
     print0(f"policy: built, sharded and loaded in {time.perf_counter() - t:.1f} s; host memory peak of rank 0 "
@@ -183,6 +192,11 @@ def main(argv: list[str]) -> None:
     try:
         for rollout_id in range(start, cfg.train.num_rollout):
             step_start, times = time.perf_counter(), {}
+            # A. held-out eval of the weights this rollout generates with (rollout 0: before the first update)
+            eval_stats = {}
+            if eval_prompts and rollout_id % cfg.eval.interval == 0:
+                eval_stats = run_eval(engine, reward_pool, eval_prompts, cfg, sampling, weight_version, tokenizer,
+                                      dist, rollout_id)
             # B. rollout (seed steps 14-32)
             samples, rollout_stats = collect_rollout(dataset, engine, reward_pool, sampling, tokenizer,
                                                      weight_version, rollout_id, cfg.rollout, cfg.log.progress, dist,
@@ -229,9 +243,11 @@ def main(argv: list[str]) -> None:
                 engine.wake_up(["kv_cache"])
             memory |= memory_phase("weight_sync", dist.device)
 
+            if cfg.log.sample_interval and rollout_id % cfg.log.sample_interval == 0 and dist.is_main:
+                dump_samples(samples, out_dir / "samples" / f"rollout_{rollout_id}.jsonl")
             row = {"rollout_id": rollout_id, "weight_version": weight_version,
                    **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **rollout_stats,
-                   **train_stats, **sync_stats, **memory, **times,
+                   **train_stats, **sync_stats, **memory, **times, **eval_stats,
                    "data/epoch": dataset.epoch, "data/prompts_filtered": dataset.num_filtered}
             try:
                 health.after_train(row, len(steps))
@@ -255,6 +271,10 @@ def main(argv: list[str]) -> None:
                 break
         else:
             finished = True
+            if eval_prompts and start < cfg.train.num_rollout:  # the trained policy, in a row of its own
+                logger.log({"rollout_id": cfg.train.num_rollout, "weight_version": weight_version,
+                            **run_eval(engine, reward_pool, eval_prompts, cfg, sampling, weight_version, tokenizer,
+                                       dist, cfg.train.num_rollout)})
         if finished and (start < cfg.train.num_rollout or not (out_dir / "final").is_dir()):
             t = time.perf_counter()
             if offloader:  # the gathers run on the device
@@ -270,6 +290,28 @@ def main(argv: list[str]) -> None:
             lock.close()
     engine.close()  # vLLM's model-parallel groups go before the process group they live in
     parallel.teardown()
+
+
+def run_eval(engine, pool, prompts, cfg: Config, sampling: SamplingParams, weight_version: int, tokenizer,
+             dist: parallel.Dist, rollout_id: int) -> dict[str, float]:
+    stats = evaluate(engine, pool, prompts, cfg.eval, cfg.rollout, sampling, weight_version, tokenizer, dist,
+                     Path(cfg.log.output_dir) / "samples" / f"eval_rollout_{rollout_id}.jsonl")
+    print0(f"eval before rollout {rollout_id} (weight_version {weight_version}): "
+           + " | ".join(f"{k.removeprefix('eval/')}={v:.4g}" for k, v in stats.items()))
+    return stats
+
+
+def dump_samples(samples: list[Sample], path: Path) -> None:
+    """The seed's experience record of one rollout, a JSON line per sample."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for s in samples:
+            f.write(json.dumps({"index": s.index, "group_index": s.group_index, "prompt": s.prompt,
+                                "response": s.response, "label": str(s.label), "reward": s.reward,
+                                "advantage": s.advantage, "status": s.status.value,
+                                "response_length": s.response_length, "weight_version": s.weight_version,
+                                "rollout_logprob_mean": sum(s.rollout_log_probs) / max(len(s.rollout_log_probs), 1)})
+                    + "\n")
 
 
 STARTUP_TIMEOUT_S = 1800.0  # the process group's own timeout while models load and kernels compile

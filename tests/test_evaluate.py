@@ -1,0 +1,61 @@
+"""Held-out evaluation: pass@k by hand, eval prompts never among the training ones, and eval in the loop."""
+
+import json
+
+from rl.config import DataConfig, EvalConfig
+from rl.data import PromptDataset
+from rl.evaluate import load_eval_prompts, pass_at_k, share
+from tests.test_faults import run, strict_rows
+from tests.tiny import save_tiny_model_dir, tiny_tokenizer, write_arithmetic_jsonl
+
+
+def test_pass_at_k_against_a_hand_count():
+    correct = [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 1.0], [0.5, 0.5, 0.0]]
+    assert pass_at_k(correct) == 3 / 5  # prompts 0, 2 and 3 have a correct sample; 0.5 is not correct
+    assert pass_at_k([[1.0], [0.0]]) == 0.5  # k = 1: the plain accuracy
+
+
+def test_shares_cover_every_prompt_once():
+    items = list(range(10))
+    assert [share(items, i, 4) for i in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+
+
+def test_eval_prompts_never_appear_in_training(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                             for i in range(10)))
+    held = tmp_path / "eval.jsonl"  # 5 of these 10 are training questions too
+    held.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(5, 15)))
+    tokenizer = tiny_tokenizer()
+    data = DataConfig(source=str(train), prompt_key="question", answer_key="answer")
+    training = PromptDataset.from_config(data, tokenizer).prompts
+    prompts, dropped = load_eval_prompts(EvalConfig(source=str(held)), data, tokenizer, training)
+    assert dropped == 5 and len(prompts) == 5
+    assert not {p.text for p in prompts} & {p.text for p in training}
+    assert sorted(p.label for p in prompts) == sorted(str(i + 1) for i in range(10, 15))
+
+
+def test_eval_and_sample_dumps_in_the_loop(tmp_path):
+    inputs = save_tiny_model_dir(tmp_path / "model"), write_arithmetic_jsonl(tmp_path / "train.jsonl")
+    held = tmp_path / "eval.jsonl"
+    held.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(20, 26)))
+    out = tmp_path / "run"
+    proc = run(inputs, out, f"--eval.source={held}", "--eval.interval=2", "--eval.n_samples=3",
+               "--train.num_rollout=3", "--log.sample_interval=2", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = strict_rows(out)
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2, 3]  # the last row is the eval after the last update
+    evaluated = [r["rollout_id"] for r in rows if "eval/accuracy" in r]
+    assert evaluated == [0, 2, 3]
+    for r in rows:
+        if "eval/accuracy" in r:
+            assert r["eval/num_prompts"] == 6 and 0 <= r["eval/pass@3"] <= 1 and r["perf/eval_s"] > 0
+    assert rows[3]["weight_version"] == 4
+    greedy = [json.loads(line) for line in (out / "samples" / "eval_rollout_0.jsonl").read_text().splitlines()]
+    assert sum(g["greedy"] for g in greedy) == 6 and len(greedy) == 6 + 18
+    dumped = [json.loads(line) for line in (out / "samples" / "rollout_2.jsonl").read_text().splitlines()]
+    assert len(dumped) == 32 and {"prompt", "response", "reward", "advantage", "weight_version"} <= set(dumped[0])
+    assert sorted((out / "samples").iterdir()) == sorted(out / "samples" / name for name in (
+        "eval_rollout_0.jsonl", "eval_rollout_2.jsonl", "eval_rollout_3.jsonl", "rollout_0.jsonl", "rollout_2.jsonl"))
