@@ -314,7 +314,8 @@ def dump_samples(samples: list[Sample], path: Path) -> None:
                     + "\n")
 
 
-STARTUP_TIMEOUT_S = 1800.0  # the process group's own timeout while models load and kernels compile
+STARTUP_TIMEOUT_S = 1800.0
+RANK0_REPORT_S = 20.0  # how long the other ranks wait after an error for rank 0 to say it  # the process group's own timeout while models load and kernels compile
 
 
 def claim_output_dir(cfg: Config, dist: parallel.Dist):
@@ -386,9 +387,13 @@ def cli(argv: list[str]) -> int:
         record(main)(argv)
     except (ConfigError, RunStopped, parallel.StalledRankError) as e:
         message = f"rl: {'error' if isinstance(e, ConfigError) else 'stopped'}: {e}"
+        record_error(message)
         if os.environ.get("RANK", "0") == "0":
             print(message, file=sys.stderr, flush=True)
-        record_error(message)
+        else:
+            # Every rank meets the same error; torchrun stops the others as soon as one exits, so the
+            # others give rank 0 the time to print it.
+            time.sleep(RANK0_REPORT_S)
         return 2 if isinstance(e, ConfigError) else 1
     return 0
 
