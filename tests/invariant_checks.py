@@ -77,6 +77,7 @@ def main(out: str) -> None:
         "engine_vs_trainer": gap(engine_lp, batched), "engine_vs_trainer_exact": all(
             torch.equal(x, y) for x, y in zip(engine_lp, batched)),
         "batched_vs_alone_exact": all(torch.equal(x, y) for x, y in zip(batched, alone)),
+        "batched_vs_alone": gap(batched, alone),
         "trainer_vs_hf": gap(batched, plain), "grad_rel": grad_rel, "grad_names": len(grads[1]),
     }))
 
