@@ -31,7 +31,7 @@ def test_engine_and_trainer_forward_agree_in_batch_invariant_mode(tmp_path):
     # A sequence scores the same alone and in a padded batch. Bitwise on a GPU (tests/test_native_gpu.py checks
     # the GEMM over row slices); here the interpreter's tl.dot is numpy's matmul, whose CPU kernels may sum a
     # tile in another order for another row count, so the last float32 bit can move.
-    assert r["batched_vs_alone"] < 1e-6
+    assert r["batched_vs_alone"] < 1e-5
     assert r["trainer_vs_hf"] < 1e-5  # the patched forward computes the same function as the HF one
     assert r["grad_names"] > 20 and r["grad_rel"] < 1e-4  # and its gradients
 
