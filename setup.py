@@ -16,6 +16,7 @@ setup(
         "math-verify[antlr4_13_2]>=0.9",
         "reasoning-gym==0.1.25",
         "pyarrow",
+        "matplotlib",
     ],
     extras_require={
         # The oldest vLLM the in-process engine has run against (in-place `reload_weights` of

@@ -1,0 +1,183 @@
+"""Training curves from `metrics.jsonl`, as PNGs, with several runs overlaid.
+
+    python -m rl.plot RUN_DIR [RUN_DIR ...] [--out DIR]
+
+Draws, against `rollout_id`, one figure per group:
+  reward.png      training reward (after the filter, and over every scored sample) and held-out
+                  eval accuracy / pass@k
+  length.png      mean response length and truncated fraction
+  train.png       loss, grad norm, clip fraction, entropy
+  time.png        seconds per step as bars stacked by phase, one panel per run
+  throughput.png  rollout and train tokens/s
+  memory.png      torch's peak and the device memory in use, per phase (GPU runs only)
+Runs overlay on the same axes, the legend naming each run dir. A metric no run has is left out
+(its panel, or a figure with no panel at all); rows without a key, or with null (a non-finite
+value), leave a gap in that line. The figures go into every run dir, or only into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display: runs on headless machines and in tests
+import matplotlib.pyplot as plt  # noqa: E402
+
+# The phases of one step in the order they run, so the stack reads bottom-up like the loop.
+TIME_PHASES = ["rollout", "reward", "offload", "onload_train", "train", "onload_weights",
+               "weight_sync", "offload_train", "onload_kv", "eval"]
+DPI = 100
+
+
+class PlotError(ValueError):
+    """A run that cannot be drawn; the message is the one line the user sees."""
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a metrics file; a line that does not parse (a run killed mid-write) is skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("rollout_id"), int):
+            rows.append(row)
+    return rows
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(rollout_id, value) of the rows that hold a number for key."""
+    points = [(r["rollout_id"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def keys_of(runs: dict[str, list[dict]], predicate) -> list[str]:
+    """Every key some row of some run has that predicate accepts, sorted."""
+    return sorted({k for rows in runs.values() for r in rows for k in r if predicate(k)})
+
+
+def line_panel(ax, runs: dict[str, list[dict]], keys: list[str], title: str) -> bool:
+    """One line per (run, key) present; False when nothing was drawn."""
+    drawn = False
+    for name, rows in runs.items():
+        for key in keys:
+            x, y = series(rows, key)
+            if not x:
+                continue
+            # Memory keys are found in the file, so even a lone one needs its phase in the legend.
+            one_fixed_key = len(keys) == 1 and not key.startswith("memory/")
+            label = name if one_fixed_key else f"{name}: {key.split('/', 1)[1]}"
+            ax.plot(x, y, marker="." if len(x) < 50 else None, label=label)
+            drawn = True
+    if drawn:
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("rollout_id", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    return drawn
+
+
+def line_figure(runs: dict[str, list[dict]], panels: list[tuple[str, list[str]]], path: Path) -> bool:
+    """A figure of one line panel per (title, keys) that some run has; written only if non-empty."""
+    present = [(title, keys) for title, keys in panels if any(series(rows, k)[0] for rows in runs.values() for k in keys)]
+    if not present:
+        return False
+    fig, axes = plt.subplots(1, len(present), figsize=(4.5 * len(present), 3.5), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], present):
+        line_panel(ax, runs, keys, title)
+    save(fig, path)
+    return True
+
+
+def time_figure(runs: dict[str, list[dict]], path: Path) -> bool:
+    """Seconds per step stacked by phase; stacks do not overlay, so one panel per run."""
+    phases = [p for p in TIME_PHASES if any(f"perf/{p}_s" in r for rows in runs.values() for r in rows)]
+    with_time = {name: rows for name, rows in runs.items() if any(series(rows, f"perf/{p}_s")[0] for p in phases)}
+    if not with_time:
+        return False
+    fig, axes = plt.subplots(1, len(with_time), figsize=(5 * len(with_time), 3.5), squeeze=False, sharey=True)
+    for ax, (name, rows) in zip(axes[0], with_time.items()):
+        x = [r["rollout_id"] for r in rows]
+        bottom = [0.0] * len(rows)
+        for phase in phases:
+            # A phase a row lacks (no eval that step, no offload without colocation) took no time.
+            seconds = [r.get(f"perf/{phase}_s") or 0.0 for r in rows]
+            ax.bar(x, seconds, bottom=bottom, width=1.0, label=phase)
+            bottom = [b + s for b, s in zip(bottom, seconds)]
+        ax.set_title(f"{name}: seconds per step", fontsize=9)
+        ax.set_xlabel("rollout_id", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6, loc="upper left")
+    save(fig, path)
+    return True
+
+
+def save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_runs(run_dirs: list[Path], out_dirs: list[Path]) -> list[str]:
+    """Draws the figures of the runs (overlaid) into each of out_dirs; returns the file names written.
+
+    Raises PlotError naming the file when a run has no metrics rows.
+    """
+    runs = {}
+    for run_dir in run_dirs:
+        path = run_dir / "metrics.jsonl"
+        rows = read_rows(path) if path.is_file() else []
+        if not rows:
+            raise PlotError(f"rl.plot: no metrics rows in {path}")
+        name = run_dir.resolve().name
+        runs[name if name not in runs else os.fspath(run_dir)] = sorted(rows, key=lambda r: r["rollout_id"])
+    evals = keys_of(runs, lambda k: k.startswith("eval/pass@"))
+    memory_phases = keys_of(runs, lambda k: k.startswith("memory/") and k.endswith(("_peak_gb", "_device_used_gb")))
+    groups = {
+        "reward.png": [("training reward", ["rollout/reward_mean", "rollout/reward_mean_all_scored"]),
+                       ("eval accuracy", ["eval/accuracy", *evals])],
+        "length.png": [("response length (mean)", ["rollout/response_length_mean"]),
+                       ("truncated fraction", ["rollout/truncated_frac"])],
+        "train.png": [("loss", ["train/loss"]), ("grad norm", ["train/grad_norm"]),
+                      ("clip fraction", ["train/clip_frac"]), ("entropy", ["train/entropy"])],
+        "throughput.png": [("rollout tokens/s", ["perf/rollout_tokens_per_s"]),
+                           ("train tokens/s", ["perf/train_tokens_per_s"])],
+        "memory.png": [("torch peak GB per phase", [k for k in memory_phases if k.endswith("_peak_gb")]),
+                       ("device used GB per phase", [k for k in memory_phases if k.endswith("_device_used_gb")])],
+    }
+    written = []
+    for out_dir in out_dirs:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, panels in groups.items():
+            if line_figure(runs, panels, out_dir / name):
+                written.append(name)
+        if time_figure(runs, out_dir / "time.png"):
+            written.append("time.png")
+    return sorted(set(written))
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rl.plot", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path, help="run folders, each with a metrics.jsonl")
+    parser.add_argument("--out", type=Path, help="write the figures here instead of into each run dir")
+    args = parser.parse_args(argv)
+    out_dirs = [args.out] if args.out else args.run_dirs
+    try:
+        written = plot_runs(args.run_dirs, out_dirs)
+    except PlotError as e:
+        print(e, file=sys.stderr)
+        sys.exit(2)
+    for out_dir in out_dirs:
+        print(f"rl.plot: wrote {', '.join(written)} to {os.fspath(out_dir)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
