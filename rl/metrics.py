@@ -11,6 +11,7 @@ resumed run drops the rows past its checkpoint before appending.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -112,17 +113,20 @@ class MetricsLogger:
                                         dir=str(self.path.parent), resume="allow")
 
     def log(self, metrics: dict[str, Any]) -> None:
-        line = json.dumps({k: finite_or_none(v) for k, v in metrics.items()}, allow_nan=False) + "\n"
-        with self.path.open("a") as f:
-            size = f.tell()
-            try:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
+        line = (json.dumps({k: finite_or_none(v) for k, v in metrics.items()}, allow_nan=False) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            try:  # unbuffered: a failed write leaves nothing behind that a later flush could retry
+                if os.write(fd, line) != len(line):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                os.fsync(fd)
             except OSError as e:
-                f.truncate(size)  # never leave half a row for the next one to run into
+                os.ftruncate(fd, size)  # never leave half a row for the next one to run into
                 raise RunStopped(f"cannot write {self.path} ({e.strerror or e}): the run stops rather than lose "
                                  f"metrics; free space and rerun the same command to resume") from e
+        finally:
+            os.close(fd)
         print(format_line(metrics), flush=True)
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=metrics["rollout_id"])

@@ -113,3 +113,19 @@ def test_zero_std_group_frac_counts_groups_of_equal_rewards_including_groups_of_
 
     assert rollout_metrics(samples([1.0, 0.0, 1.0]), 1)["rollout/zero_std_group_frac"] == 1.0  # std of one is NaN
     assert rollout_metrics(samples([1.0, 1.0, 0.0, 1.0]), 2)["rollout/zero_std_group_frac"] == 0.5
+
+
+def test_a_write_the_disk_refuses_leaves_the_file_whole(tmp_path, monkeypatch):
+    log = logger(tmp_path)
+    log.log({"rollout_id": 0})
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        real_write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(RunStopped, match="No space left on device"):
+        log.log({"rollout_id": 1, "train/loss": 0.5})
+    monkeypatch.undo()
+    assert lines(tmp_path) == ['{"rollout_id": 0}']
