@@ -1,4 +1,4 @@
-"""Checkpoints: save a run, resume it exactly, and export the policy as a Hugging Face folder.
+"""Checkpoints: save a run and resume it exactly (the Hugging Face export is rl/export.py).
 
 A checkpoint is one folder `<output_dir>/checkpoints/rollout_<N>/` holding everything the
 loop needs to continue after rollout N as if it had never stopped:

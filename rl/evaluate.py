@@ -3,7 +3,7 @@
 The eval prompts come from their own source and seed (`[eval]`), go through the same
 templates as the training prompts, and any prompt whose text also appears among the
 training prompts is dropped (counted), so the numbers are on held-out data. Each engine
-generates a contiguous share (the last ones may get one prompt fewer), the first rank of
+generates a contiguous share (the last ones may get fewer prompts, or none), the first rank of
 each engine scores it with the reward pool's `correct` term, and every rank gets the
 same metrics. It needs no weight sync: it runs on the weights the engine already holds.
 """
@@ -39,7 +39,8 @@ def pass_at_k(correct: list[list[float]]) -> float:
 
 
 def share(items: list, index: int, parts: int) -> list:
-    """Contiguous share `index` of `parts`, sizes differing by at most one (every item goes somewhere)."""
+    """Contiguous share `index` of `parts`, ceil(len / parts) items each, the last ones fewer or none
+    (every item goes to exactly one share)."""
     step = math.ceil(len(items) / parts)
     return items[index * step : (index + 1) * step]
 

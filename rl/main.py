@@ -314,8 +314,8 @@ def dump_samples(samples: list[Sample], path: Path) -> None:
                     + "\n")
 
 
-STARTUP_TIMEOUT_S = 1800.0
-RANK0_REPORT_S = 20.0  # how long the other ranks wait after an error for rank 0 to say it  # the process group's own timeout while models load and kernels compile
+STARTUP_TIMEOUT_S = 1800.0  # the process group's own timeout while models load and kernels compile
+RANK0_REPORT_S = 20.0  # how long the other ranks wait after an error for rank 0 to say it
 
 
 def claim_output_dir(cfg: Config, dist: parallel.Dist):
