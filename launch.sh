@@ -4,16 +4,17 @@
 #   bash launch.sh [--install] [--nproc N] CONFIG [--section.key=value ...]
 #   sbatch --nodes 2 --gpus-per-node 8 launch.sh CONFIG [...]      # SLURM, one torchrun per node
 #
-# SIGTERM or SIGUSR1 to this script reaches every rank as SIGUSR1: the run checkpoints at the end of
-# its step and exits 0. Under SLURM the job asks for SIGUSR1 two minutes before its time limit and,
-# once the ranks have stopped that way, requeues itself; the requeued job resumes from the checkpoint.
+# SIGTERM, SIGUSR1 or a first Ctrl-C to this script reaches every rank as SIGUSR1: the run checkpoints
+# at the end of its step and exits 0 (a second Ctrl-C kills it at once). Under SLURM the job asks for
+# SIGUSR1 ten minutes before its time limit (time to finish a step and save) and, once the ranks have
+# stopped that way, requeues itself; the requeued job resumes from the checkpoint.
 #
 # --install  installs rl (and a CPU torch where no GPU and no torch is present) and prepares the
 #            config's model if it is one of the offline models rl.prepare knows.
 # --nproc N  ranks per node (default: the GPU count, or 2 on a CPU-only machine).
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
-#SBATCH --signal=B:USR1@120
+#SBATCH --signal=B:USR1@600
 #SBATCH --requeue
 #SBATCH --open-mode=append
 set -euo pipefail
@@ -47,32 +48,45 @@ if [[ -z "$nproc" ]]; then
   if [[ "$gpus" -gt 0 ]]; then nproc=$gpus; else nproc=2; fi
 fi
 
-# Runs a command in the background, turns SIGTERM/SIGUSR1 into SIGUSR1 for `children` of it (the
-# ranks under torchrun, which itself would die of SIGUSR1) or for `itself` (srun, which forwards
-# it to every task), then waits for it; `stopped` records that a signal came.
+# Runs a command in the background, turns SIGTERM/SIGUSR1/SIGINT into SIGUSR1 for `children` of it
+# (the ranks under torchrun) or for `itself` (srun, which forwards it to every task), then waits for
+# it; `stopped` records that a signal came. torchrun runs with SIGUSR1 ignored: it has no handler and
+# would die of one that SLURM sends to the whole task (the ranks install their own).
 stopped=0
+interrupts=0
 run_forwarding_stop() {
   local target=$1; shift
-  "$@" &
-  local pid=$!
+  local forward
   if [[ $target == children ]]; then
-    trap 'stopped=1; pkill -USR1 -P "$pid" 2>/dev/null || true' TERM USR1
+    (trap '' USR1; exec "$@") &
+    forward='pkill -USR1 -P "$pid"'
   else
-    trap 'stopped=1; kill -USR1 "$pid" 2>/dev/null || true' TERM USR1
+    "$@" &
+    forward='kill -USR1 "$pid"'
   fi
-  local rc=0
-  while true; do
-    wait "$pid" && rc=0 || rc=$?
-    kill -0 "$pid" 2>/dev/null || break  # wait returned for a trapped signal: the job still runs
+  local pid=$!
+  trap "stopped=1; $forward 2>/dev/null || true" TERM USR1
+  trap "interrupts=\$((interrupts + 1)); stopped=1
+        if [[ \$interrupts == 1 ]]; then
+          echo 'launch.sh: stopping at the end of this step with a checkpoint; Ctrl-C again to kill the run now' >&2
+          $forward 2>/dev/null || true
+        else kill -KILL \"\$pid\" 2>/dev/null || true; fi" INT
+  while kill -0 "$pid" 2>/dev/null; do
+    wait "$pid" || true  # returns early for a trapped signal while the job still runs
   done
-  trap - TERM USR1
-  return "$rc"
+  trap - TERM USR1 INT
+  wait "$pid"  # the job's own exit status (bash keeps it)
 }
 
 if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" ]]; then
   # The batch script itself: start one task per node, each running this script again.
   rc=0
-  run_forwarding_stop itself srun --ntasks-per-node=1 bash "$0" --nproc "$nproc" "$config" "$@" || rc=$?
+  # Under sbatch $0 is Slurm's private copy of this script, which the other nodes lack: run the one
+  # that was submitted.
+  script=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+  [[ -f "$script" ]] || script="$SLURM_SUBMIT_DIR/launch.sh"
+  [[ -f "$script" ]] || { echo "launch.sh: cannot find launch.sh to start on each node (looked at $script)" >&2; exit 2; }
+  run_forwarding_stop itself srun --ntasks-per-node=1 bash "$script" --nproc "$nproc" "$config" "$@" || rc=$?
   if [[ $stopped == 1 && $rc == 0 ]]; then
     echo "launch.sh: stopped at a checkpoint ahead of the time limit; requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"

@@ -71,7 +71,9 @@ def serve(conn: Connection, cfg: RewardConfig) -> None:
 
 
 def main(fd: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it kills us
+    # Ctrl-C and a preemption notice (SLURM signals the whole task) are the trainer's to handle; it kills us.
+    for sig in (signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     die_with_parent()
     conn = Connection(fd)
     sys_path, cfg = conn.recv()

@@ -1,0 +1,106 @@
+"""launch.sh's signal paths with stand-ins for torchrun, srun and scontrol (no training): a stop request
+reaches the ranks as SIGUSR1, torchrun survives a SIGUSR1 of its own, Ctrl-C stops then kills, and a
+SLURM batch job runs the submitted script (not Slurm's copy) on its nodes and requeues after a stop."""
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_distributed import ROOT
+
+# torchrun's stand-in starts one "rank" that waits for SIGUSR1, writes how many it got and exits 0 (10 when
+# none came within 30 s), as a rank that checkpoints and stops would.
+FAKE_TORCHRUN = """#!/usr/bin/env python3
+import os, signal, subprocess, sys
+print("torchrun: SIGUSR1 ignored" if signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN else "torchrun: SIGUSR1 default",
+      flush=True)
+open(os.environ["MARK"] + ".torchrun", "w").write(str(os.getpid()))
+rank = subprocess.Popen([sys.executable, "-c", '''
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+open(os.environ["MARK"] + ".rank", "w").write("ready")
+deadline = time.time() + 30
+while not got and time.time() < deadline:
+    time.sleep(0.02)
+time.sleep(0.3)  # a second signal in flight still counts
+open(os.environ["MARK"] + ".count", "w").write(str(len(got)))
+sys.exit(0 if got else 10)
+'''])
+sys.exit(rank.wait())
+"""
+
+
+@pytest.fixture
+def fake(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
+    # srun runs its command as the job step, in its place so that its signals reach the step; a command
+    # under the batch node's spool folder is refused, as the other nodes would not find it.
+    (bin_dir / "srun").write_text('#!/bin/sh\ncase "$*" in *"$SPOOL"*) echo "srun: no $SPOOL on the other nodes"; '
+                                  'exit 3 ;; esac\nshift\nexport SLURM_STEP_ID=0 SLURM_NODEID=0 SLURM_NNODES=1\n'
+                                  'exec "$@"\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\ncase "$1 $2" in\n'
+        f'  "show job") echo "   Command={ROOT}/launch.sh" ;;\n'
+        '  "show hostnames") echo 127.0.0.1 ;;\n'
+        '  requeue*) echo "$2" > "$MARK.requeued" ;;\nesac\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MARK": str(tmp_path / "mark")}
+
+
+def start(env: dict, script: str = "launch.sh", **extra: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", script, "--nproc", "1", "configs/tiny.toml"], cwd=ROOT, env={**env, **extra},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_rank(env: dict) -> None:
+    deadline = time.time() + 30
+    while not Path(env["MARK"] + ".rank").exists():
+        assert time.time() < deadline, "the stand-in rank never started"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
+def test_a_stop_request_reaches_the_ranks_and_torchrun_survives_its_own(fake, sig):
+    proc = start(fake)
+    wait_for_rank(fake)
+    os.kill(int(Path(fake["MARK"] + ".torchrun").read_text()), signal.SIGUSR1)  # as SLURM signals a whole task
+    proc.send_signal(sig)
+    out = proc.communicate(timeout=60)[0]
+    assert "torchrun: SIGUSR1 ignored" in out
+    assert proc.returncode == 0, out  # torchrun lived on
+    assert Path(fake["MARK"] + ".count").read_text() == "1"  # and the rank got the stop request
+
+
+def test_a_second_ctrl_c_kills_the_run(fake):
+    proc = start(fake)
+    wait_for_rank(fake)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert "Ctrl-C again to kill the run now" in out
+    assert proc.returncode in (0, 137), out  # killed, unless the rank had already stopped on the first
+
+
+def test_slurm_batch_job_runs_the_submitted_script_and_requeues_after_a_stop(fake, tmp_path):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    shutil.copy(ROOT / "launch.sh", spool / "slurm_script")  # what sbatch runs: a private copy
+    proc = start(fake, str(spool / "slurm_script"), SLURM_JOB_ID="77", SLURM_SUBMIT_DIR=str(ROOT),
+                 SLURM_JOB_NODELIST="node0", SPOOL=str(spool))
+    wait_for_rank(fake)
+    proc.send_signal(signal.SIGUSR1)  # --signal=B:USR1: the batch shell alone
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    assert Path(fake["MARK"] + ".count").read_text() == "1"
+    assert "requeueing job 77" in out
+    assert Path(fake["MARK"] + ".requeued").read_text().strip() == "77"
