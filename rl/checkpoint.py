@@ -11,11 +11,14 @@ loop needs to continue after rollout N as if it had never stopped:
   `python -m rl.export` needs nothing but the checkpoint.
 
 Atomicity: all ranks write into `.rollout_<N>.tmp/`; once every rank is done, rank 0
-renames it to `rollout_<N>` (one rename on one filesystem) and then prunes to the newest
-`keep_last`. A kill at any moment leaves either the old set or the new one whole; leftover
-`.tmp` folders are never read and are removed by the next save. Loading tries the newest
-complete checkpoint and falls back to the one before it, with a warning naming both,
-when it cannot be read.
+renames it to `rollout_<N>` (one rename on one filesystem). Only complete folders are ever
+named `rollout_<N>`, so a kill mid-save leaves every earlier checkpoint whole, and the
+newest one is never deleted before a newer one is complete. Older checkpoints past
+`keep_last` are renamed out of the way (`.rollout_<N>.old.*`) and deleted by a background
+thread, so a slow filesystem never holds the other ranks at a barrier; leftovers of a kill
+(`.tmp` or `.old` folders) are never read and are removed by the next save. Loading tries
+the newest complete checkpoint and falls back to the one before it, with a warning naming
+both, when it cannot be read.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import random
 import re
 import shutil
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from rl import parallel
 from rl.config import ConfigError
+from rl.metrics import read_rows
 from rl.parallel import print0
 
 CHECKPOINTS = "checkpoints"
@@ -92,7 +98,8 @@ def save(output_dir: str | Path, state: TrainerState, model: torch.nn.Module, op
     final = root / f"rollout_{state.rollout_id}"
     tmp = root / f".rollout_{state.rollout_id}.tmp"
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.exists():
+            retire([tmp])
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -106,7 +113,7 @@ def save(output_dir: str | Path, state: TrainerState, model: torch.nn.Module, op
     dist.barrier()  # every rank's shards are on disk
     if dist.get_rank() == 0:
         if final.exists():  # a rerun of the same rollout (after a resume from an older one)
-            shutil.rmtree(final)
+            retire([final])
         os.replace(tmp, final)
         _fsync_dir(root)
         prune(root, keep_last)
@@ -115,12 +122,36 @@ def save(output_dir: str | Path, state: TrainerState, model: torch.nn.Module, op
 
 
 def prune(root: Path, keep_last: int) -> None:
-    """Removes all but the newest `keep_last` complete checkpoints and any leftover temporary folder."""
-    for stale in root.glob(".rollout_*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
+    """Removes all but the newest `keep_last` complete checkpoints and any leftover of a killed save."""
     complete = complete_checkpoints(root.parent)
-    for old in complete[: max(len(complete) - keep_last, 0)]:
-        shutil.rmtree(old, ignore_errors=True)
+    leftovers = [p for p in root.glob(".rollout_*") if p.name.endswith(".tmp") or ".old." in p.name]
+    retire(complete[: max(len(complete) - keep_last, 0)] + leftovers)
+
+
+_removals: list[threading.Thread] = []
+
+
+def retire(paths: list[Path]) -> None:
+    """Renames each folder out of the checkpoint namespace at once (no later listing sees it), then
+    deletes it in a background thread: deleting tens of GB can take minutes on a network filesystem."""
+    moved = []
+    for path in paths:
+        if ".old." in path.name:
+            moved.append(path)
+            continue
+        target = path.with_name(f".{path.name.lstrip('.')}.old.{time.time_ns()}")
+        os.replace(path, target)
+        moved.append(target)
+    if moved:
+        thread = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in moved], daemon=True)
+        thread.start()
+        _removals.append(thread)
+
+
+def wait_for_removals() -> None:
+    """Lets the background deletions finish (a process that exits first leaves them to the next save)."""
+    while _removals:
+        _removals.pop().join()
 
 
 def copy_hf_files(sources: list[Path], out: Path) -> None:
@@ -170,19 +201,24 @@ def read_trainer_state(path: Path) -> TrainerState:
 
 
 def load(path: Path, model: torch.nn.Module, optimizer) -> TrainerState:
-    """Restores model and optimizer (resharded to this run's ranks) and this rank's RNG; a collective."""
+    """Restores model and optimizer (resharded to this run's ranks); a collective. The RNG states
+    are restored apart (`restore_rng`), once nothing more of the start-up draws from them."""
     state = read_trainer_state(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     both = {"model": model_sd, "optim": optim_sd}
     dcp.load(both, checkpoint_id=str(path / "model_optim"))
     set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+    return state
+
+
+def restore_rng(path: Path, state: TrainerState) -> None:
+    """This rank's RNG states as they were at the save (when the rank count is unchanged)."""
     rng = path / "rng" / f"rank_{dist.get_rank()}.pt"
     if state.world_size == dist.get_world_size() and rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))
     else:
         print0(f"checkpoint: {path} was written by {state.world_size} ranks, resumed on {dist.get_world_size()}; "
                f"model, optimizer, schedule and data cursor are resharded, per-rank RNG states start afresh")
-    return state
 
 
 def load_newest(candidates: list[Path], model: torch.nn.Module, optimizer) -> tuple[Path, TrainerState]:
@@ -214,7 +250,7 @@ def resume_candidates(output_dir: str | Path, resume: str, model_path: str) -> l
     continue from, or with `resume = "never"`, the run stops and says what to pass."""
     out = Path(output_dir)
     complete = complete_checkpoints(out)
-    rows = _count_lines(out / "metrics.jsonl")
+    rows = len(read_rows(out / "metrics.jsonl")[0])
     if resume == "never":
         if complete or rows:
             raise ConfigError(f"log.output_dir {str(out)!r} already holds a run ({rows} metric rows, "
@@ -238,11 +274,27 @@ def resume_candidates(output_dir: str | Path, resume: str, model_path: str) -> l
     if not (path / "trainer_state.json").is_file() or not (path / "model_optim").is_dir():
         raise ConfigError(f"checkpoint.resume={resume!r}: not a complete checkpoint folder (expected "
                           f"trainer_state.json and model_optim/; they are under <output_dir>/checkpoints/rollout_<N>)")
+    if path.resolve().parent == checkpoint_root(out).resolve():
+        set_aside_newer(out, rollout_of(path))
+    elif complete or rows:
+        raise ConfigError(f"checkpoint.resume={resume!r} starts a run from another run's checkpoint, but "
+                          f"log.output_dir {str(out)!r} already holds a run ({rows} metric rows, {len(complete)} "
+                          f"checkpoints): pass a new log.output_dir")
     return [path]
 
 
-def _count_lines(path: Path) -> int:
-    return sum(1 for line in path.read_text(errors="replace").splitlines() if line.strip()) if path.is_file() else 0
+def set_aside_newer(output_dir: Path, rollout_id: int) -> None:
+    """A resume from an older checkpoint of the same run branches it: the newer checkpoints move to
+    `checkpoints/abandoned_<time>/`, kept, but out of reach of `resume=auto` and of pruning."""
+    newer = [p for p in complete_checkpoints(output_dir) if rollout_of(p) > rollout_id]
+    if not newer:
+        return
+    aside = checkpoint_root(output_dir) / f"abandoned_{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir()
+    for path in newer:
+        os.replace(path, aside / path.name)
+    print(f"checkpoint: resuming from rollout_{rollout_id}: the newer checkpoints "
+          f"{', '.join(p.name for p in newer)} are moved to {aside}", flush=True)
 
 
 def lock_output_dir(output_dir: str | Path):

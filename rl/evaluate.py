@@ -20,7 +20,7 @@ from rl import parallel
 from rl.config import DataConfig, EvalConfig, RolloutConfig
 from rl.data import Prompt, PromptDataset, Sample, Status, expand_groups
 from rl.reward import RewardInput, RewardPool
-from rl.rollout import SamplingParams, generate_rollout
+from rl.rollout import SamplingParams, derive_seed, generate_rollout
 
 
 def load_eval_prompts(ev: EvalConfig, data: DataConfig, tokenizer, training: list[Prompt]) -> tuple[list[Prompt], int]:
@@ -49,7 +49,9 @@ def generate_and_score(engine, pool: RewardPool | None, prompts: list[Prompt], n
                        weight_version: int, tokenizer, tp: int, dist: parallel.Dist) -> list[Sample]:
     """Every prompt's `n` samples, scored (`Sample.reward` holds the `correct` term), on every rank, in prompt order."""
     groups = expand_groups(prompts, n, 0, 0)
-    mine = share(groups, dist.rank // tp, dist.world_size // tp)
+    engine_index = dist.rank // tp
+    mine = share(groups, engine_index, dist.world_size // tp)
+    params = dataclasses.replace(params, seed=derive_seed(params.seed, engine_index))  # engines draw apart
     local = generate_rollout(engine, mine, params, weight_version, tokenizer) if mine else []
     if pool is not None and local:
         result = pool.score([RewardInput(s.prompt, s.response, s.label, s.response_length, params.max_new_tokens,

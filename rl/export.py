@@ -45,9 +45,10 @@ def saved_names(model: torch.nn.Module) -> set[str]:
 
 
 def write_hf_folder(tensors: Iterable[tuple[str, torch.Tensor]], hf_sources: list[Path], out: Path,
-                    shard_bytes: int = SHARD_BYTES) -> Path:
-    """Writes (name, full tensor) pairs as safetensors shards beside the config and tokenizer files found in
-    `hf_sources` (the first folder that has a file wins)."""
+                    dtype: torch.dtype, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Writes (name, full tensor) pairs as safetensors shards beside the config (naming `dtype`) and
+    tokenizer files found in `hf_sources` (the first folder that has a file wins). The folder appears
+    whole: it is written under a temporary name, and an earlier one is moved away before it is deleted."""
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -71,8 +72,13 @@ def write_hf_folder(tensors: Iterable[tuple[str, torch.Tensor]], hf_sources: lis
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     copy_hf_files(hf_sources, tmp)
-    shutil.rmtree(out, ignore_errors=True)
+    set_config_dtype(tmp, dtype)
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.replace(out, old)
     os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
     return out
 
 
@@ -108,9 +114,7 @@ def export_policy(model: torch.nn.Module, hf_sources: list[Path], out: Path, dty
         for _ in tensors:  # every rank takes part in every gather
             pass
         return None
-    written = write_hf_folder(tensors, hf_sources, out)
-    set_config_dtype(written, dtype)
-    return written
+    return write_hf_folder(tensors, hf_sources, out, dtype)
 
 
 # ---------------------------------------------------------------------------- from a checkpoint
@@ -142,9 +146,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_name: str = "auto") -> 
         state.pop("lm_head.weight", None)
     dtype = export_dtype(dtype_name, config)
     tensors = ((n, t.to(dtype)) for n, t in sorted(state.items()))
-    written = write_hf_folder(tensors, [checkpoint / "hf"], Path(out))
-    set_config_dtype(written, dtype)
-    return written
+    return write_hf_folder(tensors, [checkpoint / "hf"], Path(out), dtype)
 
 
 def main(argv: list[str]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import resource
 import signal
 import sys
@@ -24,7 +25,7 @@ from transformers import AutoConfig, AutoTokenizer
 from rl import checkpoint, parallel
 from rl.algo import grpo_advantages
 from rl.checks import check_model_and_tokenizer
-from rl.config import Config, ConfigError, RolloutConfig, check_paths, dump, load_config, resolve
+from rl.config import Config, ConfigError, RolloutConfig, TrainConfig, check_paths, dump, load_config, resolve
 from rl.data import PromptDataset, Sample, Status
 from rl.evaluate import evaluate, load_eval_prompts
 from rl.export import export_policy
@@ -35,7 +36,7 @@ from rl.policy import PolicyOffloader, build_optimizer, build_policy
 from rl.reward import RewardInput, RewardPool
 from rl.reward import metrics as reward_metrics
 from rl.reward import reduce_metrics as reduce_reward_metrics
-from rl.rollout import SamplingParams, build_engine, engine_dtype, generate_rollout
+from rl.rollout import SamplingParams, build_engine, derive_seed, engine_dtype, generate_rollout
 from rl.train import build_schedule, train_metrics, train_on_rollout
 from rl.weights import sync_weights
 
@@ -73,7 +74,7 @@ def collect_rollout(dataset: PromptDataset, engine, pool: RewardPool | None, sam
         groups = dataset.next_groups(ro.over_sampling_batch_size, ro.n_samples_per_prompt)
         mine = parallel.shard_groups(groups, engine_index, dist.world_size // tp)
         # The sampling stream depends only on (seed, rollout, round, engine): a resumed run redraws it.
-        seeded = dataclasses.replace(sampling, seed=sampling_seed(ro.seed, rollout_id, rounds, engine_index))
+        seeded = dataclasses.replace(sampling, seed=derive_seed(ro.seed, rollout_id, rounds, engine_index))
         t = time.perf_counter()
         local = generate_rollout(engine, mine, seeded, weight_version, tokenizer,
                                  progress=progress and dist.is_main)
@@ -104,10 +105,6 @@ def collect_rollout(dataset: PromptDataset, engine, pool: RewardPool | None, sam
     return samples, stats
 
 
-def sampling_seed(seed: int, rollout_id: int, sampling_round: int, engine_index: int) -> int:
-    return (seed + 1_000_003 * rollout_id + 10_007 * sampling_round + 101 * engine_index) % 2**31
-
-
 def assign_advantages(samples: list[Sample], std_normalization: bool) -> None:
     rewards = torch.tensor([s.reward for s in samples])
     groups = torch.tensor([s.group_index for s in samples])
@@ -131,6 +128,7 @@ def rollout_metrics(samples: list[Sample], n_samples_per_prompt: int) -> dict[st
 
 
 def main(argv: list[str]) -> None:
+    stop = StopSignals()  # a preemption notice during start-up stops the run after its first rollout
     cfg = load_config(argv)  # config errors surface before any process group or model exists
     check_paths(cfg)
     dist = parallel.init_distributed()
@@ -162,6 +160,7 @@ def main(argv: list[str]) -> None:
     print0(f"policy: built, sharded and loaded in {time.perf_counter() - t:.1f} s; host memory peak of rank 0 "
            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     optimizer, scheduler = build_optimizer(policy, cfg.train)
+    num_params = sum(p.numel() for p in policy.parameters())  # DTensors count their global size
     health = Health(cfg.train.max_bad_steps, cfg.reward.max_failed_steps, policy.config.vocab_size)
     start, weight_version = 0, 1  # seed step 8: the first push is version 1
     if resume_from:
@@ -171,21 +170,24 @@ def main(argv: list[str]) -> None:
         dataset.load_state_dict(state.data)
         health.load_state_dict(state.health)
         start, weight_version = state.rollout_id + 1, state.weight_version
+        apply_optimizer_config(optimizer, scheduler, cfg.train, state.config.get("train", {}))
         print0(f"checkpoint: resumed from {path} in {time.perf_counter() - t:.1f} s: rollout {start} next, "
                f"weight_version {weight_version}")
     engine = build_engine(cfg.rollout, cfg.model.path, policy.config, dist.device, dist.rank, cfg.model.batch_invariant)
+    if resume_from:  # after the engine build, which seeds the global generators (vLLM does)
+        checkpoint.restore_rng(path, state)
     dtype = engine_dtype(cfg.rollout.dtype, dist.device)
     sampling = SamplingParams.from_config(cfg.rollout, eos_ids)
     sync_weights(policy, engine, dtype, cfg.weights.bucket_mb)
     offloader = PolicyOffloader(policy, optimizer) if cfg.train.offload else None
     if offloader:
         offloader.offload()
+    finished = start >= cfg.train.num_rollout
+    # A resumed run replaces the rows written after its checkpoint; a finished one keeps all (its final eval too).
     logger = make_logger(dist.is_main, cfg.log.output_dir, cfg.to_dict(), cfg.log.wandb, cfg.log.wandb_project,
-                         cfg.log.run_name, start_rollout=start)
-    stop = StopSignals()
+                         cfg.log.run_name, start_rollout=None if finished else start)
     barrier_timeout_s = cfg.train.collective_timeout_s
     hf_sources = [Path(cfg.model.path), Path(cfg.model.tokenizer or cfg.model.path)]
-    finished = start >= cfg.train.num_rollout
     if finished:
         print0(f"rl: the run in {out_dir} already finished rollout {start - 1} (train.num_rollout="
                f"{cfg.train.num_rollout}); pass a larger --train.num_rollout to train further")
@@ -225,8 +227,12 @@ def main(argv: list[str]) -> None:
                                                              dist.device)
                 local_stats = train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, dist.world_size,
                                                cfg.train, cfg.algo, cfg.rollout.temperature)
-                train_stats = train_metrics(parallel.all_gather_objects([local_stats]), len(steps))
+                per_rank = parallel.all_gather_objects([local_stats])
+                train_stats = train_metrics(per_rank, len(steps))
             train_stats["train/padding_micro_batches"] = padding
+            mfu = train_mfu(num_params, sum(len(s.tokens) for s in samples), times["perf/train_s"], dist)
+            if mfu is not None:
+                train_stats["perf/train_mfu"] = mfu
             memory |= memory_phase("train", dist.device)
 
             # E. weights into the engine, version + 1 (the same weights and version when every step was skipped:
@@ -244,7 +250,8 @@ def main(argv: list[str]) -> None:
             memory |= memory_phase("weight_sync", dist.device)
 
             if cfg.log.sample_interval and rollout_id % cfg.log.sample_interval == 0 and dist.is_main:
-                dump_samples(samples, out_dir / "samples" / f"rollout_{rollout_id}.jsonl")
+                mismatch = {i: m for stats in per_rank for i, m in stats["sample_mismatch"].items()}
+                dump_samples(samples, mismatch, out_dir / "samples" / f"rollout_{rollout_id}.jsonl")
             row = {"rollout_id": rollout_id, "weight_version": weight_version,
                    **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **rollout_stats,
                    **train_stats, **sync_stats, **memory, **times, **eval_stats,
@@ -265,7 +272,7 @@ def main(argv: list[str]) -> None:
             if last or stopping or (cfg.checkpoint.interval and (rollout_id + 1) % cfg.checkpoint.interval == 0):
                 save_checkpoint(cfg, rollout_id, weight_version, policy, optimizer, scheduler, dataset, health,
                                 hf_sources, dist)
-            if stopping:
+            if stopping and not last:  # a stop at the last rollout still ends the run: final eval and export
                 print0(f"rl: stopping after rollout {rollout_id} ({stop.received or 'signal on another rank'}); "
                        f"run the same command to resume")
                 break
@@ -286,6 +293,7 @@ def main(argv: list[str]) -> None:
         logger.close()
         if reward_pool is not None:
             reward_pool.close()
+        checkpoint.wait_for_removals()
         if lock is not None:
             lock.close()
     engine.close()  # vLLM's model-parallel groups go before the process group they live in
@@ -301,8 +309,9 @@ def run_eval(engine, pool, prompts, cfg: Config, sampling: SamplingParams, weigh
     return stats
 
 
-def dump_samples(samples: list[Sample], path: Path) -> None:
-    """The seed's experience record of one rollout, a JSON line per sample."""
+def dump_samples(samples: list[Sample], mismatch: dict[int, float], path: Path) -> None:
+    """The seed's experience record of one rollout, a JSON line per sample; `mismatch`: Sample.index -> mean
+    |trainer - rollout logprob| over the sample's response tokens, before the update."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for s in samples:
@@ -310,8 +319,24 @@ def dump_samples(samples: list[Sample], path: Path) -> None:
                                 "response": s.response, "label": str(s.label), "reward": s.reward,
                                 "advantage": s.advantage, "status": s.status.value,
                                 "response_length": s.response_length, "weight_version": s.weight_version,
-                                "rollout_logprob_mean": sum(s.rollout_log_probs) / max(len(s.rollout_log_probs), 1)})
+                                "rollout_logprob_mean": sum(s.rollout_log_probs) / max(len(s.rollout_log_probs), 1),
+                                "logprob_abs_diff_mean": mismatch.get(s.index)})
                     + "\n")
+
+
+# Dense bf16 peak of one device, for perf/train_mfu (devices not listed log no MFU).
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+                   "B200": 2250e12}
+
+
+def train_mfu(num_params: int, tokens: int, train_s: float, dist: parallel.Dist) -> float | None:
+    """Model FLOPs utilisation of the train phase: 6 x parameters x tokens (forward and backward) over the
+    time and the peak of all devices. Attention FLOPs are left out, so it reads low for long sequences."""
+    if dist.device.type != "cuda" or train_s <= 0:
+        return None
+    name = torch.cuda.get_device_name(dist.device)
+    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if re.search(rf"\b{key}\b", name)), None)
+    return 6 * num_params * tokens / (train_s * dist.world_size * peak) if peak else None
 
 
 STARTUP_TIMEOUT_S = 1800.0  # the process group's own timeout while models load and kernels compile
@@ -329,6 +354,8 @@ def claim_output_dir(cfg: Config, dist: parallel.Dist):
             keep_config(Path(cfg.log.output_dir), cfg, resumed=bool(candidates))
         except ConfigError as e:
             error = str(e)
+        except Exception as e:  # e.g. a filesystem without flock: every rank must hear of it, not wait
+            error = f"log.output_dir {cfg.log.output_dir!r}: {type(e).__name__}: {e}"
     error, candidates = parallel.all_gather_objects([(error, [str(p) for p in candidates])])[0]
     if error:
         raise ConfigError(error)
@@ -346,6 +373,22 @@ def keep_config(out_dir: Path, cfg: Config, resumed: bool) -> None:
         os.replace(path, kept)
         print0(f"config: resuming with changed keys {', '.join(changed)}; the earlier config is kept as {kept}")
     path.write_text(text)
+
+
+def apply_optimizer_config(optimizer, scheduler, train: TrainConfig, saved: dict) -> None:
+    """A resume takes the optimizer's hyperparameters from this run's config, not from the checkpoint:
+    lowering train.lr to resume a run that diverged must take effect. The schedule keeps its step."""
+    for group in optimizer.param_groups:
+        group.update(initial_lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
+                     weight_decay=train.weight_decay)
+    scheduler.base_lrs = [train.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, [f(scheduler.last_epoch) for f in scheduler.lr_lambdas]):
+        group["lr"] = train.lr * factor
+    changed = [k for k in ("lr", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay")
+               if k in saved and saved[k] != getattr(train, k)]
+    if changed:
+        print0("checkpoint: " + ", ".join(f"train.{k} {saved[k]} -> {getattr(train, k)}" for k in changed)
+               + " from this run's config")
 
 
 def save_checkpoint(cfg: Config, rollout_id: int, weight_version: int, policy, optimizer, scheduler,

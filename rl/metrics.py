@@ -80,27 +80,33 @@ def read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
     return rows, bad
 
 
-def keep_rows_before(path: Path, rollout_id: int) -> tuple[int, int]:
-    """Rewrites `path` with only its readable rows of rollouts before `rollout_id`.
-    Returns (rows dropped, unreadable lines dropped)."""
+def keep_rows_before(path: Path, rollout_id: float) -> tuple[int, int, Path | None]:
+    """Rewrites `path` with only its readable rows of rollouts before `rollout_id`; the others move to
+    a file beside it. Returns (rows moved, unreadable lines dropped, the file they moved to)."""
     rows, bad = read_rows(path)
     kept = [r for r in rows if r.get("rollout_id", -1) < rollout_id]
+    moved_to = None
+    if len(kept) != len(rows):
+        moved_to = path.with_name(f"{path.stem}.replaced_{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+        with moved_to.open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows if r.get("rollout_id", -1) >= rollout_id))
     if len(kept) != len(rows) or bad or (path.is_file() and path.read_bytes()[-1:] not in (b"\n", b"")):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, path)
-    return len(rows) - len(kept), bad
+    return len(rows) - len(kept), bad, moved_to
 
 
 class MetricsLogger:
     def __init__(self, output_dir: str, config: dict[str, Any], use_wandb: bool, project: str, run_name: str,
-                 start_rollout: int = 0):
+                 start_rollout: int | None = 0):
+        """`start_rollout`: the first rollout this run writes (rows from it on move aside); None keeps every row."""
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        dropped, bad = keep_rows_before(self.path, start_rollout)
-        if dropped:
-            print(f"metrics: dropped {dropped} row(s) of rollouts >= {start_rollout} from {self.path} "
-                  f"(written after the checkpoint the run resumes from)", flush=True)
+        moved, bad, moved_to = keep_rows_before(self.path, math.inf if start_rollout is None else start_rollout)
+        if moved:
+            print(f"metrics: {moved} row(s) of rollouts >= {start_rollout} in {self.path} were written after the "
+                  f"checkpoint the run resumes from; they are moved to {moved_to}", flush=True)
         if bad:
             print(f"metrics: dropped {bad} cut-off line(s) from {self.path}", flush=True)
         self.wandb_run = None
@@ -145,5 +151,5 @@ class NullLogger:
 
 
 def make_logger(is_main: bool, output_dir: str, config: dict[str, Any], use_wandb: bool, project: str,
-                run_name: str, start_rollout: int = 0):
+                run_name: str, start_rollout: int | None = 0):
     return MetricsLogger(output_dir, config, use_wandb, project, run_name, start_rollout) if is_main else NullLogger()

@@ -156,9 +156,11 @@ def zero_loss(mb):
 
 
 def add_mismatch(sums: dict[str, torch.Tensor], train_lp: torch.Tensor, rollout_lp: torch.Tensor,
-                 mask: torch.Tensor) -> None:
-    """Rollout-vs-trainer log-prob mismatch on the same tokens, before any update (what TIS relies on)."""
+                 mask: torch.Tensor, indices: list[int], per_sample: list) -> None:
+    """Rollout-vs-trainer log-prob mismatch on the same tokens, before any update (what TIS relies on);
+    each sample's mean |difference| goes to `per_sample` as (indices, sums, tokens), read once at the end."""
     diff = (train_lp.detach() - rollout_lp).abs() * mask
+    per_sample.append((indices, diff.sum(-1), mask.sum(-1)))
     sums["mismatch_abs_sum"] += diff.sum()
     sums["mismatch_abs_max"] = torch.maximum(sums["mismatch_abs_max"], diff.max() if diff.numel() else diff.sum())
     # Tokens were drawn from the rollout policy, so k3 estimates KL(rollout || trainer).
@@ -199,18 +201,20 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
                                                              "mismatch_abs_sum", "mismatch_abs_max",
                                                              "mismatch_k3_sum", "mismatch_tokens")}
     all_micro_batches = [mb for step in steps for mb in step]
+    per_sample: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
     if not reuse and not algo.use_rollout_logprobs:  # seed step 38: policy moves between steps
         old = compute_old_logprobs(model, all_micro_batches, temperature)
         for mb in all_micro_batches:
-            add_mismatch(sums, torch.stack([old[i] for i in mb.indices]), mb.rollout_logprobs, mb.loss_mask)
-    grad_norms, skipped, trailing_skipped = [], 0, 0
+            add_mismatch(sums, torch.stack([old[i] for i in mb.indices]), mb.rollout_logprobs, mb.loss_mask,
+                         mb.indices, per_sample)
+    grad_norms, skipped_flags = [], []
     for step_index, (micro_batches, global_tokens) in enumerate(zip(steps, step_tokens, strict=True)):
         denom = max(global_tokens, 1)
         step_loss = torch.zeros((), device=device)
         for mb in micro_batches:
             logprobs, entropy = token_logprobs(model, mb, temperature)
             if not old and step_index == 0:  # the policy has not moved yet: these are the old logprobs
-                add_mismatch(sums, logprobs, mb.rollout_logprobs, mb.loss_mask)
+                add_mismatch(sums, logprobs, mb.rollout_logprobs, mb.loss_mask, mb.indices, per_sample)
             if reuse:
                 old_lp = logprobs.detach()
             elif algo.use_rollout_logprobs:
@@ -229,21 +233,37 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
         grad_norms.append(clip_grad_norm(model, train.clip_grad))
         # A non-finite loss or gradient on any rank: skip the step on all of them, so the weights (and
         # the engine that receives them) keep their last finite values; the caller counts the streak.
-        if parallel.all_reduce_max(float(not (torch.isfinite(step_loss) and math.isfinite(grad_norms[-1])))):
-            skipped += 1
-            trailing_skipped += 1
-        else:
+        skipped_flags.append(bool(parallel.all_reduce_max(
+            float(not (torch.isfinite(step_loss) and math.isfinite(grad_norms[-1]))))))
+        if not skipped_flags[-1]:
             optimizer.step()
             scheduler.step()
-            trailing_skipped = 0
         optimizer.zero_grad(set_to_none=True)
     if isinstance(model, FSDPModule):
         model.reshard()
     out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all the sums
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = scheduler.get_last_lr()[0]
-    out["skipped_steps"], out["trailing_skipped_steps"] = skipped, trailing_skipped
+    out.update(skipped_runs(skipped_flags))
+    out["sample_mismatch"] = {}  # Sample.index -> mean |trainer - rollout logprob| over its response
+    if per_sample:
+        indices = [i for ids, _, _ in per_sample for i in ids]
+        diffs = torch.cat([d for _, d, _ in per_sample]).tolist()
+        tokens = torch.cat([n for _, _, n in per_sample]).tolist()
+        out["sample_mismatch"] = {i: d / n for i, d, n in zip(indices, diffs, tokens, strict=True) if n > 0}
     return out
+
+
+def skipped_runs(flags: list[bool]) -> dict[str, int]:
+    """How many optimizer steps were skipped: in all, at the start, at the end, and in the longest run."""
+    longest = run = 0
+    for flag in flags:
+        run = run + 1 if flag else 0
+        longest = max(longest, run)
+    leading = next((i for i, f in enumerate(flags) if not f), len(flags))
+    trailing = next((i for i, f in enumerate(reversed(flags)) if not f), len(flags))
+    return {"skipped_steps": sum(flags), "leading_skipped_steps": leading, "trailing_skipped_steps": trailing,
+            "longest_skipped_run": longest}
 
 
 def train_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str, float]:
@@ -255,7 +275,9 @@ def train_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str,
         "train/entropy": sum(m["entropy_sum"] for m in per_rank) / max(tokens, 1),
         "train/grad_norm": per_rank[0]["grad_norm"],
         "train/skipped_steps": per_rank[0]["skipped_steps"],
+        "train/leading_skipped_steps": per_rank[0]["leading_skipped_steps"],
         "train/trailing_skipped_steps": per_rank[0]["trailing_skipped_steps"],
+        "train/longest_skipped_run": per_rank[0]["longest_skipped_run"],
         "train/lr": per_rank[0]["lr"],
         "train/tokens": tokens,
         "rollout/logprob_abs_diff_mean": sum(m["mismatch_abs_sum"] for m in per_rank) / max(mismatch_tokens, 1),

@@ -122,13 +122,39 @@ def test_sigterm_saves_and_exits_zero_then_resumes(inputs, tmp_path):
 
 def test_finished_run_is_neither_mixed_nor_lost(inputs, tmp_path):
     out = tmp_path / "run"
-    launch(inputs, out, 1, "--train.num_rollout=2")
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps({"question": f"What is {a} + 7?", "answer": str(a + 7)}) + "\n"
+                                for a in (11, 12, 13)))
+    launch(inputs, out, 1, "--train.num_rollout=2", f"--eval.source={held_out}")
     before = (out / "metrics.jsonl").read_text()
-    proc = launch(inputs, out, 1, "--train.num_rollout=2")
+    assert [r["rollout_id"] for r in rows(out)] == [0, 1, 2]  # the last row: the eval after the last update
+    proc = launch(inputs, out, 1, "--train.num_rollout=2", f"--eval.source={held_out}")
     assert "already finished rollout 1" in proc.stdout
     assert (out / "metrics.jsonl").read_text() == before
     proc = launch(inputs, out, 1, "--train.num_rollout=2", "--checkpoint.resume=never", check=False)
     assert proc.returncode != 0 and "already holds a run" in proc.stderr and "--checkpoint.resume=auto" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(inputs, tmp_path):
+    """An explicit resume from an earlier checkpoint of the same run branches it: the newer checkpoints and
+    rows are kept aside, where neither resume=auto nor pruning reaches them."""
+    out = tmp_path / "run"
+    launch(inputs, out, 1, "--train.num_rollout=3", "--checkpoint.interval=1", "--checkpoint.keep_last=3")
+    first = rows(out)
+    proc = launch(inputs, out, 1, "--train.num_rollout=3", "--checkpoint.interval=1",
+                  f"--checkpoint.resume={out / 'checkpoints' / 'rollout_0'}")
+    assert "are moved to" in proc.stdout
+    (aside,) = (out / "checkpoints").glob("abandoned_*")
+    assert sorted(p.name for p in aside.iterdir()) == ["rollout_1", "rollout_2"]
+    assert [r["rollout_id"] for r in rows(out)] == [0, 1, 2]
+    (replaced,) = out.glob("metrics.replaced_*.jsonl")
+    assert [json.loads(line) for line in replaced.read_text().splitlines()] == first[1:]
+    assert checkpoints(out) == [aside.name, "rollout_1", "rollout_2"]  # keep_last=2 prunes only this branch
+    # A checkpoint from elsewhere into this folder, which holds a run: refused, nothing touched.
+    before = (out / "metrics.jsonl").read_text()
+    proc = launch(inputs, out, 1, f"--checkpoint.resume={aside / 'rollout_1'}", check=False)
+    assert proc.returncode != 0 and "pass a new log.output_dir" in proc.stderr
     assert (out / "metrics.jsonl").read_text() == before
 
 
@@ -216,3 +242,40 @@ def test_vllm_loads_the_exported_folder(inputs, tmp_path):
         logits = AutoModelForCausalLM.from_pretrained(out / "final").eval()(ids).logits[0, :-1]
     want = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
     assert torch.allclose(torch.tensor(got["logprobs"]), want, atol=1e-3)
+
+
+def test_old_checkpoints_are_renamed_at_once_and_deleted_in_the_background(tmp_path):
+    from rl import checkpoint
+
+    root = tmp_path / "checkpoints"
+    for n in (0, 1, 2):
+        (root / f"rollout_{n}" / "model_optim").mkdir(parents=True)
+    (root / ".rollout_3.tmp").mkdir()  # a killed save
+    checkpoint.prune(root, keep_last=1)
+    assert checkpoint.complete_checkpoints(tmp_path) == [root / "rollout_2"]  # at once, before any deletion ends
+    checkpoint.wait_for_removals()
+    assert sorted(p.name for p in root.iterdir()) == ["rollout_2"]
+
+
+def test_a_resume_applies_this_runs_optimizer_settings():
+    from rl.config import TrainConfig
+    from rl.main import apply_optimizer_config
+    from rl.policy import build_optimizer
+
+    model = torch.nn.Linear(2, 2)
+    saved = TrainConfig(lr=1e-3, lr_warmup_steps=4, weight_decay=0.0)
+    optimizer, scheduler = build_optimizer(model, saved)
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    state = (optimizer.state_dict(), scheduler.state_dict())
+    now = TrainConfig(lr=1e-4, lr_warmup_steps=4, weight_decay=0.1)
+    optimizer, scheduler = build_optimizer(model, now)
+    optimizer.load_state_dict(state[0])
+    scheduler.load_state_dict(state[1])
+    apply_optimizer_config(optimizer, scheduler, now, {"lr": 1e-3, "weight_decay": 0.0})
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * 3 / 4)  # step 2 of a 4-step warmup
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)

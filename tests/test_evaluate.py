@@ -57,5 +57,9 @@ def test_eval_and_sample_dumps_in_the_loop(tmp_path):
     assert sum(g["greedy"] for g in greedy) == 6 and len(greedy) == 6 + 18
     dumped = [json.loads(line) for line in (out / "samples" / "rollout_2.jsonl").read_text().splitlines()]
     assert len(dumped) == 32 and {"prompt", "response", "reward", "advantage", "weight_version"} <= set(dumped[0])
+    # every sample's trainer-vs-rollout logprob gap, gathered from the rank that trained it
+    gaps = [d["logprob_abs_diff_mean"] for d in dumped]
+    assert all(g is not None and 0 <= g < 1e-3 for g in gaps), gaps
+    assert max(gaps) <= rows[2]["rollout/logprob_abs_diff_max"]
     assert sorted((out / "samples").iterdir()) == sorted(out / "samples" / name for name in (
         "eval_rollout_0.jsonl", "eval_rollout_2.jsonl", "eval_rollout_3.jsonl", "rollout_0.jsonl", "rollout_2.jsonl"))

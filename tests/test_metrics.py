@@ -53,20 +53,60 @@ def test_a_resume_drops_the_rows_past_its_checkpoint(tmp_path):
                                                               {"rollout_id": 3, "again": True}]
 
 
-def row(skipped=0, trailing=0, entropy=2.0, grad_norm=1.0, zero_std=0.0):
-    return {"train/skipped_steps": skipped, "train/trailing_skipped_steps": trailing, "train/entropy": entropy,
-            "train/grad_norm": grad_norm, "train/loss": 0.1, "rollout/zero_std_group_frac": zero_std}
+def row(skipped=0, trailing=0, entropy=2.0, grad_norm=1.0, zero_std=0.0, leading=None, longest=None, **more):
+    return {"train/skipped_steps": skipped, "train/trailing_skipped_steps": trailing,
+            "train/leading_skipped_steps": skipped if leading is None else leading,
+            "train/longest_skipped_run": max(skipped, trailing) if longest is None else longest,
+            "train/entropy": entropy, "train/grad_norm": grad_norm, "train/loss": 0.1,
+            "rollout/zero_std_group_frac": zero_std, **more}
 
 
 def test_skipped_steps_stop_the_run_when_in_a_row_across_rollouts():
     health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
-    health.after_train(row(skipped=1, trailing=1), steps=2)  # the good step came first
+    health.after_train(row(skipped=1, trailing=1, leading=0), steps=2)  # the good step came first
     health.after_train(row(skipped=1, trailing=0), steps=2)  # then a good one ends the streak
     assert health.bad_steps == 0
     health.after_train(row(skipped=1, trailing=1), steps=2)
     health.after_train(row(skipped=1, trailing=1, entropy=float("nan")), steps=1)
     with pytest.raises(RunStopped, match="3 optimizer steps in a row"):
         health.after_train(row(skipped=1, trailing=1), steps=1)
+
+
+def test_skipped_steps_in_a_row_inside_a_rollout_or_across_its_start_stop_the_run():
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    with pytest.raises(RunStopped, match="3 optimizer steps in a row"):  # good, bad, bad, bad, good
+        health.after_train(row(skipped=3, trailing=0, leading=0, longest=3), steps=5)
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    health.after_train(row(skipped=2, trailing=2, leading=0, longest=2), steps=3)  # good, bad, bad
+    with pytest.raises(RunStopped, match="3 optimizer steps in a row"):  # bad, good, good
+        health.after_train(row(skipped=1, trailing=0, leading=1, longest=1), steps=3)
+
+
+def test_the_seed_metric_table_bands_and_trends_warn(capsys):
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    for _ in range(11):
+        health.after_train(row(**{"train/clip_frac": 0.6}), steps=1)
+    out = capsys.readouterr().out
+    assert "health warning: train/clip_frac = 0.6, expected <= 0.5: updates too aggressive" in out
+    assert out.count("train/clip_frac") == 2 and "(11 rollouts in a row)" in out  # the first and every 10th
+    assert health.metrics()["health/warnings"] == 11
+    health.after_train(row(**{"perf/train_mfu": 0.12, "rollout/truncated_frac": 0.75}), steps=1)
+    out = capsys.readouterr().out
+    assert "perf/train_mfu = 0.12, expected >= 0.2" in out and "rollout/truncated_frac = 0.75" in out
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    for i, reward in enumerate([0.30, 0.31, 0.30, 0.32, 0.31, 0.33, 0.32, 0.34, 0.33, 0.35, 0.02]):
+        length = 40.0 if i < 10 else 3.0  # the last rollout collapses too
+        health.after_train(row(**{"rollout/reward_mean_all_scored": reward,
+                                  "rollout/response_length_mean": length}), steps=1)
+    out = capsys.readouterr().out
+    assert out.count("health warning") == 2
+    assert "rollout/reward_mean_all_scored = 0.02" in out and "training collapsing?" in out
+    assert "rollout/response_length_mean = 3" in out and "collapsing" in out
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    for speed in [1000, 1010, 990, 1005, 480, 470, 460]:  # the last three all below half
+        health.after_train(row(**{"perf/rollout_tokens_per_s": speed}), steps=1)
+    out = capsys.readouterr().out
+    assert out.count("health warning: perf/rollout_tokens_per_s") == 1
 
 
 def test_failed_rewards_stop_the_run_only_in_a_row():

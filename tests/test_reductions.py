@@ -8,7 +8,8 @@ from rl.train import train_metrics
 
 def rank_stats(**values: float) -> dict[str, float]:
     keys = ("loss_sum", "clipped_tokens", "entropy_sum", "tokens", "mismatch_abs_sum", "mismatch_abs_max",
-            "mismatch_k3_sum", "mismatch_tokens", "grad_norm", "lr", "skipped_steps", "trailing_skipped_steps")
+            "mismatch_k3_sum", "mismatch_tokens", "grad_norm", "lr", "skipped_steps", "leading_skipped_steps",
+            "trailing_skipped_steps", "longest_skipped_run")
     return {key: 0.0 for key in keys} | values
 
 
@@ -51,3 +52,23 @@ def test_reward_metrics_average_the_means_and_sum_the_counts():
     m = reduce_metrics(per_rank)
     assert m == pytest.approx({"reward/correct_mean": 0.375, "reward/format_mean": 0.75, "reward/length_mean": -0.1,
                                "reward/num_errors": 3.0, "reward/num_timeouts": 3.0})
+
+
+def test_derived_seeds_do_not_collide():
+    from rl.rollout import derive_seed
+
+    # the sampling seeds of 4 rollouts x 3 rounds x 8 engines, and 300 per-request seeds under each of them
+    calls = [derive_seed(0, r, k, e) for r in range(4) for k in range(1, 4) for e in range(8)]
+    requests = [derive_seed(c, i) for c in calls for i in range(300)]
+    assert len(set(calls)) == len(calls) and len(set(requests)) == len(requests)
+    assert all(0 <= s < 2**31 for s in requests) and derive_seed(1, 2) == derive_seed(1, 2)
+
+
+def test_skipped_runs_count_the_start_the_end_and_the_longest_run():
+    from rl.train import skipped_runs
+
+    assert skipped_runs([True, False, True, True, True, False, True]) == {
+        "skipped_steps": 5, "leading_skipped_steps": 1, "trailing_skipped_steps": 1, "longest_skipped_run": 3}
+    assert skipped_runs([True, True]) == {"skipped_steps": 2, "leading_skipped_steps": 2, "trailing_skipped_steps": 2,
+                                          "longest_skipped_run": 2}
+    assert skipped_runs([False])["longest_skipped_run"] == 0

@@ -9,6 +9,7 @@ be compared token by token. Engines sleep and wake by tags like vLLM's
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,6 +19,13 @@ from tqdm import tqdm
 
 from rl.config import RolloutConfig
 from rl.data import Sample, Status
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed from a tuple of integers (base seed, rollout, round, engine, request, ...). Hashed,
+    not summed: `seed + rollout * a + engine * b + i` makes different tuples collide once i reaches b."""
+    digest = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
 
 
 @dataclass(frozen=True)

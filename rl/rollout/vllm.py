@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from rl.config import RolloutConfig
-from rl.rollout import Completion, SamplingParams
+from rl.rollout import Completion, SamplingParams, derive_seed
 
 TAGS = ("weights", "kv_cache")
 
@@ -132,13 +132,13 @@ class VllmEngine:
             raise RuntimeError(f"generate on a sleeping engine ({self.asleep}); call wake_up() first")
         runs = group_runs(prompts)
         requests = [TokensPrompt(prompt_token_ids=list(prompts[start])) for start, _ in runs]
-        # With a call seed each request draws from its own stream (seed + its place in the call), so the
-        # same call on a resumed run draws the same samples whatever else the engine has run.
+        # With a call seed each request draws from its own stream (the call seed and its place in the
+        # call), so the same call on a resumed run draws the same samples whatever else the engine has run.
         sampling = [VllmSamplingParams(n=count, max_tokens=params.max_new_tokens, temperature=params.temperature,
                                        top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
                                        stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False,
                                        skip_special_tokens=False, spaces_between_special_tokens=False,
-                                       seed=None if params.seed is None else params.seed + i)
+                                       seed=None if params.seed is None else derive_seed(params.seed, i))
                     for i, (_, count) in enumerate(runs)]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         completions: list[Completion] = []
