@@ -153,7 +153,8 @@ class EvalConfig:
     interval: int = 10  # rollouts between evals; one runs before the first update and one after the last
     n_samples: int = 1  # > 1: also pass@n_samples, sampled at `temperature`
     temperature: float = 1.0
-    seed: int = 4321  # a generated task's seed: keep it apart from data.seed
+    seed: int = 1_000_000  # a generated task's seed; reasoning-gym draws item i from seed + i, so keep
+    # [seed, seed + num_examples) clear of [data.seed, data.seed + data.num_examples)
     task_config: dict[str, Any] | None = None  # a generated task's kwargs (default: data.task_config)
 
 

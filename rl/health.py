@@ -28,7 +28,8 @@ from rl.parallel import print0
 BANDS = (
     ("train/clip_frac", None, 0.5, "updates too aggressive (healthy: 5-20% of tokens clipped)"),
     ("rollout/truncated_frac", None, 0.5, "response length exploding: half the responses hit max_new_tokens"),
-    ("perf/train_mfu", 0.20, None, "training far below the device's peak (healthy: > 35%); communication bound?"),
+    ("perf/train_mfu", 0.20, None, "training far below the device's peak (healthy: > 35%): communication, host overhead, or a "
+     "model and batch too small for the device?"),
 )
 TREND_WINDOW = 10  # rollouts of history the trend checks compare with
 

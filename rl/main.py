@@ -152,7 +152,9 @@ def main(argv: list[str]) -> None:
         eval_prompts, overlapping = load_eval_prompts(cfg.eval, cfg.data, tokenizer, dataset.prompts)
         if not eval_prompts:
             raise ConfigError(f"eval.source={cfg.eval.source!r}: every eval prompt also appears among the training "
-                              f"prompts; choose another eval.source or eval.seed")
+                              f"prompts; choose another eval.source or eval.seed (a generated task draws item i from "
+                              f"seed + i: eval.seed={cfg.eval.seed} must be clear of data.seed={cfg.data.seed} .. "
+                              f"+ data.num_examples={cfg.data.num_examples}), or a task with more distinct prompts")
         print0(f"eval: {len(eval_prompts)} held-out prompts ({overlapping} dropped: also training prompts)")
 
     t = time.perf_counter()
