@@ -23,6 +23,10 @@ class ConfigError(ValueError):
     """A bad key, type or combination in the run configuration."""
 
 
+class RunStopped(RuntimeError):
+    """A fault the run cannot continue past; its message is the one line the user sees."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""  # local HF folder (config.json + weights)

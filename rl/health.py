@@ -19,6 +19,7 @@ import math
 import statistics
 from typing import Any
 
+from rl.config import RunStopped
 from rl.parallel import print0
 
 
@@ -32,10 +33,6 @@ BANDS = (
      "model and batch too small for the device?"),
 )
 TREND_WINDOW = 10  # rollouts of history the trend checks compare with
-
-
-class RunStopped(RuntimeError):
-    """A fault the run cannot continue past; its message is the one line the user sees."""
 
 
 class Health:

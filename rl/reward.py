@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from rl.config import ConfigError, RewardConfig
+from rl.config import ConfigError, RewardConfig, RunStopped
 
 # ---------------------------------------------------------------------------- answers
 
@@ -375,7 +375,7 @@ class RewardPool:
                 message = worker.conn.recv()
                 if message[0] == "failed":
                     self.retire(worker, failures)
-                    raise RuntimeError(f"reward worker could not start ({self.limits()}): {message[1]}\n"
+                    raise RunStopped(f"reward worker could not start ({self.limits()}): {message[1]}\n"
                                        f"{message[2]}{failures.output_text()}")
                 if message[0] == "ready":
                     worker.ready = True
@@ -394,7 +394,7 @@ class RewardPool:
         if exited or worker.process.poll() is not None:
             how = self.retire(worker, failures)
             if not worker.ready:
-                raise RuntimeError(f"reward worker exited with {how} while starting ({self.limits()})\n"
+                raise RunStopped(f"reward worker exited with {how} while starting ({self.limits()})\n"
                                    f"{failures.output_text()}")
             if worker.index is not None:
                 failures.add_error(worker.index, f"WorkerDied: reward worker exited with {how}",
@@ -405,7 +405,7 @@ class RewardPool:
             self.replace(worker, failures)
         elif not worker.ready and now >= worker.started_at + self.cfg.start_timeout_s:
             self.retire(worker, failures)
-            raise RuntimeError(f"reward worker did not start within reward.start_timeout_s="
+            raise RunStopped(f"reward worker did not start within reward.start_timeout_s="
                                f"{self.cfg.start_timeout_s:g} s\n{failures.output_text()}")
 
     def limits(self) -> str:

@@ -10,6 +10,7 @@ import types
 import pytest
 
 from rl.config import ConfigError, RewardConfig
+from rl.health import RunStopped
 from rl.reward import (
     OUTPUT_LIMIT_BYTES,
     RewardInput,
@@ -209,13 +210,13 @@ def test_input_past_the_memory_limit_scores_zero_and_is_counted(caplog):
 
 
 def test_a_too_small_memory_limit_stops_at_start_naming_the_key():
-    with (pytest.raises(RuntimeError, match=r"reward worker could not start \(reward.memory_limit_mb=30"),
+    with (pytest.raises(RunStopped, match=r"reward worker could not start \(reward.memory_limit_mb=30"),
           RewardPool(RewardConfig(num_workers=1, memory_limit_mb=30)) as pool):
         pool.score([make_input(r"\boxed{1}", "1")])
 
 
 def test_a_worker_not_ready_within_start_timeout_stops_the_run():
-    with (pytest.raises(RuntimeError, match=r"did not start within reward.start_timeout_s=0.001 s"),
+    with (pytest.raises(RunStopped, match=r"did not start within reward.start_timeout_s=0.001 s"),
           RewardPool(RewardConfig(num_workers=1, start_timeout_s=0.001)) as pool):
         pool.score([make_input(r"\boxed{1}", "1")])
 
