@@ -32,6 +32,7 @@ class ModelConfig:
     path: str = ""  # local HF folder (config.json + weights)
     tokenizer: str = ""  # defaults to `path`
     random_init: bool = False  # build from config.json with random weights (tests, benchmarks)
+    ref_path: str = ""  # the KL reference (algo.kl_coef > 0): a local HF folder; "" is the initial policy
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
     # The native engine and the trainer compute each token with the same batch-invariant kernels, so
@@ -78,6 +79,8 @@ class RolloutConfig:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # vllm only: extra vllm.LLM keyword arguments, passed last (compilation_config is merged into the engine's)
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     # native only: KV cache size in tokens (0: room for max_batch_size rows of max_context_len), decode steps
     # captured as CUDA graphs (GPU), decode steps between host checks for finished sequences
     kv_cache_tokens: int = 0
@@ -103,10 +106,22 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
+    """The RL algorithm; README "Algorithms" maps each key to TRL's and verl's names, rl/algo.py has the maths."""
+    # grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
     advantage_estimator: str = "grpo"
     grpo_std_normalization: bool = True
+    policy_loss: str = "ppo"  # ppo | gspo | cispo
     eps_clip: float = 0.2
     eps_clip_high: float | None = None  # defaults to eps_clip
+    eps_clip_c: float | None = None  # ppo dual clip (> 1): caps a negative-advantage token's loss at -eps_clip_c * A
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    loss_agg_norm: float | None = None  # seq_mean_token_sum_norm's constant; defaults to rollout.max_new_tokens
+    entropy_coef: float = 0.0  # > 0: entropy bonus, loss - entropy_coef * entropy (aggregated like the loss)
+    kl_coef: float = 0.0  # > 0: KL to the reference model (model.ref_path, else the initial policy)
+    kl_estimator: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl
+    kl_in_reward: bool = False  # subtract kl_coef * the response's KL from its reward instead of adding it to the loss
+    tis_cap: float = 0.0  # > 0: truncated importance sampling, loss * min(pi_old / pi_engine, tis_cap)
+    tis_level: str = "token"  # token | sequence
     use_rollout_logprobs: bool = False  # old logprobs from the engine instead of a trainer forward
 
 
@@ -306,6 +321,8 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
         ro = dataclasses.replace(ro, over_sampling_batch_size=ro.rollout_batch_size)
     if algo.eps_clip_high is None:
         algo = dataclasses.replace(algo, eps_clip_high=algo.eps_clip)
+    if algo.loss_agg_norm is None:
+        algo = dataclasses.replace(algo, loss_agg_norm=float(ro.max_new_tokens))
     if tr.num_steps_per_rollout < 1:
         raise ConfigError("train.num_steps_per_rollout must be >= 1")
     samples = ro.rollout_batch_size * ro.n_samples_per_prompt
@@ -327,6 +344,9 @@ def check_paths(cfg: Config) -> None:
     key, folder = ("model.tokenizer", cfg.model.tokenizer) if cfg.model.tokenizer else ("model.path", cfg.model.path)
     tok = Path(folder).expanduser()
     _require(tok.is_dir(), f"{key} {folder!r}: no such folder")
+    ref = Path(cfg.model.ref_path).expanduser()
+    _require(not cfg.model.ref_path or (ref / "config.json").is_file(),
+             f"model.ref_path {cfg.model.ref_path!r}: no config.json there (a local HF model folder)")
     hint = "" if cfg.model.tokenizer else "; set model.tokenizer to a tokenizer folder"
     _require(any((tok / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")),
              f"{key} {folder!r}: no tokenizer.json or tokenizer_config.json in the folder{hint}")
@@ -357,6 +377,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(ro.kv_cache_memory_bytes is None or ro.kv_cache_memory_bytes > 0,
              "rollout.kv_cache_memory_bytes must be > 0 when set")
     _require(ro.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
+    owned = sorted(set(ro.vllm_kwargs) & {"model", "skip_tokenizer_init", "load_format", "dtype", "seed",
+                                          "tensor_parallel_size", "distributed_executor_backend", "logprobs_mode"})
+    _require(not owned, f"rollout.vllm_kwargs may not set {owned}: the engine sets them (or another rollout key does)")
+    _require(not ro.vllm_kwargs or ro.engine == "vllm", "rollout.vllm_kwargs needs rollout.engine='vllm'")
     _require(ro.engine == "vllm" or ro.tensor_parallel_size == 1,
              f"rollout.tensor_parallel_size={ro.tensor_parallel_size} needs rollout.engine='vllm'; the native engine is TP=1")
     _require(ro.kv_cache_tokens >= 0, f"rollout.kv_cache_tokens must be >= 0, got {ro.kv_cache_tokens}")
@@ -388,13 +412,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(tr.micro_batch_tokens >= 0, "train.micro_batch_tokens must be >= 0 (0: cut by micro_batch_size)")
     _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
     _require(tr.num_rollout >= 1, "train.num_rollout must be >= 1")
-    _require(algo.advantage_estimator in ("grpo",),
-             f"algo.advantage_estimator must be 'grpo', got {algo.advantage_estimator!r}")
-    _require(ro.n_samples_per_prompt >= 2 or algo.advantage_estimator not in ("grpo",),
-             f"rollout.n_samples_per_prompt={ro.n_samples_per_prompt} with algo.advantage_estimator="
-             f"{algo.advantage_estimator!r}: a group baseline needs >= 2 samples per prompt (with 1, every "
-             f"advantage is 0 and nothing trains)")
-    _require(algo.eps_clip > 0 and algo.eps_clip_high > 0, "algo.eps_clip and algo.eps_clip_high must be > 0")
+    validate_algo(algo, cfg.model, ro)
     _require(rw.num_workers >= 1, "reward.num_workers must be >= 1")
     _require(rw.timeout_s > 0, "reward.timeout_s must be > 0")
     _require(rw.user_fn == "" or ":" in rw.user_fn, f"reward.user_fn must look like 'pkg.module:function', got {rw.user_fn!r}")
@@ -430,6 +448,44 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                  f"whole prompt groups go to one engine")
         _require(tr.global_batch_size % world_size == 0,
                  f"train.global_batch_size ({tr.global_batch_size}) must be divisible by the data-parallel size ({world_size})")
+
+
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")  # a group baseline: >= 2 samples
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, f"{key} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def validate_algo(algo: AlgoConfig, model: ModelConfig, ro: RolloutConfig) -> None:
+    _one_of("algo.advantage_estimator", algo.advantage_estimator, ADVANTAGE_ESTIMATORS)
+    _one_of("algo.policy_loss", algo.policy_loss, POLICY_LOSSES)
+    _one_of("algo.loss_agg", algo.loss_agg, LOSS_AGGREGATIONS)
+    _one_of("algo.kl_estimator", algo.kl_estimator, KL_ESTIMATORS)
+    _one_of("algo.tis_level", algo.tis_level, ("token", "sequence"))
+    _require(ro.n_samples_per_prompt >= 2 or algo.advantage_estimator not in GROUP_ESTIMATORS,
+             f"rollout.n_samples_per_prompt={ro.n_samples_per_prompt} with algo.advantage_estimator="
+             f"{algo.advantage_estimator!r}: a group baseline needs >= 2 samples per prompt (with 1, every "
+             f"advantage is 0 and nothing trains)")
+    _require(algo.eps_clip > 0 and algo.eps_clip_high > 0, "algo.eps_clip and algo.eps_clip_high must be > 0")
+    _require(algo.eps_clip_c is None or algo.eps_clip_c > 1,
+             f"algo.eps_clip_c (dual clip) must be > 1 when set, got {algo.eps_clip_c}")
+    _require(algo.eps_clip_c is None or algo.policy_loss == "ppo",
+             f"algo.eps_clip_c (dual clip) applies to algo.policy_loss='ppo', not {algo.policy_loss!r}")
+    _require(algo.loss_agg_norm > 0, f"algo.loss_agg_norm must be > 0, got {algo.loss_agg_norm}")
+    _require(algo.entropy_coef >= 0, f"algo.entropy_coef must be >= 0, got {algo.entropy_coef}")
+    _require(algo.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {algo.kl_coef}")
+    _require(not algo.kl_in_reward or algo.kl_coef > 0, "algo.kl_in_reward needs algo.kl_coef > 0")
+    _require(not model.ref_path or algo.kl_coef > 0,
+             f"model.ref_path={model.ref_path!r} but algo.kl_coef=0: the reference model is only used for the KL")
+    _require(algo.tis_cap >= 0, f"algo.tis_cap must be >= 0 (0: off), got {algo.tis_cap}")
+    _require(not (algo.tis_cap > 0 and algo.use_rollout_logprobs),
+             "algo.tis_cap with algo.use_rollout_logprobs: the old policy is then the engine's, so every importance "
+             "weight is 1; turn one of them off")
 
 
 def dump(cfg: Config) -> str:

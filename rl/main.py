@@ -23,9 +23,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from transformers import AutoConfig, AutoTokenizer
 
 from rl import checkpoint, parallel
-from rl.algo import grpo_advantages
+from rl.algo import advantages
 from rl.checks import check_model_and_tokenizer
-from rl.config import Config, ConfigError, RolloutConfig, TrainConfig, check_paths, dump, load_config, resolve
+from rl.config import (AlgoConfig, Config, ConfigError, RolloutConfig, TrainConfig, check_paths, dump, load_config,
+                       resolve)
 from rl.data import PromptDataset, Sample, Status
 from rl.evaluate import evaluate, load_eval_prompts
 from rl.export import export_policy
@@ -37,7 +38,8 @@ from rl.reward import RewardInput, RewardPool
 from rl.reward import metrics as reward_metrics
 from rl.reward import reduce_metrics as reduce_reward_metrics
 from rl.rollout import SamplingParams, build_engine, derive_seed, engine_dtype, generate_rollout
-from rl.train import build_schedule, train_metrics, train_on_rollout
+from rl.reference import Reference
+from rl.train import build_schedule, compute_old_logprobs, response_kl_sums, train_metrics, train_on_rollout
 from rl.weights import sync_weights
 
 
@@ -105,10 +107,15 @@ def collect_rollout(dataset: PromptDataset, engine, pool: RewardPool | None, sam
     return samples, stats
 
 
-def assign_advantages(samples: list[Sample], std_normalization: bool) -> None:
-    rewards = torch.tensor([s.reward for s in samples])
+def assign_advantages(samples: list[Sample], algo: AlgoConfig, kl_sums: dict[int, float] | None = None) -> None:
+    """Seed step 30 with the estimator of algo.advantage_estimator; `kl_sums` (algo.kl_in_reward): each
+    response's summed KL to the reference, subtracted from its reward (times kl_coef) first."""
+    kl_sums = kl_sums or {}
+    rewards = torch.tensor([s.reward - algo.kl_coef * kl_sums.get(s.index, 0.0) for s in samples], dtype=torch.float64)
     groups = torch.tensor([s.group_index for s in samples])
-    for sample, adv in zip(samples, grpo_advantages(rewards, groups, std_normalization).tolist()):
+    tokens = torch.tensor([float(sum(s.loss_mask)) for s in samples])
+    for sample, adv in zip(samples, advantages(algo.advantage_estimator, rewards, groups, algo.grpo_std_normalization,
+                                               tokens).tolist()):
         sample.advantage = adv
 
 
@@ -162,6 +169,12 @@ def main(argv: list[str]) -> None:
     print0(f"policy: built, sharded and loaded in {time.perf_counter() - t:.1f} s; host memory peak of rank 0 "
            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     optimizer, scheduler = build_optimizer(policy, cfg.train)
+    reference = None
+    if cfg.algo.kl_coef > 0:
+        t = time.perf_counter()
+        reference = Reference(cfg.model, dist.mesh, dist.device, cfg.train.seed, cfg.rollout.max_context_len)
+        print0(f"reference: {cfg.model.ref_path or 'the initial policy'}, built in {time.perf_counter() - t:.1f} s "
+               f"and parked in host memory")
     num_params = sum(p.numel() for p in policy.parameters())  # DTensors count their global size
     health = Health(cfg.train.max_bad_steps, cfg.reward.max_failed_steps, policy.config.vocab_size)
     start, weight_version = 0, 1  # seed step 8: the first push is version 1
@@ -212,7 +225,7 @@ def main(argv: list[str]) -> None:
                 logger.log({"rollout_id": rollout_id, "weight_version": weight_version, **rollout_stats,
                             **health.metrics()})
                 raise
-            assign_advantages(samples, cfg.algo.grpo_std_normalization)
+            assign_advantages(samples, cfg.algo)
             memory = memory_phase("rollout", dist.device)
 
             # C. the engine yields its memory
@@ -225,12 +238,25 @@ def main(argv: list[str]) -> None:
                 if offloader:
                     offloader.onload(dist.device)
             with timed(times, "perf/train_s"):
-                steps, step_tokens, padding = build_schedule(samples, cfg.train, dist.rank, dist.world_size,
-                                                             dist.device)
+                steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank,
+                                                                        dist.world_size, dist.device)
+                old, ref, kl_stats = {}, None, {}
+                if reference is not None:
+                    with timed(times, "perf/ref_logprobs_s"):
+                        ref = reference.logprobs([mb for step in steps for mb in step], cfg.rollout.temperature)
+                if cfg.algo.kl_in_reward:  # the advantages wait for the KL of each response
+                    old = compute_old_logprobs(policy, [mb for step in steps for mb in step], cfg.rollout.temperature)
+                    kl_sums = {i: kl for part in parallel.all_gather_objects(
+                        [response_kl_sums(cfg.algo.kl_estimator, old, ref, [mb for step in steps for mb in step])])
+                               for i, kl in part.items()}
+                    assign_advantages(samples, cfg.algo, kl_sums)
+                    steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank,
+                                                                            dist.world_size, dist.device)
+                    kl_stats["train/kl_reward_penalty"] = cfg.algo.kl_coef * sum(kl_sums.values()) / len(samples)
                 local_stats = train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, dist.world_size,
-                                               cfg.train, cfg.algo, cfg.rollout.temperature)
+                                               cfg.train, cfg.algo, cfg.rollout.temperature, step_seqs, old, ref)
                 per_rank = parallel.all_gather_objects([local_stats])
-                train_stats = train_metrics(per_rank, len(steps))
+                train_stats = train_metrics(per_rank, len(steps), cfg.algo) | kl_stats
             train_stats["train/padding_micro_batches"] = padding
             mfu = train_mfu(num_params, sum(len(s.tokens) for s in samples), times["perf/train_s"], dist)
             if mfu is not None:

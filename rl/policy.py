@@ -209,7 +209,7 @@ class PolicyOffloader:
 
     ARENA_BYTES = 1 << 30
 
-    def __init__(self, model: torch.nn.Module, optimizer):
+    def __init__(self, model: torch.nn.Module, optimizer=None):  # no optimizer: a frozen model (the reference)
         self.model, self.optimizer = model, optimizer
         self.host: dict[tuple, torch.Tensor] = {}
         self.arena, self.arena_used = torch.empty(0, dtype=torch.uint8), 0
@@ -223,10 +223,11 @@ class PolicyOffloader:
     def _move(self, device: torch.device) -> None:
         if not torch.cuda.is_available():
             return  # CPU training: the state already lives in host memory
-        self.optimizer.zero_grad(set_to_none=True)  # gradients are dead after the step: never copied
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)  # gradients are dead after the step: never copied
         order = iter(range(1 << 62))
         self.model._apply(lambda t: self._moved(("module", next(order)), t, device))
-        for i, state in enumerate(self.optimizer.state.values()):
+        for i, state in enumerate(self.optimizer.state.values() if self.optimizer is not None else ()):
             for key, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0:  # Adam's 0-dim `step` stays on the host
                     state[key] = self._moved(("optim", i, key), value, device)

@@ -1,9 +1,10 @@
 """One rollout's worth of optimizer steps on the FSDP2 policy, and how a rollout is cut into them.
 
 `build_schedule` splits the rollout into global batches, each into length-balanced DP
-shares and micro-batches (seed step 31). The loss is a token mean over the whole global
-batch of a step (every rank divides by the same global token count), so results do not
-depend on how samples were split into micro-batches or ranks.
+shares and micro-batches (seed step 31). The loss is aggregated over the whole global
+batch of a step (every rank divides by the same global token or sequence count,
+`rl.algo.aggregate`), so results do not depend on how samples were split into
+micro-batches or ranks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rl import parallel
-from rl.algo import approx_kl_k3, can_reuse_old_logprobs, masked_sum, ppo_clip_loss
+from rl.algo import (aggregate, approx_kl_k3, can_reuse_old_logprobs, kl_penalty, masked_sum, needs_old_logprobs,
+                     policy_loss, tis_weights)
 from rl.config import AlgoConfig, TrainConfig
 from rl.data import Sample
 
@@ -79,7 +81,8 @@ class ChunkedLogprobs(torch.autograd.Function):
     Only one chunk of float32 logits exists at a time: forward keeps the per-row log-normaliser, and
     backward rebuilds each chunk's softmax from it (d log p_y / d z_i = (1[i = y] - p_i) / T) instead
     of autograd holding (rows, vocab) float32 activations, which at 16k tokens and a 152k vocabulary
-    are ~10 GB each. Entropy is a metric: no gradient flows through it.
+    are ~10 GB each. The entropy H gets a gradient only when a loss uses it (algo.entropy_coef):
+    with u = z / T, dH / du_i = -p_i (u_i - E_p[u]) and E_p[u] = logsumexp(u) - H.
     """
 
     @staticmethod
@@ -92,19 +95,27 @@ class ChunkedLogprobs(torch.autograd.Function):
             lse[s : s + chunk] = norm = torch.logsumexp(z, dim=-1)
             logprobs[s : s + chunk] = z.gather(-1, target[s : s + chunk, None]).squeeze(-1) - norm
             entropy[s : s + chunk] = norm - (torch.softmax(z, dim=-1) * z).sum(-1)
-        ctx.save_for_backward(logits, target, lse)
+        ctx.save_for_backward(logits, target, lse, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs: torch.Tensor, _grad_entropy: torch.Tensor):
-        logits, target, lse = ctx.saved_tensors
+    def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        logits, target, lse, entropy = ctx.saved_tensors
         grad = torch.empty_like(logits)
+        t = ctx.temperature
         for s in range(0, logits.shape[0], ctx.chunk):
-            g = grad_logprobs[s : s + ctx.chunk, None] / ctx.temperature
-            d = torch.exp(logits[s : s + ctx.chunk].float() / ctx.temperature - lse[s : s + ctx.chunk, None]).mul_(-g)
-            grad[s : s + ctx.chunk] = d.scatter_add_(1, target[s : s + ctx.chunk, None], g)
+            rows = slice(s, s + ctx.chunk)
+            u = logits[rows].float().div_(t)
+            p = u.sub(lse[rows, None]).exp_()
+            g = grad_logprobs[rows, None] / t if grad_logprobs is not None else p.new_zeros(p.shape[0], 1)
+            if grad_entropy is not None:  # in u's memory: -p (u - E_p[u]) dH / T
+                u.sub_((lse[rows] - entropy[rows])[:, None]).mul_(p).mul_(-grad_entropy[rows, None] / t)
+            d = p.mul_(-g)
+            if grad_entropy is not None:
+                d.add_(u)
+            grad[rows] = d.scatter_add_(1, target[rows, None], g)
         return grad, None, None, None
 
 
@@ -112,15 +123,15 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 
 def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_size: int, device
-                   ) -> tuple[list[list], list[int], int]:
+                   ) -> tuple[list[list], list[int], list[int], int]:
     """Seed step 31: global batches in order, each split across DP ranks by balanced length, then
     this rank's share cut into micro-batches. Returns (micro-batches per step, loss tokens per step,
-    padding micro-batches over all ranks).
+    sequences with loss tokens per step, padding micro-batches over all ranks).
 
     Every rank holds the whole rollout, so each one computes every rank's cut and pads its own list
     to the longest with zero-loss copies of a real micro-batch: FSDP's collectives need all ranks
     to run the same number of forward/backward passes."""
-    steps, step_tokens, padding = [], [], 0
+    steps, step_tokens, step_seqs, padding = [], [], [], 0
     for start in range(0, len(samples), train.global_batch_size):
         batch = samples[start : start + train.global_batch_size]
         parts = parallel.balanced_partition([float(len(s.tokens)) for s in batch], world_size)
@@ -131,7 +142,8 @@ def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_s
         padding += sum(len(mine) - len(c) for c in cuts)
         steps.append(mine)
         step_tokens.append(sum(sum(s.loss_mask) for s in batch))
-    return steps, step_tokens, padding
+        step_seqs.append(sum(any(s.loss_mask) for s in batch))
+    return steps, step_tokens, step_seqs, padding
 
 
 def cut_micro_batches(samples: list[Sample], size: int, token_budget: int) -> list[list[Sample]]:
@@ -180,36 +192,64 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 
 @torch.no_grad()
 def compute_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float) -> dict[int, torch.Tensor]:
-    return {i: row for mb in micro_batches
-            for i, row in zip(mb.indices, token_logprobs(model, mb, temperature)[0])}
+    """Sample.index -> logprobs row (T-1,) of `model` (the policy before the update, or the reference)."""
+    out = {i: row for mb in micro_batches for i, row in zip(mb.indices, token_logprobs(model, mb, temperature)[0])}
+    if isinstance(model, FSDPModule):
+        model.reshard()
+    return out
+
+
+def response_kl_sums(kind: str, old: dict[int, torch.Tensor], ref: dict[int, torch.Tensor],
+                     micro_batches: list[MicroBatch]) -> dict[int, float]:
+    """Sample.index -> the KL estimator summed over the response's trained tokens (policy before the update
+    vs the reference), for algo.kl_in_reward; each sample once (padding micro-batches repeat indices)."""
+    out: dict[int, float] = {}
+    for mb in micro_batches:
+        if not mb.loss_mask.any():
+            continue
+        kl = (kl_penalty(kind, torch.stack([old[i] for i in mb.indices]), torch.stack([ref[i] for i in mb.indices]))
+              * mb.loss_mask).sum(-1)
+        out.update(zip(mb.indices, kl.tolist()))
+    return out
+
+
+SUM_KEYS = ("loss_sum", "clipped_tokens", "entropy_sum", "tokens", "mismatch_abs_sum", "mismatch_abs_max",
+            "mismatch_k3_sum", "mismatch_tokens", "kl_ref_sum", "tis_weight_sum", "tis_capped_tokens")
 
 
 def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]], step_tokens: list[int],
-                     dp_size: int, train: TrainConfig, algo: AlgoConfig, temperature: float) -> dict[str, float]:
+                     dp_size: int, train: TrainConfig, algo: AlgoConfig, temperature: float,
+                     step_seqs: list[int] | None = None, old: dict[int, torch.Tensor] | None = None,
+                     ref: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
     """Runs one optimizer step per entry of `steps` (this rank's micro-batches of each global batch).
 
-    `step_tokens[k]` is the number of loss tokens of global batch k summed over all ranks.
-    Returns this rank's sums (loss, clipped tokens, entropy, rollout/trainer mismatch) and the
-    grad norms, for the caller to reduce across ranks.
+    `step_tokens[k]` / `step_seqs[k]` are the loss tokens / sequences with loss tokens of global batch k
+    summed over all ranks (the loss aggregation's denominators). `old`: the policy's logprobs before the
+    update, by Sample.index, when the caller computed them already; `ref`: the reference model's, for the
+    KL (algo.kl_coef > 0). Returns this rank's sums (loss, clipped tokens, entropy, rollout/trainer
+    mismatch, KL, importance weights) and the grad norms, for the caller to reduce across ranks.
     """
+    if step_seqs is None:
+        if algo.loss_agg != "token_mean":
+            raise ValueError(f"algo.loss_agg={algo.loss_agg!r} divides by sequences: pass step_seqs")
+        step_seqs = [0] * len(steps)
     model.train()
     reuse = can_reuse_old_logprobs(train, algo)
-    old: dict[int, torch.Tensor] = {}
     # Sums stay on the device until the end: a host sync per micro-batch would stall FSDP's prefetches.
     device = next(model.parameters()).device
-    sums = {key: torch.zeros((), device=device) for key in ("loss_sum", "clipped_tokens", "entropy_sum", "tokens",
-                                                             "mismatch_abs_sum", "mismatch_abs_max",
-                                                             "mismatch_k3_sum", "mismatch_tokens")}
+    sums = {key: torch.zeros((), device=device) for key in SUM_KEYS}
     all_micro_batches = [mb for step in steps for mb in step]
     per_sample: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
-    if not reuse and not algo.use_rollout_logprobs:  # seed step 38: policy moves between steps
+    if not old and needs_old_logprobs(train, algo):  # seed step 38: policy moves between steps
         old = compute_old_logprobs(model, all_micro_batches, temperature)
+    old = old or {}
+    if old:
         for mb in all_micro_batches:
             add_mismatch(sums, torch.stack([old[i] for i in mb.indices]), mb.rollout_logprobs, mb.loss_mask,
                          mb.indices, per_sample)
     grad_norms, skipped_flags = [], []
-    for step_index, (micro_batches, global_tokens) in enumerate(zip(steps, step_tokens, strict=True)):
-        denom = max(global_tokens, 1)
+    for step_index, (micro_batches, global_tokens, global_seqs) in enumerate(
+            zip(steps, step_tokens, step_seqs, strict=True)):
         step_loss = torch.zeros((), device=device)
         for mb in micro_batches:
             logprobs, entropy = token_logprobs(model, mb, temperature)
@@ -221,15 +261,13 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
                 old_lp = mb.rollout_logprobs
             else:
                 old_lp = torch.stack([old[i] for i in mb.indices])
-            token_loss, clipped = ppo_clip_loss(logprobs, old_lp, mb.advantages, algo.eps_clip, algo.eps_clip_high)
-            loss = masked_sum(token_loss, mb.loss_mask) / denom
-            # FSDP averages gradients over ranks; scale so the result is the global token mean.
+            loss = micro_batch_loss(sums, mb, logprobs, entropy, old_lp,
+                                    torch.stack([ref[i] for i in mb.indices]) if ref else None,
+                                    algo, global_tokens, global_seqs)
+            # FSDP averages gradients over ranks; scale so the result is the global batch's loss.
             (loss * dp_size).backward()
             sums["loss_sum"] += loss.detach()
             step_loss += loss.detach()
-            sums["clipped_tokens"] += masked_sum(clipped, mb.loss_mask)
-            sums["entropy_sum"] += masked_sum(entropy, mb.loss_mask)
-            sums["tokens"] += mb.loss_mask.sum()
         grad_norms.append(clip_grad_norm(model, train.clip_grad))
         # A non-finite loss or gradient on any rank: skip the step on all of them, so the weights (and
         # the engine that receives them) keep their last finite values; the caller counts the streak.
@@ -254,6 +292,37 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
     return out
 
 
+def micro_batch_loss(sums: dict[str, torch.Tensor], mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor,
+                     old_lp: torch.Tensor, ref_lp: torch.Tensor | None, algo: AlgoConfig, global_tokens: float,
+                     global_seqs: float) -> torch.Tensor:
+    """This micro-batch's share of the step's loss: the policy loss (times the truncated importance weights),
+    minus the entropy bonus, plus the KL to the reference, each aggregated over the global batch."""
+    mask = mb.loss_mask
+    token_loss, clipped = policy_loss(algo.policy_loss, logprobs, old_lp, mb.advantages, mask, algo.eps_clip,
+                                      algo.eps_clip_high, algo.eps_clip_c)
+    if algo.tis_cap > 0:
+        weights, capped = tis_weights(old_lp, mb.rollout_logprobs, mask, algo.tis_cap, algo.tis_level)
+        token_loss = token_loss * weights
+        sums["tis_weight_sum"] += masked_sum(weights, mask)
+        sums["tis_capped_tokens"] += masked_sum(capped, mask)
+
+    def agg(values: torch.Tensor) -> torch.Tensor:
+        return aggregate(values, mask, algo.loss_agg, global_tokens, global_seqs, algo.loss_agg_norm)
+
+    loss = agg(token_loss)
+    if algo.entropy_coef > 0:
+        loss = loss - algo.entropy_coef * agg(entropy)
+    if ref_lp is not None:
+        kl = kl_penalty(algo.kl_estimator, logprobs, ref_lp)
+        sums["kl_ref_sum"] += masked_sum(kl.detach(), mask)
+        if not algo.kl_in_reward:
+            loss = loss + algo.kl_coef * agg(kl)
+    sums["clipped_tokens"] += masked_sum(clipped, mask)
+    sums["entropy_sum"] += masked_sum(entropy.detach(), mask)
+    sums["tokens"] += mask.sum()
+    return loss
+
+
 def skipped_runs(flags: list[bool]) -> dict[str, int]:
     """How many optimizer steps were skipped: in all, at the start, at the end, and in the longest run."""
     longest = run = 0
@@ -266,10 +335,11 @@ def skipped_runs(flags: list[bool]) -> dict[str, int]:
             "longest_skipped_run": longest}
 
 
-def train_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str, float]:
+def train_metrics(per_rank: list[dict[str, float]], num_steps: int, algo: AlgoConfig | None = None
+                  ) -> dict[str, float]:
     tokens = sum(m["tokens"] for m in per_rank)
     mismatch_tokens = sum(m["mismatch_tokens"] for m in per_rank)
-    return {
+    out = {
         "train/loss": sum(m["loss_sum"] for m in per_rank) / num_steps,
         "train/clip_frac": sum(m["clipped_tokens"] for m in per_rank) / max(tokens, 1),
         "train/entropy": sum(m["entropy_sum"] for m in per_rank) / max(tokens, 1),
@@ -284,3 +354,9 @@ def train_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str,
         "rollout/logprob_abs_diff_max": max(m["mismatch_abs_max"] for m in per_rank),
         "rollout/logprob_k3_kl": sum(m["mismatch_k3_sum"] for m in per_rank) / max(mismatch_tokens, 1),
     }
+    if algo is not None and algo.kl_coef > 0:  # KL(policy || reference) per trained token, by algo.kl_estimator
+        out["train/kl_ref"] = sum(m["kl_ref_sum"] for m in per_rank) / max(tokens, 1)
+    if algo is not None and algo.tis_cap > 0:
+        out["train/tis_weight_mean"] = sum(m["tis_weight_sum"] for m in per_rank) / max(tokens, 1)
+        out["train/tis_clip_frac"] = sum(m["tis_capped_tokens"] for m in per_rank) / max(tokens, 1)
+    return out

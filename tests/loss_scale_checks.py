@@ -52,24 +52,40 @@ def uneven_samples(vocab: int) -> list[Sample]:
     return samples
 
 
-def step_two_ways(d, out: dict) -> None:
+# The same step under each loss aggregation and with every extra term of the loss (entropy bonus, KL to a
+# reference, truncated importance weights): each must divide by global counts, not by the micro-batch's.
+VARIANTS = {
+    "ppo_token_mean": AlgoConfig(eps_clip=0.2, eps_clip_high=0.2, use_rollout_logprobs=True),
+    "gspo_seq_mean_token_mean": AlgoConfig(policy_loss="gspo", eps_clip=0.02, eps_clip_high=0.02,
+                                           loss_agg="seq_mean_token_mean", use_rollout_logprobs=True),
+    "cispo_sum_norm_entropy_kl_tis": AlgoConfig(policy_loss="cispo", eps_clip=0.2, eps_clip_high=0.2,
+                                                loss_agg="seq_mean_token_sum_norm", loss_agg_norm=64.0,
+                                                entropy_coef=0.01, kl_coef=0.1, kl_estimator="k3", tis_cap=1.2),
+}
+
+
+def step_two_ways(d, out: dict, name: str) -> None:
     model = shard_policy(tiny_model(seed=0), d.mesh, d.device, gradient_checkpointing=False)
     train_cfg = TrainConfig(global_batch_size=8, lr=1e-3, clip_grad=0.0,  # clipping would hide the scale
                             micro_batch_size=8, micro_batch_tokens=0 if d.world_size == 1 else TOKEN_BUDGET)
-    algo = AlgoConfig(eps_clip=0.2, eps_clip_high=0.2, use_rollout_logprobs=True)
+    algo = VARIANTS[name]
     optimizer, scheduler = build_optimizer(model, train_cfg)
     names = {p: n for n, p in model.named_parameters()}
     grads = {}
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: grads.update(
         {names[p]: full(p.grad) for p in names if p.grad is not None}))
-    steps, step_tokens, padding = build_schedule(uneven_samples(model.config.vocab_size), train_cfg, d.rank,
-                                                 d.world_size, d.device)
-    stats = train_on_rollout(model, optimizer, scheduler, steps, step_tokens, d.world_size, train_cfg, algo, 1.0)
+    steps, step_tokens, step_seqs, padding = build_schedule(uneven_samples(model.config.vocab_size), train_cfg,
+                                                            d.rank, d.world_size, d.device)
+    # a reference a little off the rollout policy (stands in for the reference model's logprobs)
+    ref = {i: row - 0.3 * torch.sin(torch.arange(len(row), dtype=row.dtype) + i)
+           for mb in steps[0] for i, row in zip(mb.indices, mb.rollout_logprobs)} if algo.kl_coef else None
+    stats = train_on_rollout(model, optimizer, scheduler, steps, step_tokens, d.world_size, train_cfg, algo, 1.0,
+                             step_seqs, ref=ref)
     per_rank = parallel.all_gather_objects([stats])
-    out["schedule"] = {"micro_batches": [len(s) for s in steps], "step_tokens": step_tokens, "padding": padding,
-                       "rows": [mb.input_ids.shape[0] for mb in steps[0]]}
-    out["metrics"] = train_metrics(per_rank, len(steps))
-    out["grads"] = grads
+    out[name] = {"schedule": {"micro_batches": [len(s) for s in steps], "step_tokens": step_tokens,
+                              "step_seqs": step_seqs, "padding": padding,
+                              "rows": [mb.input_ids.shape[0] for mb in steps[0]]},
+                 "metrics": train_metrics(per_rank, len(steps), algo), "grads": grads}
 
 
 class BiasLM(torch.nn.Module):
@@ -100,7 +116,7 @@ def ppo_step_by_hand(d, out: dict) -> None:
     train_cfg = TrainConfig(global_batch_size=2, micro_batch_size=1, clip_grad=0.0)  # 2 micro-batches on 1 rank
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - gradient
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    steps, step_tokens, _ = build_schedule(hand_samples(), train_cfg, d.rank, d.world_size, d.device)
+    steps, step_tokens, _, _ = build_schedule(hand_samples(), train_cfg, d.rank, d.world_size, d.device)
     stats = train_on_rollout(model, optimizer, scheduler, steps, step_tokens, d.world_size, train_cfg,
                              AlgoConfig(eps_clip=0.2, eps_clip_high=0.2, use_rollout_logprobs=True), 1.0)
     out["hand_metrics"] = train_metrics(parallel.all_gather_objects([stats]), len(steps))
@@ -111,10 +127,11 @@ def main(out_dir: str) -> None:
     d = parallel.init_distributed()
     torch.manual_seed(0)
     out: dict = {}
-    step_two_ways(d, out)
+    for name in VARIANTS:
+        step_two_ways(d, out, name)
     ppo_step_by_hand(d, out)
     if d.is_main:
-        torch.save(out.pop("grads"), Path(out_dir) / f"grads{d.world_size}.pt")
+        torch.save({name: out[name].pop("grads") for name in VARIANTS}, Path(out_dir) / f"grads{d.world_size}.pt")
         (Path(out_dir) / f"results{d.world_size}.json").write_text(json.dumps(out))
     parallel.teardown()
 

@@ -54,6 +54,24 @@ def test_impossible_combinations():
         resolve(make(rollout={"rollout_batch_size": 3, "n_samples_per_prompt": 4}), world_size=2)
     with pytest.raises(ConfigError, match="rollout.temperature"):
         make(rollout={"temperature": 0.0})
+    with pytest.raises(ConfigError, match="algo.advantage_estimator must be one of grpo, dr_grpo, rloo"):
+        make(algo={"advantage_estimator": "ppo"})
+    with pytest.raises(ConfigError, match="algo.policy_loss must be one of ppo, gspo, cispo; got 'grpo'"):
+        make(algo={"policy_loss": "grpo"})
+    with pytest.raises(ConfigError, match="algo.kl_estimator"):
+        make(algo={"kl_estimator": "k4", "kl_coef": 0.1})
+    with pytest.raises(ConfigError, match="algo.eps_clip_c .* must be > 1"):
+        make(algo={"eps_clip_c": 0.5})
+    with pytest.raises(ConfigError, match="algo.kl_in_reward needs algo.kl_coef > 0"):
+        make(algo={"kl_in_reward": True})
+    with pytest.raises(ConfigError, match="model.ref_path='r' but algo.kl_coef=0"):
+        make(model={"path": "m", "ref_path": "r"})
+    with pytest.raises(ConfigError, match="algo.tis_cap with algo.use_rollout_logprobs"):
+        make(algo={"tis_cap": 2.0, "use_rollout_logprobs": True})
+    with pytest.raises(ConfigError, match="n_samples_per_prompt=1 with algo.advantage_estimator='rloo'"):
+        make(rollout={"n_samples_per_prompt": 1}, algo={"advantage_estimator": "rloo"})
+    assert make(rollout={"n_samples_per_prompt": 1}, algo={"advantage_estimator": "reinforce_plus_plus"})
+    assert make(rollout={"max_new_tokens": 300}).algo.loss_agg_norm == 300.0
     with pytest.raises(ConfigError, match="rollout.top_k=20 needs rollout.temperature=1"):
         make(rollout={"engine": "vllm", "top_k": 20, "temperature": 0.7})
     with pytest.raises(ConfigError, match="max_context_len"):

@@ -79,6 +79,32 @@ def test_main_loop_steps_per_rollout_filter_and_wandb(tmp_path, monkeypatch):
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
 
 
+def test_main_loop_kl_to_the_reference(tmp_path):
+    """KL in the loss against the initial policy: the reference is built once, its KL is exactly 0 at the
+    first update (same weights, same forward) and grows as the policy moves; TIS weights are logged."""
+    rows = run_loop(tmp_path, 2, "--train.num_rollout=3", "--train.lr=1e-3", "--algo.kl_coef=0.1",
+                    "--algo.kl_estimator=k3", "--algo.tis_cap=2.0", "--reward.user_fn=tests.reward_fns:digit_fraction")
+    kl = [r["train/kl_ref"] for r in rows]
+    assert kl[0] == 0.0 and 0 < kl[1] < kl[2], kl
+    for row in rows:
+        assert 0 < row["train/tis_weight_mean"] <= 2.0 and 0 <= row["train/tis_clip_frac"] < 0.5
+        assert row["train/grad_norm"] > 0
+
+
+def test_main_loop_kl_in_reward_rloo_gspo_two_steps(tmp_path):
+    """The menu's other path through the loop: KL folded into the reward before the advantages (so the old
+    logprobs come first), RLOO, GSPO over sequence means, an entropy bonus, two optimizer steps per rollout."""
+    rows = run_loop(tmp_path, 2, "--train.num_rollout=2", "--train.num_steps_per_rollout=2", "--train.lr=1e-3",
+                    "--algo.kl_coef=0.1", "--algo.kl_in_reward=true", "--algo.advantage_estimator=rloo",
+                    "--algo.policy_loss=gspo", "--algo.eps_clip=0.01", "--algo.loss_agg=seq_mean_token_mean",
+                    "--algo.entropy_coef=0.01", "--reward.user_fn=tests.reward_fns:digit_fraction")
+    assert [r["weight_version"] for r in rows] == [2, 3]
+    assert rows[0]["train/kl_reward_penalty"] == 0.0  # the old policy is the reference at the first rollout
+    assert rows[1]["train/kl_reward_penalty"] > 0 and rows[1]["train/kl_ref"] > 0
+    for row in rows:
+        assert row["train/grad_norm"] > 0
+
+
 def test_main_loop_four_ranks(tmp_path):
     """The whole loop on 4 gloo ranks: 4 engines, FSDP2 over 4, length-balanced DP split, micro-batches
     cut by tokens from prompts of uneven length, so ranks cut different counts and pad."""

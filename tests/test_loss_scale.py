@@ -23,18 +23,25 @@ def runs(tmp_path_factory):
             for n in (1, 2)}
 
 
-def test_two_ranks_with_token_budget_and_padding_train_as_one_rank(runs):
-    one, two = runs[1], runs[2]
-    assert one["schedule"] == {"micro_batches": [1], "step_tokens": [123], "padding": 0, "rows": [8]}
+@pytest.mark.parametrize("variant", ["ppo_token_mean", "gspo_seq_mean_token_mean", "cispo_sum_norm_entropy_kl_tis"])
+def test_two_ranks_with_token_budget_and_padding_train_as_one_rank(runs, variant):
+    one, two = runs[1][variant], runs[2][variant]
+    assert one["schedule"] == {"micro_batches": [1], "step_tokens": [123], "step_seqs": [8], "padding": 0,
+                               "rows": [8]}
     # rank 0 cuts [5, 5, 5] [42] and pads with a copy of its first micro-batch; rank 1 cuts [5, 5] [38] [40]
-    assert two["schedule"] == {"micro_batches": [3], "step_tokens": [123], "padding": 1, "rows": [3, 1, 3]}
+    assert two["schedule"] == {"micro_batches": [3], "step_tokens": [123], "step_seqs": [8], "padding": 1,
+                               "rows": [3, 1, 3]}
     assert two["metrics"]["train/tokens"] == one["metrics"]["train/tokens"] == 123  # 6 untrained tokens left out
-    for key in ("train/loss", "train/clip_frac", "train/entropy", "train/grad_norm"):
-        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
-    assert 0 < one["metrics"]["train/clip_frac"] < 0.5  # both branches of the clip are in the gradient
-    assert one["grads"].keys() == two["grads"].keys() and len(one["grads"]) > 20
-    for name, want in one["grads"].items():
-        err = float((two["grads"][name] - want).abs().max() / want.abs().max())
+    keys = [k for k in one["metrics"] if k.startswith("train/")]
+    assert {"train/kl_ref", "train/tis_weight_mean", "train/tis_clip_frac"} <= set(keys) or "kl" not in variant
+    for key in keys:
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7), key
+    # both branches of the clip (or of the importance-weight cap) are in the gradient
+    assert 0 < one["metrics"]["train/tis_clip_frac" if "tis" in variant else "train/clip_frac"] < 0.5
+    grads_one, grads_two = runs[1]["grads"][variant], runs[2]["grads"][variant]
+    assert grads_one.keys() == grads_two.keys() and len(grads_one) > 20
+    for name, want in grads_one.items():
+        err = float((grads_two[name] - want).abs().max() / want.abs().max())
         assert err < 1e-5, (name, err)
 
 

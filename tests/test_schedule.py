@@ -25,11 +25,12 @@ def test_every_rank_runs_the_same_number_of_micro_batches():
     samples = [sample(i, 2, n) for i, n in enumerate(lengths)]
     cfg = TrainConfig(global_batch_size=8, micro_batch_tokens=45)
     per_rank = [build_schedule(samples, cfg, rank, 2, torch.device("cpu")) for rank in range(2)]
-    counts = [len(steps[0]) for steps, _, _ in per_rank]
+    counts = [len(steps[0]) for steps, _, _, _ in per_rank]
     assert counts == [3, 3]  # rank 0 cuts 2 and pads one: [3, 3, 3] [40] | [3, 3] [36] [38]
     assert [float(mb.loss_mask.sum()) == 0 for mb in per_rank[0][0][0]] == [False, False, True]
-    trained = sorted(i for steps, _, _ in per_rank for mb in steps[0] if mb.loss_mask.sum() > 0 for i in mb.indices)
+    trained = sorted(i for steps, _, _, _ in per_rank for mb in steps[0] if mb.loss_mask.sum() > 0 for i in mb.indices)
     assert trained == list(range(8))  # every sample trains exactly once; the padding adds no loss tokens
-    assert sum(float(mb.loss_mask.sum()) for steps, _, _ in per_rank for mb in steps[0]) == sum(lengths)
+    assert sum(float(mb.loss_mask.sum()) for steps, _, _, _ in per_rank for mb in steps[0]) == sum(lengths)
     assert per_rank[0][1] == per_rank[1][1] == [sum(lengths)]
-    assert per_rank[0][2] == per_rank[1][2] == 1
+    assert per_rank[0][2] == per_rank[1][2] == [8]
+    assert per_rank[0][3] == per_rank[1][3] == 1

@@ -1,0 +1,37 @@
+"""The reference model of the KL term (algo.kl_coef > 0): frozen, sharded like the policy, parked in host memory.
+
+It is the initial policy unless `model.ref_path` names another folder, built by the same
+FSDP2 path as the policy (so at the first update the policy-vs-reference KL is exactly 0),
+and never receives gradients. It comes onto the device only for the one forward pass per
+rollout that gives the reference logprobs of every sample of this rank, and goes back to
+pinned host memory before the engine wakes. Nothing is built when kl_coef = 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rl.config import ModelConfig
+from rl.policy import PolicyOffloader, build_policy
+from rl.train import MicroBatch, compute_old_logprobs
+
+
+class Reference:
+    def __init__(self, model: ModelConfig, mesh, device: torch.device, seed: int, max_context_len: int):
+        cfg = dataclasses.replace(model, path=model.ref_path or model.path, gradient_checkpointing=False)
+        self.model = build_policy(cfg, mesh, device, seed, max_context_len)
+        self.model.requires_grad_(False)
+        self.model.eval()
+        self.device = device
+        self.parking = PolicyOffloader(self.model)
+        self.parking.offload()
+
+    def logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> dict[int, torch.Tensor]:
+        """Sample.index -> the reference's logprobs row; every rank calls it with as many micro-batches."""
+        self.parking.onload(self.device)
+        try:
+            return compute_old_logprobs(self.model, micro_batches, temperature)
+        finally:
+            self.parking.offload()
