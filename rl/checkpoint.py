@@ -66,6 +66,7 @@ class TrainerState:
     health: dict[str, Any]
     config: dict[str, Any]
     world_size: int
+    critic_scheduler: dict[str, Any] | None = None  # PPO with GAE: the critic's learning-rate schedule
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -92,8 +93,9 @@ def rollout_of(path: Path) -> int:
 
 
 def save(output_dir: str | Path, state: TrainerState, model: torch.nn.Module, optimizer, hf_sources: list[Path],
-         keep_last: int) -> Path:
-    """Writes the checkpoint of rollout `state.rollout_id` on every rank (a collective) and returns its path."""
+         keep_last: int, critic: tuple[torch.nn.Module, Any] | None = None) -> Path:
+    """Writes the checkpoint of rollout `state.rollout_id` on every rank (a collective) and returns its path;
+    `critic`: the value model and its optimizer (PPO with GAE), saved beside the policy's."""
     root = checkpoint_root(output_dir)
     final = root / f"rollout_{state.rollout_id}"
     tmp = root / f".rollout_{state.rollout_id}.tmp"
@@ -102,9 +104,8 @@ def save(output_dir: str | Path, state: TrainerState, model: torch.nn.Module, op
             retire([tmp])
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     # Several writer threads per rank: one thread writes ~1 GB/s, well below what the disks take.
-    dcp.save({"model": model_sd, "optim": optim_sd},
+    dcp.save(_state_dicts(model, optimizer, critic),
              storage_writer=dcp.FileSystemWriter(str(tmp / "model_optim"), thread_count=WRITER_THREADS))
     torch.save(rng_state(), tmp / "rng" / f"rank_{dist.get_rank()}.pt")
     if dist.get_rank() == 0:
@@ -200,14 +201,24 @@ def read_trainer_state(path: Path) -> TrainerState:
     return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
 
 
-def load(path: Path, model: torch.nn.Module, optimizer) -> TrainerState:
-    """Restores model and optimizer (resharded to this run's ranks); a collective. The RNG states
-    are restored apart (`restore_rng`), once nothing more of the start-up draws from them."""
-    state = read_trainer_state(path)
+def _state_dicts(model: torch.nn.Module, optimizer, critic: tuple[torch.nn.Module, Any] | None) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    both = {"model": model_sd, "optim": optim_sd}
-    dcp.load(both, checkpoint_id=str(path / "model_optim"))
-    set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+    out = {"model": model_sd, "optim": optim_sd}
+    if critic is not None:
+        out["critic"], out["critic_optim"] = get_state_dict(*critic)
+    return out
+
+
+def load(path: Path, model: torch.nn.Module, optimizer, critic: tuple[torch.nn.Module, Any] | None = None
+         ) -> TrainerState:
+    """Restores model and optimizer (resharded to this run's ranks), and the critic's when given; a collective.
+    The RNG states are restored apart (`restore_rng`), once nothing more of the start-up draws from them."""
+    state = read_trainer_state(path)
+    sds = _state_dicts(model, optimizer, critic)
+    dcp.load(sds, checkpoint_id=str(path / "model_optim"))
+    set_state_dict(model, optimizer, model_state_dict=sds["model"], optim_state_dict=sds["optim"])
+    if critic is not None:
+        set_state_dict(*critic, model_state_dict=sds["critic"], optim_state_dict=sds["critic_optim"])
     return state
 
 
@@ -221,12 +232,13 @@ def restore_rng(path: Path, state: TrainerState) -> None:
                f"model, optimizer, schedule and data cursor are resharded, per-rank RNG states start afresh")
 
 
-def load_newest(candidates: list[Path], model: torch.nn.Module, optimizer) -> tuple[Path, TrainerState]:
+def load_newest(candidates: list[Path], model: torch.nn.Module, optimizer,
+                critic: tuple[torch.nn.Module, Any] | None = None) -> tuple[Path, TrainerState]:
     """Loads the newest of `candidates` that every rank can read; falls back with a warning naming both."""
     errors = []
     for path in reversed(candidates):
         try:
-            state = load(path, model, optimizer)
+            state = load(path, model, optimizer, critic)
             failed = ""
         except (Exception, CheckpointException) as e:  # a truncated or half-deleted checkpoint: any read error
             failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]

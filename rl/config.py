@@ -107,9 +107,11 @@ class RewardConfig:
 @dataclass(frozen=True)
 class AlgoConfig:
     """The RL algorithm; README "Algorithms" maps each key to TRL's and verl's names, rl/algo.py has the maths."""
-    # grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
+    # grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae (PPO with a critic: [critic])
     advantage_estimator: str = "grpo"
     grpo_std_normalization: bool = True
+    gamma: float = 1.0  # gae: discount
+    lam: float = 1.0  # gae: lambda
     policy_loss: str = "ppo"  # ppo | gspo | cispo
     eps_clip: float = 0.2
     eps_clip_high: float | None = None  # defaults to eps_clip
@@ -123,6 +125,17 @@ class AlgoConfig:
     tis_cap: float = 0.0  # > 0: truncated importance sampling, loss * min(pi_old / pi_engine, tis_cap)
     tis_level: str = "token"  # token | sequence
     use_rollout_logprobs: bool = False  # old logprobs from the engine instead of a trainer forward
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """The value model of algo.advantage_estimator = "gae" (built only then); the rest follows [train]."""
+    path: str = ""  # a local HF folder for its body; "" is model.path (the head always starts at zero)
+    lr: float = 1e-5
+    lr_warmup_steps: int = 0
+    weight_decay: float = 0.0
+    value_clip: float = 0.5  # new values stay within +-value_clip of the old ones in the loss (0: no clip)
+    clip_grad: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -197,6 +210,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -344,6 +358,9 @@ def check_paths(cfg: Config) -> None:
     key, folder = ("model.tokenizer", cfg.model.tokenizer) if cfg.model.tokenizer else ("model.path", cfg.model.path)
     tok = Path(folder).expanduser()
     _require(tok.is_dir(), f"{key} {folder!r}: no such folder")
+    critic = Path(cfg.critic.path).expanduser()
+    _require(not cfg.critic.path or (critic / "config.json").is_file(),
+             f"critic.path {cfg.critic.path!r}: no config.json there (a local HF model folder)")
     ref = Path(cfg.model.ref_path).expanduser()
     _require(not cfg.model.ref_path or (ref / "config.json").is_file(),
              f"model.ref_path {cfg.model.ref_path!r}: no config.json there (a local HF model folder)")
@@ -422,6 +439,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(tr.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {tr.max_bad_steps}")
     _require(tr.collective_timeout_s > 0, f"train.collective_timeout_s must be > 0, got {tr.collective_timeout_s}")
     _require(cfg.weights.bucket_mb > 0, "weights.bucket_mb must be > 0")
+    cr = cfg.critic
+    _require(cr.lr > 0 and cr.value_clip >= 0 and cr.clip_grad >= 0 and cr.lr_warmup_steps >= 0,
+             f"critic.lr must be > 0 and critic.value_clip, clip_grad, lr_warmup_steps >= 0; got {cr}")
+    _require(not cr.path or algo.advantage_estimator == "gae",
+             f"critic.path={cr.path!r} but algo.advantage_estimator={algo.advantage_estimator!r}: "
+             f"only gae uses a critic")
     ev = cfg.eval
     _require(ev.num_examples >= 1, f"eval.num_examples must be >= 1, got {ev.num_examples}")
     _require(ev.interval >= 1, f"eval.interval must be >= 1, got {ev.interval}")
@@ -450,7 +473,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                  f"train.global_batch_size ({tr.global_batch_size}) must be divisible by the data-parallel size ({world_size})")
 
 
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")  # a group baseline: >= 2 samples
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -482,6 +505,8 @@ def validate_algo(algo: AlgoConfig, model: ModelConfig, ro: RolloutConfig) -> No
     _require(not algo.kl_in_reward or algo.kl_coef > 0, "algo.kl_in_reward needs algo.kl_coef > 0")
     _require(not model.ref_path or algo.kl_coef > 0,
              f"model.ref_path={model.ref_path!r} but algo.kl_coef=0: the reference model is only used for the KL")
+    _require(algo.gamma > 0 and 0 <= algo.lam <= 1,
+             f"algo.gamma must be > 0 and algo.lam in [0, 1], got {algo.gamma} and {algo.lam}")
     _require(algo.tis_cap >= 0, f"algo.tis_cap must be >= 0 (0: off), got {algo.tis_cap}")
     _require(not (algo.tis_cap > 0 and algo.use_rollout_logprobs),
              "algo.tis_cap with algo.use_rollout_logprobs: the old policy is then the engine's, so every importance "

@@ -38,8 +38,10 @@ from rl.reward import RewardInput, RewardPool
 from rl.reward import metrics as reward_metrics
 from rl.reward import reduce_metrics as reduce_reward_metrics
 from rl.rollout import SamplingParams, build_engine, derive_seed, engine_dtype, generate_rollout
+from rl.critic import Critic, critic_metrics, gae_advantages
 from rl.reference import Reference
-from rl.train import build_schedule, compute_old_logprobs, response_kl_sums, train_metrics, train_on_rollout
+from rl.train import (build_schedule, compute_old_logprobs, kl_rows, response_kl_sums, train_metrics,
+                      train_on_rollout)
 from rl.weights import sync_weights
 
 
@@ -110,6 +112,8 @@ def collect_rollout(dataset: PromptDataset, engine, pool: RewardPool | None, sam
 def assign_advantages(samples: list[Sample], algo: AlgoConfig, kl_sums: dict[int, float] | None = None) -> None:
     """Seed step 30 with the estimator of algo.advantage_estimator; `kl_sums` (algo.kl_in_reward): each
     response's summed KL to the reference, subtracted from its reward (times kl_coef) first."""
+    if algo.advantage_estimator == "gae":  # per token, from the critic's values in the train phase
+        return
     kl_sums = kl_sums or {}
     rewards = torch.tensor([s.reward - algo.kl_coef * kl_sums.get(s.index, 0.0) for s in samples], dtype=torch.float64)
     groups = torch.tensor([s.group_index for s in samples])
@@ -175,12 +179,19 @@ def main(argv: list[str]) -> None:
         reference = Reference(cfg.model, dist.mesh, dist.device, cfg.train.seed, cfg.rollout.max_context_len)
         print0(f"reference: {cfg.model.ref_path or 'the initial policy'}, built in {time.perf_counter() - t:.1f} s "
                f"and parked in host memory")
+    critic = None
+    if cfg.algo.advantage_estimator == "gae":
+        critic = Critic(cfg.model, cfg.critic, cfg.train, dist.mesh, dist.device, cfg.rollout.max_context_len)
+        print0(f"critic: {cfg.critic.path or cfg.model.path} with a value head, lr {cfg.critic.lr}")
+    critic_state = (critic.model, critic.optimizer) if critic else None
     num_params = sum(p.numel() for p in policy.parameters())  # DTensors count their global size
     health = Health(cfg.train.max_bad_steps, cfg.reward.max_failed_steps, policy.config.vocab_size)
     start, weight_version = 0, 1  # seed step 8: the first push is version 1
     if resume_from:
         t = time.perf_counter()
-        path, state = checkpoint.load_newest(resume_from, policy, optimizer)
+        path, state = checkpoint.load_newest(resume_from, policy, optimizer, critic_state)
+        if critic:
+            critic.scheduler.load_state_dict(state.critic_scheduler)
         scheduler.load_state_dict(state.scheduler)
         dataset.load_state_dict(state.data)
         health.load_state_dict(state.health)
@@ -197,6 +208,8 @@ def main(argv: list[str]) -> None:
     offloader = PolicyOffloader(policy, optimizer) if cfg.train.offload else None
     if offloader:
         offloader.offload()
+    if critic:
+        critic.offload()
     finished = start >= cfg.train.num_rollout
     # A resumed run replaces the rows written after its checkpoint; a finished one keeps all (its final eval too).
     logger = make_logger(dist.is_main, cfg.log.output_dir, cfg.to_dict(), cfg.log.wandb, cfg.log.wandb_project,
@@ -240,23 +253,35 @@ def main(argv: list[str]) -> None:
             with timed(times, "perf/train_s"):
                 steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank,
                                                                         dist.world_size, dist.device)
-                old, ref, kl_stats = {}, None, {}
+                micro_batches = [mb for step in steps for mb in step]
+                old, ref, extra_stats = {}, None, {}
                 if reference is not None:
                     with timed(times, "perf/ref_logprobs_s"):
-                        ref = reference.logprobs([mb for step in steps for mb in step], cfg.rollout.temperature)
+                        ref = reference.logprobs(micro_batches, cfg.rollout.temperature)
                 if cfg.algo.kl_in_reward:  # the advantages wait for the KL of each response
-                    old = compute_old_logprobs(policy, [mb for step in steps for mb in step], cfg.rollout.temperature)
+                    old = compute_old_logprobs(policy, micro_batches, cfg.rollout.temperature)
                     kl_sums = {i: kl for part in parallel.all_gather_objects(
-                        [response_kl_sums(cfg.algo.kl_estimator, old, ref, [mb for step in steps for mb in step])])
-                               for i, kl in part.items()}
-                    assign_advantages(samples, cfg.algo, kl_sums)
-                    steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank,
-                                                                            dist.world_size, dist.device)
-                    kl_stats["train/kl_reward_penalty"] = cfg.algo.kl_coef * sum(kl_sums.values()) / len(samples)
+                        [response_kl_sums(cfg.algo.kl_estimator, old, ref, micro_batches)]) for i, kl in part.items()}
+                    extra_stats["train/kl_reward_penalty"] = cfg.algo.kl_coef * sum(kl_sums.values()) / len(samples)
+                    if not critic:
+                        assign_advantages(samples, cfg.algo, kl_sums)
+                        steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank,
+                                                                                dist.world_size, dist.device)
+                if critic:  # GAE: the critic's values of this rank's samples give per-token advantages
+                    critic.onload()
+                    values = critic.values(micro_batches)
+                    returns = gae_advantages(micro_batches, values, {s.index: s.reward for s in samples},
+                                             kl_rows(cfg.algo.kl_estimator, old, ref) if cfg.algo.kl_in_reward else None,
+                                             cfg.algo)
                 local_stats = train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, dist.world_size,
                                                cfg.train, cfg.algo, cfg.rollout.temperature, step_seqs, old, ref)
+                if critic:
+                    with timed(times, "perf/critic_s"):
+                        extra_stats |= critic_metrics(parallel.all_gather_objects(
+                            [critic.update(steps, step_tokens, values, returns, dist.world_size)]), len(steps))
+                        critic.offload()
                 per_rank = parallel.all_gather_objects([local_stats])
-                train_stats = train_metrics(per_rank, len(steps), cfg.algo) | kl_stats
+                train_stats = train_metrics(per_rank, len(steps), cfg.algo) | extra_stats
             train_stats["train/padding_micro_batches"] = padding
             mfu = train_mfu(num_params, sum(len(s.tokens) for s in samples), times["perf/train_s"], dist)
             if mfu is not None:
@@ -299,7 +324,7 @@ def main(argv: list[str]) -> None:
             last = rollout_id == cfg.train.num_rollout - 1
             if last or stopping or (cfg.checkpoint.interval and (rollout_id + 1) % cfg.checkpoint.interval == 0):
                 save_checkpoint(cfg, rollout_id, weight_version, policy, optimizer, scheduler, dataset, health,
-                                hf_sources, dist)
+                                hf_sources, dist, critic)
             if stopping and not last:  # a stop at the last rollout still ends the run: final eval and export
                 print0(f"rl: stopping after rollout {rollout_id} ({stop.received or 'signal on another rank'}); "
                        f"run the same command to resume")
@@ -420,12 +445,15 @@ def apply_optimizer_config(optimizer, scheduler, train: TrainConfig, saved: dict
 
 
 def save_checkpoint(cfg: Config, rollout_id: int, weight_version: int, policy, optimizer, scheduler,
-                    dataset: PromptDataset, health: Health, hf_sources: list[Path], dist: parallel.Dist) -> None:
+                    dataset: PromptDataset, health: Health, hf_sources: list[Path], dist: parallel.Dist,
+                    critic: Critic | None) -> None:
     start = time.perf_counter()
     state = checkpoint.TrainerState(rollout_id=rollout_id, weight_version=weight_version, data=dataset.state_dict(),
                                     scheduler=scheduler.state_dict(), health=health.state_dict(),
-                                    config=cfg.to_dict(), world_size=dist.world_size)
-    path = checkpoint.save(cfg.log.output_dir, state, policy, optimizer, hf_sources, cfg.checkpoint.keep_last)
+                                    config=cfg.to_dict(), world_size=dist.world_size,
+                                    critic_scheduler=critic.scheduler.state_dict() if critic else None)
+    path = checkpoint.save(cfg.log.output_dir, state, policy, optimizer, hf_sources, cfg.checkpoint.keep_last,
+                           (critic.model, critic.optimizer) if critic else None)
     print0(f"checkpoint: saved {path} in {time.perf_counter() - start:.1f} s")
 
 

@@ -27,11 +27,13 @@ from rl.config import ConfigError, ModelConfig, TrainConfig
 from rl.invariant import make_batch_invariant
 
 
-def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_context_len: int) -> torch.nn.Module:
+def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_context_len: int,
+                 value_head: bool = False) -> torch.nn.Module:
     """The sharded policy with its weights: meta model -> (batch-invariant patch) -> fully_shard -> to_empty ->
     each rank loads its rows from the safetensors. `model.random_init` instead builds the whole model on the
     CPU from `seed` (identical on every rank) and shards it. `max_context_len` sizes the batch-invariant
-    RoPE tables."""
+    RoPE tables. `value_head`: the critic of PPO, the same body with `lm_head` replaced by a zero-initialised
+    (hidden -> 1) projection, so its "logits" are one value per position (every value starts at 0)."""
     hf_config = AutoConfig.from_pretrained(cfg.path)
     if cfg.random_init:
         model = load_hf_model(cfg, seed)
@@ -39,15 +41,21 @@ def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_co
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
                                                      attn_implementation=cfg.attn_implementation)
+    if value_head:
+        model.lm_head = torch.nn.Linear(model.lm_head.in_features, 1, bias=False,
+                                        device="cpu" if cfg.random_init else "meta")
     if cfg.batch_invariant:  # patches forwards and builds its tables on the CPU: works on a meta model
         model = make_batch_invariant(model, max_context_len)
     model = shard_policy(model, mesh, device, cfg.gradient_checkpointing)
     if not cfg.random_init:
         model.to_empty(device=device)
         init_non_persistent_buffers(model)
-        load_safetensors(model, cfg.path)
+        load_safetensors(model, cfg.path, skip={"lm_head.weight"} if value_head else set())
         if (Path(cfg.path).expanduser() / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(cfg.path)
+    if value_head:
+        with torch.no_grad():
+            model.lm_head.weight.zero_()
     return model
 
 
@@ -110,9 +118,11 @@ def _names(names: list[str]) -> str:
     return f"{len(names)} ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
 
 
-def check_weight_names(model: torch.nn.Module, file_keys: set[str], path: str) -> None:
-    """Every tensor of the model is in the files (tied ones under any of their names) and nothing else is."""
-    targets = _state_tensors(model)
+def check_weight_names(model: torch.nn.Module, file_keys: set[str], path: str, skip: set[str] = frozenset()) -> None:
+    """Every tensor of the model is in the files (tied ones under any of their names) and nothing else is;
+    names in `skip` are neither loaded nor required."""
+    targets = {n: t for n, t in _state_tensors(model).items() if n not in skip}
+    file_keys = file_keys - skip
     tied: dict[int, list[str]] = {}
     for name, t in targets.items():
         tied.setdefault(id(t), []).append(name)
@@ -125,7 +135,7 @@ def check_weight_names(model: torch.nn.Module, file_keys: set[str], path: str) -
                           f"missing {_names(missing)}, unexpected {_names(unexpected)}")
 
 
-def load_safetensors(model: torch.nn.Module, path: str) -> None:
+def load_safetensors(model: torch.nn.Module, path: str, skip: set[str] = frozenset()) -> None:
     """Copies the folder's weights into the materialised (sharded) model: a rank reads only the rows of its
     own FSDP2 shard of each tensor (dim 0, split like torch.chunk), straight from the memory-mapped file."""
     files = weight_files(path)
@@ -133,8 +143,8 @@ def load_safetensors(model: torch.nn.Module, path: str) -> None:
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             file_keys.update(dict.fromkeys(f.keys(), file))
-    check_weight_names(model, set(file_keys), path)
-    targets = _state_tensors(model)
+    check_weight_names(model, set(file_keys), path, skip)
+    targets = {n: t for n, t in _state_tensors(model).items() if n not in skip}
     loaded: set[int] = set()
     with torch.no_grad():
         for file in files:

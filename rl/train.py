@@ -213,6 +213,11 @@ def response_kl_sums(kind: str, old: dict[int, torch.Tensor], ref: dict[int, tor
     return out
 
 
+def kl_rows(kind: str, old: dict[int, torch.Tensor], ref: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Sample.index -> per-token KL estimate of the policy before the update against the reference."""
+    return {i: kl_penalty(kind, row, ref[i]) for i, row in old.items()}
+
+
 SUM_KEYS = ("loss_sum", "clipped_tokens", "entropy_sum", "tokens", "mismatch_abs_sum", "mismatch_abs_max",
             "mismatch_k3_sum", "mismatch_tokens", "kl_ref_sum", "tis_weight_sum", "tis_capped_tokens")
 

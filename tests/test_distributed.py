@@ -105,6 +105,21 @@ def test_main_loop_kl_in_reward_rloo_gspo_two_steps(tmp_path):
         assert row["train/grad_norm"] > 0
 
 
+def test_main_loop_ppo_with_a_critic_resumes_it(tmp_path):
+    """GAE with a value model: the zero-initialised head gives values 0 at the first rollout, the critic learns
+    (its values move), and a resume restores it with the policy (the resumed rollout's values are not 0)."""
+    args = ["--algo.advantage_estimator=gae", "--algo.lam=0.95", "--critic.lr=1e-3", "--checkpoint.interval=1",
+            "--reward.user_fn=tests.reward_fns:digit_fraction"]
+    rows = run_loop(tmp_path, 2, "--train.num_rollout=2", *args)
+    assert rows[0]["critic/values_mean"] == 0.0 and rows[1]["critic/values_mean"] != 0.0
+    for row in rows:
+        assert row["critic/vf_loss"] > 0 and 0 <= row["critic/vf_clip_frac"] <= 1 and row["critic/grad_norm"] > 0
+        assert row["train/grad_norm"] > 0
+    rows = run_loop(tmp_path, 2, "--train.num_rollout=3", *args)
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+    assert rows[2]["critic/values_mean"] != 0.0  # a fresh critic would start at 0 again
+
+
 def test_main_loop_four_ranks(tmp_path):
     """The whole loop on 4 gloo ranks: 4 engines, FSDP2 over 4, length-balanced DP split, micro-batches
     cut by tokens from prompts of uneven length, so ranks cut different counts and pad."""

@@ -1,0 +1,161 @@
+"""The value model of PPO with GAE (algo.advantage_estimator = "gae"), trained beside the policy.
+
+It is the policy's body with a zero-initialised one-output head (`build_policy(value_head=True)`),
+sharded with FSDP2 like the policy, with its own AdamW (`critic.lr`), and parked in host memory
+with the policy while the engine runs (`train.offload`). Per rollout: one forward gives the old
+values of every sample of this rank; GAE turns them and the rewards into per-token advantages
+(whitened over the global batch, across ranks) and returns; then the critic takes the same
+optimizer steps as the policy on the clipped value loss, a token mean over each global batch.
+Values are aligned with the policy's logprobs: row t is V(prefix up to t), the state in which
+token t + 1 was chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from rl import parallel
+from rl.algo import aggregate, gae, masked_sum, value_loss
+from rl.config import AlgoConfig, CriticConfig, ModelConfig, TrainConfig
+from rl.policy import PolicyOffloader, build_optimizer, build_policy
+from rl.train import MicroBatch, clip_grad_norm
+
+
+def values_of(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """(B, T-1) float32: the value of each prefix that chose a target token."""
+    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                use_cache=False).logits
+    return out[:, :-1, 0].float()
+
+
+def outcome_rewards(mb: MicroBatch, rewards: dict[int, float], kl: dict[int, torch.Tensor] | None,
+                    kl_coef: float) -> torch.Tensor:
+    """(B, T-1) token rewards: each response's reward on its last trained token, minus kl_coef x the per-token
+    KL when it is folded into the reward."""
+    mask = mb.loss_mask
+    last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(-1)  # the last trained position
+    out = torch.zeros_like(mask)
+    out[torch.arange(mask.shape[0], device=mask.device), last] = torch.tensor(
+        [rewards[i] for i in mb.indices], dtype=out.dtype, device=out.device)
+    out = out * (mask.sum(-1, keepdim=True) > 0)  # a row with no trained token (padding) gets nothing
+    if kl is not None:
+        out = out - kl_coef * torch.stack([kl[i] for i in mb.indices]) * mask
+    return out
+
+
+class Critic:
+    def __init__(self, model_cfg: ModelConfig, cfg: CriticConfig, train: TrainConfig, mesh, device: torch.device,
+                 max_context_len: int):
+        path = cfg.path or model_cfg.path
+        build = ModelConfig(path=path, random_init=model_cfg.random_init and not cfg.path,
+                            attn_implementation=model_cfg.attn_implementation,
+                            gradient_checkpointing=model_cfg.gradient_checkpointing)
+        self.model = build_policy(build, mesh, device, train.seed, max_context_len, value_head=True)
+        self.optimizer, self.scheduler = build_optimizer(self.model, critic_train_config(train, cfg))
+        self.cfg, self.device = cfg, device
+        self.parking = PolicyOffloader(self.model, self.optimizer) if train.offload else None
+
+    def onload(self) -> None:
+        if self.parking:
+            self.parking.onload(self.device)
+
+    def offload(self) -> None:
+        if self.parking:
+            self.parking.offload()
+
+    @torch.no_grad()
+    def values(self, micro_batches: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        out = {i: row for mb in micro_batches for i, row in zip(mb.indices, values_of(self.model, mb))}
+        if isinstance(self.model, FSDPModule):
+            self.model.reshard()
+        return out
+
+    def update(self, steps: list[list[MicroBatch]], step_tokens: list[int], old_values: dict[int, torch.Tensor],
+               returns: dict[int, torch.Tensor], dp_size: int) -> dict[str, float]:
+        """The critic's optimizer steps on the clipped value loss; returns this rank's sums and grad norms."""
+        self.model.train()
+        sums = {k: torch.zeros((), device=self.device) for k in ("vf_loss_sum", "vf_clipped", "value_sum",
+                                                                  "value_sq_sum", "return_sum", "return_sq_sum",
+                                                                  "residual_sq_sum", "tokens")}
+        grad_norms, skipped = [], 0
+        for micro_batches, global_tokens in zip(steps, step_tokens, strict=True):
+            step_loss = torch.zeros((), device=self.device)
+            for mb in micro_batches:
+                v = values_of(self.model, mb)
+                old = torch.stack([old_values[i] for i in mb.indices])
+                ret = torch.stack([returns[i] for i in mb.indices])
+                token_loss, clipped = value_loss(v, old, ret, self.cfg.value_clip)
+                loss = aggregate(token_loss, mb.loss_mask, "token_mean", global_tokens, 0, 1.0)
+                (loss * dp_size).backward()  # FSDP averages over ranks: the result is the global token mean
+                step_loss += loss.detach()
+                sums["vf_loss_sum"] += loss.detach()
+                sums["vf_clipped"] += masked_sum(clipped, mb.loss_mask)
+                sums["value_sum"] += masked_sum(old, mb.loss_mask)
+                sums["value_sq_sum"] += masked_sum(old * old, mb.loss_mask)
+                sums["return_sum"] += masked_sum(ret, mb.loss_mask)
+                sums["return_sq_sum"] += masked_sum(ret * ret, mb.loss_mask)
+                sums["residual_sq_sum"] += masked_sum((ret - old) ** 2, mb.loss_mask)
+                sums["tokens"] += mb.loss_mask.sum()
+            grad_norms.append(clip_grad_norm(self.model, self.cfg.clip_grad))
+            bad = parallel.all_reduce_max(float(not (torch.isfinite(step_loss) and math.isfinite(grad_norms[-1]))))
+            if not bad:
+                self.optimizer.step()
+                self.scheduler.step()
+            skipped += int(bool(bad))
+            self.optimizer.zero_grad(set_to_none=True)
+        if isinstance(self.model, FSDPModule):
+            self.model.reshard()
+        out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["skipped_steps"] = skipped
+        return out
+
+
+def critic_train_config(train: TrainConfig, cfg: CriticConfig) -> TrainConfig:
+    return dataclasses.replace(train, lr=cfg.lr, lr_warmup_steps=cfg.lr_warmup_steps, weight_decay=cfg.weight_decay)
+
+
+def gae_advantages(micro_batches: list[MicroBatch], values: dict[int, torch.Tensor], rewards: dict[int, float],
+                   kl: dict[int, torch.Tensor] | None, algo: AlgoConfig) -> dict[int, torch.Tensor]:
+    """Per-token GAE advantages of this rank's samples, whitened over the global batch (the mean and variance
+    of every trained token on every rank), written into the micro-batches; returns Sample.index -> returns."""
+    returns: dict[int, torch.Tensor] = {}
+    raw = []
+    for mb in micro_batches:
+        v = torch.stack([values[i] for i in mb.indices])
+        adv, ret = gae(outcome_rewards(mb, rewards, kl, algo.kl_coef), v, mb.loss_mask, algo.gamma, algo.lam)
+        raw.append(adv)
+        if mb.loss_mask.any():  # a padding micro-batch repeats indices with nothing trained
+            returns.update({i: row for i, row in zip(mb.indices, ret) if i not in returns})
+    real = [(mb, adv) for mb, adv in zip(micro_batches, raw) if mb.loss_mask.any()]
+    stats = torch.stack([sum((masked_sum(a, mb.loss_mask) for mb, a in real), torch.zeros(())),
+                         sum((masked_sum(a * a, mb.loss_mask) for mb, a in real), torch.zeros(())),
+                         sum((mb.loss_mask.sum() for mb, _ in real), torch.zeros(()))]).double().tolist()
+    total = [sum(x) for x in zip(*parallel.all_gather_objects([stats]))]
+    n = max(total[2], 1.0)
+    mean = total[0] / n
+    var = max(total[1] / n - mean * mean, 0.0) * n / max(n - 1, 1.0)  # unbiased, over the batch's tokens
+    for mb, adv in zip(micro_batches, raw):
+        mb.advantages = (adv - mean) / math.sqrt(var + 1e-8) * mb.loss_mask
+    return returns
+
+
+def critic_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str, float]:
+    tokens = max(sum(m["tokens"] for m in per_rank), 1)
+
+    def mean(key):
+        return sum(m[key] for m in per_rank) / tokens
+
+    return_var = mean("return_sq_sum") - mean("return_sum") ** 2
+    return {"critic/vf_loss": sum(m["vf_loss_sum"] for m in per_rank) / num_steps,
+            "critic/vf_clip_frac": mean("vf_clipped"),
+            "critic/values_mean": mean("value_sum"),
+            "critic/returns_mean": mean("return_sum"),
+            # 1 - E[(R - V)^2] / Var(R): how much of the return the old values explain
+            "critic/explained_var": 1 - mean("residual_sq_sum") / return_var if return_var > 0 else 0.0,
+            "critic/grad_norm": per_rank[0]["grad_norm"],
+            "critic/skipped_steps": per_rank[0]["skipped_steps"]}
