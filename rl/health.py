@@ -29,6 +29,8 @@ from rl.parallel import print0
 BANDS = (
     ("train/clip_frac", None, 0.5, "updates too aggressive (healthy: 5-20% of tokens clipped)"),
     ("rollout/truncated_frac", None, 0.5, "response length exploding: half the responses hit max_new_tokens"),
+    ("train/kl_ref_seq", None, 50.0, "the policy drifts from the reference too fast (healthy: 1-10 per response); "
+     "raise algo.kl_coef or lower train.lr?"),
     ("perf/train_mfu", 0.20, None, "training far below the device's peak (healthy: > 35%): communication, host overhead, or a "
      "model and batch too small for the device?"),
 )

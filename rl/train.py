@@ -219,7 +219,7 @@ def kl_rows(kind: str, old: dict[int, torch.Tensor], ref: dict[int, torch.Tensor
 
 
 SUM_KEYS = ("loss_sum", "clipped_tokens", "entropy_sum", "tokens", "mismatch_abs_sum", "mismatch_abs_max",
-            "mismatch_k3_sum", "mismatch_tokens", "kl_ref_sum", "tis_weight_sum", "tis_capped_tokens")
+            "mismatch_k3_sum", "mismatch_tokens", "kl_ref_sum", "tis_weight_sum", "tis_capped_tokens", "sequences")
 
 
 def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]], step_tokens: list[int],
@@ -325,6 +325,7 @@ def micro_batch_loss(sums: dict[str, torch.Tensor], mb: MicroBatch, logprobs: to
     sums["clipped_tokens"] += masked_sum(clipped, mask)
     sums["entropy_sum"] += masked_sum(entropy.detach(), mask)
     sums["tokens"] += mask.sum()
+    sums["sequences"] += (mask.sum(-1) > 0).sum()
     return loss
 
 
@@ -361,6 +362,8 @@ def train_metrics(per_rank: list[dict[str, float]], num_steps: int, algo: AlgoCo
     }
     if algo is not None and algo.kl_coef > 0:  # KL(policy || reference) per trained token, by algo.kl_estimator
         out["train/kl_ref"] = sum(m["kl_ref_sum"] for m in per_rank) / max(tokens, 1)
+        # per response: what the seed's metric table watches (healthy 1-10, > 50 drifting too fast)
+        out["train/kl_ref_seq"] = sum(m["kl_ref_sum"] for m in per_rank) / max(sum(m["sequences"] for m in per_rank), 1)
     if algo is not None and algo.tis_cap > 0:
         out["train/tis_weight_mean"] = sum(m["tis_weight_sum"] for m in per_rank) / max(tokens, 1)
         out["train/tis_clip_frac"] = sum(m["tis_capped_tokens"] for m in per_rank) / max(tokens, 1)

@@ -90,9 +90,11 @@ def test_the_seed_metric_table_bands_and_trends_warn(capsys):
     assert "health warning: train/clip_frac = 0.6, expected <= 0.5: updates too aggressive" in out
     assert out.count("train/clip_frac") == 2 and "(11 rollouts in a row)" in out  # the first and every 10th
     assert health.metrics()["health/warnings"] == 11
-    health.after_train(row(**{"perf/train_mfu": 0.12, "rollout/truncated_frac": 0.75}), steps=1)
+    health.after_train(row(**{"perf/train_mfu": 0.12, "rollout/truncated_frac": 0.75, "train/kl_ref_seq": 64.0}),
+                       steps=1)
     out = capsys.readouterr().out
     assert "perf/train_mfu = 0.12, expected >= 0.2" in out and "rollout/truncated_frac = 0.75" in out
+    assert "train/kl_ref_seq = 64, expected <= 50: the policy drifts from the reference too fast" in out
     health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
     for i, reward in enumerate([0.30, 0.31, 0.30, 0.32, 0.31, 0.33, 0.32, 0.34, 0.33, 0.35, 0.02]):
         length = 40.0 if i < 10 else 3.0  # the last rollout collapses too
