@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from rl.rollout.vllm import group_runs
+from rl.config import RolloutConfig
+from rl.rollout.vllm import engine_kwargs, group_runs
 from tests.test_distributed import run_loop, torchrun
 from tests.tiny import save_tiny_model_dir
 
@@ -15,6 +16,18 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 def test_group_runs():
     assert group_runs([[1], [1], [2], [2], [2], [1]]) == [(0, 2), (2, 3), (5, 1)]
+
+
+def test_engine_kwargs_pass_vllm_kwargs_through_last():
+    cfg = RolloutConfig(engine="vllm", max_batch_size=64, vllm_kwargs={
+        "max_num_batched_tokens": 8192, "enable_prefix_caching": False,
+        "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}})
+    gpu = engine_kwargs("m", cfg, torch.device("cuda"), torch.bfloat16, 0)
+    assert gpu["max_num_batched_tokens"] == 8192 and gpu["enable_prefix_caching"] is False
+    # graphs for the batch sizes the engine runs, merged with the user's table
+    assert gpu["compilation_config"] == {"max_cudagraph_capture_size": 64, "pass_config": {"fuse_allreduce_rms": False}}
+    cpu = engine_kwargs("m", RolloutConfig(engine="vllm"), torch.device("cpu"), torch.float32, 0)
+    assert "compilation_config" not in cpu and cpu["enforce_eager"]
 
 
 def run_checks(tmp_path, tp):
@@ -78,8 +91,8 @@ def test_vllm_sleep_level_2_frees_gpu_memory(tmp_path):
     os.environ.update(MASTER_PORT="29631", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     d = parallel.init_distributed()
     model_dir = save_tiny_model_dir(tmp_path / "model")
-    engine = VllmEngine(str(model_dir), RolloutConfig(engine="vllm", gpu_memory_utilization=0.3), d.device,
-                        torch.bfloat16, 0)
+    cfg = RolloutConfig(engine="vllm", gpu_memory_utilization=0.3, max_context_len=256)  # the tiny model's 512 at most
+    engine = VllmEngine(str(model_dir), cfg, d.device, torch.bfloat16, 0)
     free_awake = torch.cuda.mem_get_info()[0]
     engine.sleep(2)
     free_asleep = torch.cuda.mem_get_info()[0]

@@ -15,8 +15,22 @@ Departures from vLLM defaults, and why:
   renormalised over the kept tokens, off by log(kept mass) at every token, so the engine
   reports `raw_logprobs` instead, which equal the tempered ones only at temperature 1
   (config.validate refuses the other combination).
+- Generation stops only at the call's stop ids (`ignore_eos`): vLLM would add the model's EOS ids from
+  its generation config, which the trainer already puts into the stop ids, and a benchmark that
+  ignores EOS leaves out.
 - A prompt group (identical consecutive prompts) is one request with `n` samples, so
   its KV is prefilled once and shared.
+- CUDA graphs are captured for decode batches up to `max_batch_size` (vLLM's default goes to twice
+  max_num_seqs, batches this engine never runs).
+- Weight sync on the GPU copies each tensor into vLLM's parameters in place through the model's own
+  `load_weights` (TP slicing, qkv and gate_up fusion). vLLM's `reload_weights` instead rebuilds every
+  layer on the meta device, loads into fresh tensors, post-processes and copies back: the work a load
+  from disk needs, and on CUDA without quantization the post-processing is empty. On CPU it is not
+  (vLLM's CPU backend repacks linear weights after loading), so the CPU engine keeps `reload_weights`.
+- `rollout.vllm_kwargs` is passed to `vllm.LLM` last; a `compilation_config` table in it is merged
+  into this file's. For TP > 1 without NVLink multicast: `compilation_config = {pass_config =
+  {fuse_allreduce_rms = false}}` with VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm and
+  VLLM_ALLREDUCE_USE_SYMM_MEM=0 in the environment.
 - Sleep mode is CUDA-only in vLLM (`enable_sleep_mode` is refused on CPU). On CPU the
   same calls still go through vLLM's engine core (scheduler pause, prefix-cache reset),
   whose CPU worker keeps weights and KV resident.
@@ -68,7 +82,12 @@ def engine_kwargs(model_path: str, cfg: RolloutConfig, device: torch.device, dty
         kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
     else:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    return kwargs
+    compilation = {"max_cudagraph_capture_size": cfg.max_batch_size} if on_gpu else {}
+    extra = dict(cfg.vllm_kwargs)
+    compilation |= extra.pop("compilation_config", {})
+    if compilation:
+        kwargs["compilation_config"] = compilation
+    return kwargs | extra
 
 
 def logprobs_mode(cfg: RolloutConfig) -> str:
@@ -78,6 +97,11 @@ def logprobs_mode(cfg: RolloutConfig) -> str:
     if cfg.temperature != 1.0:
         raise ValueError("vLLM reports no full-vocabulary tempered logprobs with top_p/top_k and temperature != 1")
     return "raw_logprobs"
+
+
+def _copy_into_parameters(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Runs on vLLM's worker: the model's own loader, which copies each tensor into its parameter."""
+    worker.get_model().load_weights(weights)
 
 
 class VllmEngine:
@@ -92,6 +116,7 @@ class VllmEngine:
         logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
 
         self.llm = LLM(**engine_kwargs(model_path, cfg, device, dtype, seed))
+        self.in_place_loads = device.type == "cuda"  # module docstring: CPU weights are repacked after a load
         self.asleep = {tag: False for tag in TAGS}
         self.calls: list[str] = []  # the order of weight loads and memory transitions, for the tests
 
@@ -122,17 +147,20 @@ class VllmEngine:
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hands HF-named full tensors to vLLM's in-place reload, which applies its TP slicing,
-        fusions (qkv, gate_up) and the per-layer post-processing that some backends do after
-        loading (the CPU backend repacks linear weights). Tensors are consumed one by one as
-        the iterator gathers them, so no second full copy of the model exists."""
+        """Hands HF-named full tensors to vLLM, which applies its TP slicing and fusions (qkv,
+        gate_up): on CUDA copied straight into its parameters, on CPU through its in-place reload
+        (module docstring). Tensors are consumed one by one as the iterator gathers them, so no
+        second full copy of the model exists."""
         if self.asleep["weights"]:
             raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
         self.calls.append("load_weights")
         # vLLM computes its own rotary tables; the trainer's rotary buffers have no place here.
         params = ((name, t) for name, t in weights if ".rotary_emb." not in name)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": params,
-                                                          "is_checkpoint_format": True})
+        if self.in_place_loads:
+            self.llm.collective_rpc(_copy_into_parameters, kwargs={"weights": params})
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": params,
+                                                              "is_checkpoint_format": True})
 
     # ------------------------------------------------------------------ generation
 
@@ -149,7 +177,8 @@ class VllmEngine:
         # call), so the same call on a resumed run draws the same samples whatever else the engine has run.
         sampling = [VllmSamplingParams(n=count, max_tokens=params.max_new_tokens, temperature=params.temperature,
                                        top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
-                                       stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False,
+                                       stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
+                                       logprobs=0, detokenize=False,
                                        skip_special_tokens=False, spaces_between_special_tokens=False,
                                        seed=None if params.seed is None else derive_seed(params.seed, i))
                     for i, (_, count) in enumerate(runs)]
