@@ -8,6 +8,8 @@ decode graphs instead of re-capturing every batch-size bucket after each wake (v
 does the same with its cuMem allocator).
 
 The driver is reached with ctypes; `supported(device)` says whether this process can use it.
+`unmapped_allocator_bytes` says how much of torch's allocator count has no memory behind it now
+(vLLM's sleep mode unmaps its pools while their tensors, and so torch's count, stay).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ _LOCATION_DEVICE = 1
 _ALLOCATION_PINNED = 1
 _ACCESS_READ_WRITE = 3
 _ATTRIBUTE_VMM_SUPPORTED = 102  # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+_POINTER_ATTRIBUTE_MAPPED = 13  # CU_POINTER_ATTRIBUTE_MAPPED
+_NOT_A_DEVICE_POINTER = (1, 500)  # CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND: reserved addresses, unmapped
 
 
 class _Location(ctypes.Structure):
@@ -68,6 +72,33 @@ def supported(device: torch.device) -> bool:
     if _driver().cuDeviceGetAttribute(ctypes.byref(value), _ATTRIBUTE_VMM_SUPPORTED, ordinal) != _SUCCESS:
         return False
     return value.value == 1
+
+
+def is_mapped(address: int) -> bool:
+    """Whether device memory backs `address` now: False for a reserved range whose memory was unmapped,
+    True when the driver says so or gives an answer of another kind (then nothing is left out of a count)."""
+    mapped = ctypes.c_int(0)
+    result = _driver().cuPointerGetAttribute(ctypes.byref(mapped), _POINTER_ATTRIBUTE_MAPPED, ctypes.c_uint64(address))
+    if result in _NOT_A_DEVICE_POINTER:
+        return False
+    return result != _SUCCESS or bool(mapped.value)
+
+
+def unmapped_allocator_bytes(device: torch.device) -> tuple[int, int]:
+    """(allocated, reserved) bytes that torch's caching allocator counts on `device` in segments with no
+    memory behind them now. vLLM's sleep mode allocates weights and KV cache in a torch memory pool of
+    its own driver allocations and, asleep, unmaps them while keeping the tensors: torch's allocated,
+    reserved and peak bytes still include them although the device holds none of it. (0, 0) off CUDA."""
+    if not supported(device):
+        return 0, 0
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    allocated = reserved = 0
+    for segment in torch.cuda.memory_snapshot():
+        if segment["device"] == index and not is_mapped(segment["address"]):
+            allocated += segment["allocated_size"]
+            reserved += segment["total_size"]
+    return allocated, reserved
 
 
 class _CudaArray:
