@@ -4,22 +4,33 @@
 # policy offloaded while the engine runs. Random weights of a config folder; any tokenizer folder.
 #
 #   bash benchmarks/loop.sh configs/models/qwen2.5-1.5b TOKENIZER_DIR "1 2 4 8" [ROLLOUTS] [--section.key=value ...]
+#   ENGINES="native vllm" bash benchmarks/loop.sh ...   # each GPU count with each engine, tabled side by side
 #
-# Runs land in runs/loop/<model>-<gpus>; the step-time table is printed at the end.
+# vLLM runs take rollout.gpu_memory_utilization=$VLLM_MEMORY (default 0.3; an override after ROLLOUTS wins).
+# Runs land in runs/loop/<model>-<gpus> (native) or runs/loop/<model>-<gpus>-vllm; the step-time table is
+# printed at the end.
 set -euo pipefail
 model=$1; tokenizer=$2; gpus=$3; rollouts=${4:-4}; shift $(( $# < 4 ? $# : 4 ))
+engines=${ENGINES:-native}
 data=runs/loop/prompts.jsonl
 mkdir -p runs/loop
 python benchmarks/loop_breakdown.py data $data
 runs=()
 for n in $gpus; do
-  out=runs/loop/$(basename $model)-$n
-  torchrun --standalone --nproc-per-node $n -m rl.main --config configs/tiny.toml \
-    --model.path=$model --model.random_init=true --model.tokenizer=$tokenizer \
-    --data.source=$data --data.max_prompt_len=512 --rollout.max_context_len=1600 --rollout.max_new_tokens=1024 \
-    --rollout.rollout_batch_size=32 --rollout.n_samples_per_prompt=8 --reward.num_workers=4 \
-    --reward.user_fn=tests.reward_fns:digit_fraction --log.progress=false --train.micro_batch_tokens=16384 \
-    --train.lr=1e-6 --train.offload=true --train.num_rollout=$rollouts --log.output_dir=$out "$@"
-  runs+=($out)
+  for engine in $engines; do
+    out=runs/loop/$(basename $model)-$n
+    extra=()
+    if [ "$engine" = vllm ]; then
+      out=$out-vllm
+      extra=(--rollout.engine=vllm --rollout.gpu_memory_utilization=${VLLM_MEMORY:-0.3})
+    fi
+    torchrun --standalone --nproc-per-node $n -m rl.main --config configs/tiny.toml \
+      --model.path=$model --model.random_init=true --model.tokenizer=$tokenizer \
+      --data.source=$data --data.max_prompt_len=512 --rollout.max_context_len=1600 --rollout.max_new_tokens=1024 \
+      --rollout.rollout_batch_size=32 --rollout.n_samples_per_prompt=8 --reward.num_workers=4 \
+      --reward.user_fn=tests.reward_fns:digit_fraction --log.progress=false --train.micro_batch_tokens=16384 \
+      --train.lr=1e-6 --train.offload=true --train.num_rollout=$rollouts --log.output_dir=$out "${extra[@]}" "$@"
+    runs+=($out)
+  done
 done
 python benchmarks/loop_breakdown.py table "${runs[@]}"

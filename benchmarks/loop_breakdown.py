@@ -1,9 +1,12 @@
 """Step-time breakdown of RL loop runs, and the prompt file they train on.
 
     python benchmarks/loop_breakdown.py data /tmp/long.jsonl      # 2048 prompts of ~150-500 tokens
+    python benchmarks/loop_breakdown.py tokenizer /tmp/tok        # a word-level tokenizer for them
     python benchmarks/loop_breakdown.py table RUN_DIR [RUN_DIR ...]
 
-`table` reads each run's metrics.jsonl and prints, per run, the median over every rollout but the
+`tokenizer` writes a tokenizer folder for machines that have none: one token per word, digit
+run and punctuation mark of those prompts (as many tokens per prompt as Qwen2.5's tokenizer gives,
+within a few percent), a ChatML template, ids far below any model's vocabulary. `table` reads each run's metrics.jsonl and prints, per run, the median over every rollout but the
 first (which compiles kernels, captures graphs and pins host memory) of the seed's phases: rollout,
 engine sleep, policy onload, train, weight sync, policy offload and KV wake-up, with weight-sync
 GB/s and memory per phase. `benchmarks/loop.sh` runs the loop on 1..N GPUs and calls both.
@@ -41,6 +44,23 @@ def write_data(path: str, rows: int = 2048) -> None:
             f.write(json.dumps({"question": f"{context}\nWhat is {a} + {b}?", "answer": str(a + b)}) + "\n")
 
 
+def write_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    words = "alpha beta gamma delta seven nine eleven plus minus times sum value number carry digit What is".split()
+    words += ["system", "user", "assistant", "?", "+", "=", "."] + [str(d) for d in range(10)]
+    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(),
+                                                  pre_tokenizers.Digits(individual_digits=True)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  unk_token="<unk>", additional_special_tokens=specials[:3])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(path)
+
+
 def table(run_dirs: list[str]) -> str:
     medians = {}
     for run in run_dirs:
@@ -54,9 +74,11 @@ def table(run_dirs: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("data", "table"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("data", "tokenizer", "table"):
         sys.exit(__doc__)
     if sys.argv[1] == "data":
         write_data(sys.argv[2])
+    elif sys.argv[1] == "tokenizer":
+        write_tokenizer(sys.argv[2])
     else:
         print(table(sys.argv[2:]))

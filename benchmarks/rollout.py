@@ -1,17 +1,25 @@
-"""Rollout throughput: the native engine against HF `generate` on the seed's batch, on one device.
+"""Rollout throughput: the native engine and vLLM against each other and HF `generate`, on one device.
 
     python benchmarks/rollout.py --out rollout.json            # Qwen2.5-0.5B and 1.5B shapes, bf16, on CUDA
+    python benchmarks/rollout.py --engines native vllm --hf-steps -1   # both engines on the same batch
 
 The seed's scenario: 32 prompts x 8 samples, prompts of random length up to 512 tokens, 1024 new
 tokens per sample with EOS ignored, so every engine does identical work. Weights are random
 (built from the config folders in configs/models), which changes nothing about the work done.
-Per model the table gives output tokens/s and time to finish the batch for the engine and for
-HF `generate` on the same inputs in the same run, their ratio, and the decode roofline: the bytes
-every decode step must read (weights + each sequence's KV) over the device-to-device copy
-bandwidth measured in the same run, with the fraction of it the engine achieved (over its whole
-batch time, prefill included). It also checks, per model, the engine's logprobs against a bf16
-training forward of the same sequences, and that sleep(2) returns the engine's memory and that
-wake + load reproduces greedy outputs.
+Per model and engine the table gives output tokens/s and time to finish the batch, HF `generate`
+on the same inputs in the same run, and the decode roofline: the bytes every decode step must read
+(weights + each sequence's KV) over the device-to-device copy bandwidth measured in the same run,
+with the fraction of it the engine achieved (over its whole batch time, prefill included). Per
+engine it also times a weight load (the engine's side of a weight sync: the model is unsharded, so
+nothing is gathered), checks the engine's logprobs against a bf16 training forward of the same
+sequences, and that sleep(2) returns the engine's memory (by the driver's count; torch's count of
+a sleeping vLLM is shown beside it) and that wake + load reproduces greedy outputs.
+
+Each vLLM engine runs as the trainer runs it (rl/rollout/vllm.py, in-process, a process group of
+one), in a child process of its own (vLLM's sleep allocator serves one engine per process);
+`--vllm-variants` takes JSON objects of extra `vllm.LLM` arguments (`rollout.vllm_kwargs`), one
+engine per object, e.g. '{}' '{"enable_prefix_caching": false}' '{"enforce_eager": true}'. For each
+vLLM engine the batch is also generated without logprobs (what reporting them costs).
 
     python benchmarks/rollout.py --batch-invariant --hf-steps -1   # the same in model.batch_invariant mode
 
@@ -24,7 +32,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,8 +45,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rl.config import RolloutConfig  # noqa: E402
 from rl.invariant import make_batch_invariant  # noqa: E402
-from rl.rollout import SamplingParams  # noqa: E402
+from rl.rollout import SamplingParams, vmem  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
 from rl.weights import iter_full_weights  # noqa: E402
 
@@ -78,13 +91,15 @@ def random_prompts(vocab_size: int, num: int, min_len: int, max_len: int) -> lis
     return [torch.randint(1, vocab_size // 2, (n,), generator=gen).tolist() for n in lens]
 
 
-def roofline(engine: NativeEngine, prompt_lens: list[int], n_samples: int, new_tokens: int, bandwidth: float) -> dict:
+def roofline(model, prompt_lens: list[int], n_samples: int, new_tokens: int, bandwidth: float) -> dict:
     """Least bytes the decode steps must read, and the time that takes at `bandwidth`."""
-    s = engine.model.shape
-    weights = engine.model.weights
-    weight_bytes = sum(t.numel() * t.element_size() for k, t in weights.items() if k != "embed")
-    weight_bytes += s.vocab_size * s.hidden_size * weights["embed"].element_size()  # lm_head (tied or not)
-    kv_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * weights["embed"].element_size()
+    cfg = model.config
+    embed = model.get_input_embeddings().weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
+    if not cfg.tie_word_embeddings:
+        weight_bytes -= embed.numel() * embed.element_size()  # a decode step reads lm_head, not the embedding
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * embed.element_size()
     steps = new_tokens - 1  # the first token comes out of the prefill
     arith = steps * (steps + 1) // 2  # sum over steps of the tokens generated before each
     per_seq = sum(p * steps + arith for p in prompt_lens) * n_samples  # context tokens read, all steps
@@ -165,27 +180,67 @@ def logprob_parity(model, prompts: list[list[int]], outs, device: torch.device, 
             "bf16_vs_fp32_mean_abs": (single - exact).abs().mean().item()}
 
 
-def sleep_round_trip(engine: NativeEngine, model, prompts: list[list[int]], new_tokens: int,
+def sleep_round_trip(engine, model, prompts: list[list[int]], new_tokens: int,
                      device: torch.device, free_before_engine: int) -> dict:
     """Greedy outputs before sleep(2) and after wake + load; device memory the engine held awake and
     asleep (from the driver's free memory: the engine's weights and cache may live outside torch's
-    allocator); whether the decode graphs survived the sleep."""
+    allocator); torch's reserved bytes asleep, and how much of them has no memory behind it (a
+    sleeping vLLM's pools); whether the native engine's decode graphs survived the sleep."""
     greedy = SamplingParams(max_new_tokens=new_tokens, top_k=1)
     before = [o.token_ids for o in engine.generate(prompts, greedy)]
-    graphs = dict(engine.graphs)
+    graphs = dict(engine.graphs) if isinstance(engine, NativeEngine) else {}
     sync(device)
     free_awake = free_bytes(device)
     engine.sleep(2)
+    sync(device)
     free_asleep = free_bytes(device)
+    reserved_asleep = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    unmapped_asleep = vmem.unmapped_allocator_bytes(device)[1]
     engine.wake_up(["weights"])
     engine.load_weights(all_weights(model))
     engine.reset_prefix_cache()
     engine.wake_up(["kv_cache"])
+    unmapped_awake = vmem.unmapped_allocator_bytes(device)[1]
     after = [o.token_ids for o in engine.generate(prompts, greedy)]
     return {"engine_bytes_awake": free_before_engine - free_awake,
             "engine_bytes_asleep": free_before_engine - free_asleep,
+            "torch_reserved_asleep": reserved_asleep, "torch_unmapped_asleep": unmapped_asleep,
+            "torch_unmapped_awake": unmapped_awake,
             "greedy_identical_after_wake": before == after,
             "graphs_kept": bool(graphs) and all(engine.graphs.get(k) is g for k, g in graphs.items())}
+
+
+def time_weight_loads(engine, model, device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of engine.load_weights over every parameter (the engine's side of a weight sync)."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        engine.load_weights(all_weights(model))
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def vllm_no_logprobs_s(engine, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
+    """Seconds for the vLLM engine to generate the batch as `engine.generate` does, but asking no logprobs."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rl.rollout.vllm import group_runs
+
+    runs = group_runs(prompts)
+    requests = [TokensPrompt(prompt_token_ids=list(prompts[start])) for start, _ in runs]
+    sampling = [VllmSamplingParams(n=count, max_tokens=new_tokens, temperature=1.0, ignore_eos=True,
+                                   detokenize=False)
+                for _, count in runs]
+    sync(device)
+    start = time.perf_counter()
+    outs = engine.llm.generate(requests, sampling, use_tqdm=False)
+    sync(device)
+    seconds = time.perf_counter() - start
+    assert sum(len(c.token_ids) for o in outs for c in o.outputs) == len(prompts) * new_tokens
+    return seconds
 
 
 def kernel_times(engine: NativeEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
@@ -212,27 +267,33 @@ def profile_decode(engine: NativeEngine, prompts: list[list[int]], steps: int = 
     return sorted([r for r in rows if r[1] > 0.0005], key=lambda r: -r[1])[:25]
 
 
-def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandwidth: float) -> dict:
-    cfg = AutoConfig.from_pretrained(path)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
-    distinct = random_prompts(cfg.vocab_size, args.num_prompts, args.min_prompt_len, args.max_prompt_len)
-    lens = [len(p) for p in distinct]
-    prompts = [p for p in distinct for _ in range(args.n_samples)]
-    batch = len(prompts)
+def build(name: str, path: str, cfg, args, device: torch.device, dtype: torch.dtype, batch: int, variant: dict):
+    max_context = args.max_prompt_len + args.max_new_tokens
+    if name == "native":
+        return NativeEngine(cfg, device, dtype, max_batch_size=batch, seed=0, max_context_len=max_context,
+                            batch_invariant=args.batch_invariant)
+    from rl.rollout.vllm import VllmEngine
 
+    rollout = RolloutConfig(engine="vllm", max_context_len=max_context, max_batch_size=batch,
+                            gpu_memory_utilization=args.gpu_memory_utilization, vllm_kwargs=variant)
+    return VllmEngine(path, rollout, device, dtype, seed=0)
+
+
+def bench_engine(name: str, variant: dict, path: str, model, prompts: list[list[int]], distinct: list[list[int]],
+                 args, device: torch.device, dtype: torch.dtype, bandwidth: float) -> dict:
+    cfg, batch = model.config, len(prompts)
+    lens = [len(p) for p in distinct]
     sync(device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # what the previous model's run left cached is not the engine's
+        torch.cuda.empty_cache()  # what the previous run left cached is not this engine's
     free_base = free_bytes(device)
-    max_context = args.max_prompt_len + args.max_new_tokens
-    engine = NativeEngine(cfg, device, dtype, max_batch_size=batch, seed=0, max_context_len=max_context,
-                          batch_invariant=args.batch_invariant)
+    start = time.perf_counter()
+    engine = build(name, path, cfg, args, device, dtype, batch, variant)
     engine.load_weights(all_weights(model))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)  # no stop ids: EOS ignored
     engine.generate(prompts, SamplingParams(max_new_tokens=min(16, args.max_new_tokens)))  # warm-up: kernels compiled, graph captured
     sync(device)
+    startup_s = time.perf_counter() - start
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     sync(device)
@@ -241,66 +302,104 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
     assert tokens == batch * args.max_new_tokens
     engine_bytes = free_base - free_bytes(device)
 
-    row = {"model": Path(path).name + (" (batch-invariant)" if args.batch_invariant else ""), "batch": batch, "prompt_lens": lens, "new_tokens": args.max_new_tokens,
+    label = name + (" " + json.dumps(variant, separators=(",", ":")) if variant else "")
+    row = {"model": Path(path).name + (" (batch-invariant)" if args.batch_invariant else ""), "engine": label,
+           "batch": batch, "prompt_lens": lens, "new_tokens": args.max_new_tokens, "startup_s": startup_s,
            "engine_s": engine_s, "engine_tok_s": tokens / engine_s, "engine_bytes": engine_bytes}
-    row |= roofline(engine, lens, args.n_samples, args.max_new_tokens, bandwidth)
+    row |= roofline(model, lens, args.n_samples, args.max_new_tokens, bandwidth)
     row["roofline_tok_s"] = tokens / row["roofline_s"]
     row["roofline_frac"] = row["roofline_s"] / engine_s
     row["roofline_shared_prompt_frac"] = row["roofline_shared_prompt_s"] / engine_s
-    if args.profile and device.type == "cuda":
+    if name == "vllm":
+        row["no_logprobs_s"] = vllm_no_logprobs_s(engine, prompts, args.max_new_tokens, device)
+    row["load_weights_s"] = time_weight_loads(engine, model, device)
+    if args.profile and device.type == "cuda" and name == "native":
         row["profile_ms_per_step"] = profile_decode(engine, prompts)
-        for name, ms in row["profile_ms_per_step"]:
-            print(f"{ms:8.3f} ms/step  {name}")
+        for kernel, ms in row["profile_ms_per_step"]:
+            print(f"{ms:8.3f} ms/step  {kernel}")
     # Before the parity check: what its forwards leave in the allocator's segments is not the engine's.
     row["sleep"] = sleep_round_trip(engine, model, distinct, min(64, args.max_new_tokens), device, free_base)
     row["sleep"]["freed_frac"] = 1 - row["sleep"]["engine_bytes_asleep"] / max(row["sleep"]["engine_bytes_awake"], 1)
     picks = list(range(0, batch, args.n_samples))[: args.parity_sequences]
     row["logprob_parity"] = logprob_parity(model, [prompts[i] for i in picks], [outs[i] for i in picks], device,
-                                           max_context if args.batch_invariant else 0)
+                                           args.max_prompt_len + args.max_new_tokens if args.batch_invariant else 0)
     engine.sleep(2)
+    engine.close()
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return row
+
+
+def vllm_in_child(path: str, variant: str) -> dict:
+    """One vLLM engine measured in a process of its own, as the trainer runs one per process (vLLM's sleep
+    allocator serves a single engine per process); the same arguments, this model and variant only."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--models", path, "--engines", "vllm",
+                        "--vllm-variants", variant, "--hf-steps", "-1", "--out", "", "--vllm-child", str(out)],
+                       check=True)
+        return json.loads(out.read_text())
+
+
+def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandwidth: float) -> list[dict]:
+    cfg = AutoConfig.from_pretrained(path)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
+    distinct = random_prompts(cfg.vocab_size, args.num_prompts, args.min_prompt_len, args.max_prompt_len)
+    prompts = [p for p in distinct for _ in range(args.n_samples)]
+    rows = []
+    for name in args.engines:
+        for variant in (args.vllm_variants if name == "vllm" else ["{}"]):
+            if name == "vllm" and not args.vllm_child:
+                rows.append(vllm_in_child(path, variant))
+            else:
+                rows.append(bench_engine(name, json.loads(variant), path, model, prompts, distinct, args, device,
+                                         dtype, bandwidth))
+            if not args.vllm_child:
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "prompt_lens"}), flush=True)
 
     if args.hf_steps >= 0:
         hf_generate(model, prompts[:8], 4, device)  # warm-up
         hf_new = args.hf_steps or args.max_new_tokens
-        row["hf_new_tokens"] = hf_new
-        row["hf_s"] = hf_generate(model, prompts, hf_new, device)
-        row["hf_tok_s"] = batch * hf_new / row["hf_s"]
-        row["speedup"] = row["engine_tok_s"] / row["hf_tok_s"]
-    return row
+        hf_s = hf_generate(model, prompts, hf_new, device)
+        for row in rows:
+            row["hf_new_tokens"], row["hf_s"], row["hf_tok_s"] = hf_new, hf_s, len(prompts) * hf_new / hf_s
+            row["speedup"] = row["engine_tok_s"] / row["hf_tok_s"]
+    return rows
 
 
 def table(rows: list[dict], bandwidth: float) -> str:
     lines = [f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s",
-             "| model | batch x new | engine tok/s | engine s | HF generate tok/s | HF s | speedup | "
-             "decode roofline tok/s | of roofline | of shared-prompt roofline |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | engine | batch x new | tok/s | s | no-logprobs s | start-up s | load weights s | "
+             "HF generate tok/s | HF s | speedup | decode roofline tok/s | of roofline | of shared-prompt roofline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        hf = "-"
         if "hf_s" in r:
             label = "" if r["hf_new_tokens"] == r["new_tokens"] else f" (first {r['hf_new_tokens']} steps)"
             hf = f"{r['hf_tok_s']:,.0f}{label} | {r['hf_s']:.1f} | {r['speedup']:.1f}x"
         else:
             hf = "- | - | -"
-        lines.append(f"| {r['model']} | {r['batch']} x {r['new_tokens']} | {r['engine_tok_s']:,.0f} | "
-                     f"{r['engine_s']:.2f} | {hf} | {r['roofline_tok_s']:,.0f} | {100 * r['roofline_frac']:.0f}% | "
+        no_lp = f"{r['no_logprobs_s']:.2f}" if "no_logprobs_s" in r else "-"
+        lines.append(f"| {r['model']} | {r['engine']} | {r['batch']} x {r['new_tokens']} | {r['engine_tok_s']:,.0f} | "
+                     f"{r['engine_s']:.2f} | {no_lp} | {r['startup_s']:.1f} | {r['load_weights_s']:.4f} | {hf} | "
+                     f"{r['roofline_tok_s']:,.0f} | {100 * r['roofline_frac']:.0f}% | "
                      f"{100 * r['roofline_shared_prompt_frac']:.0f}% |")
-    lines += ["", "| model | logprob mean abs diff | max abs diff | tokens | bitwise equal | engine vs HF forward | "
-              "forward batched vs single | "
-              "forward SDPA vs eager attention | engine vs fp32 forward | forward vs fp32 forward | sleep(2) freed "
-              "| engine memory awake -> asleep | greedy identical after wake | graphs kept |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | engine | logprob mean abs diff | max abs diff | tokens | bitwise equal | "
+              "engine vs HF forward | forward batched vs single | forward SDPA vs eager attention | "
+              "engine vs fp32 forward | forward vs fp32 forward | sleep(2) freed | engine memory awake -> asleep | "
+              "torch reserved asleep (unmapped) | greedy identical after wake | graphs kept |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, s = r["logprob_parity"], r["sleep"]
-        lines.append(f"| {r['model']} | {p['mean_abs']:.2e} | {p['max_abs']:.2e} | {p['tokens']} | "
+        lines.append(f"| {r['model']} | {r['engine']} | {p['mean_abs']:.2e} | {p['max_abs']:.2e} | {p['tokens']} | "
                      f"{100 * p['exactly_equal_frac']:.1f}% | {p['engine_vs_hf_forward_mean_abs']:.2e} | "
                      f"{p['bf16_batched_vs_single_mean_abs']:.2e} | {p['bf16_sdpa_vs_eager_mean_abs']:.2e} | "
-                     f"{p['engine_vs_fp32_mean_abs']:.2e} | "
-                     f"{p['bf16_vs_fp32_mean_abs']:.2e} | "
+                     f"{p['engine_vs_fp32_mean_abs']:.2e} | {p['bf16_vs_fp32_mean_abs']:.2e} | "
                      f"{100 * s['freed_frac']:.1f}% | {s['engine_bytes_awake'] / 2**30:.2f} -> "
-                     f"{s['engine_bytes_asleep'] / 2**30:.2f} GiB | {s['greedy_identical_after_wake']} | "
+                     f"{s['engine_bytes_asleep'] / 2**30:.2f} GiB | {s['torch_reserved_asleep'] / 2**30:.2f} "
+                     f"({s['torch_unmapped_asleep'] / 2**30:.2f}) GiB | {s['greedy_identical_after_wake']} | "
                      f"{s['graphs_kept']} |")
     return "\n".join(lines)
 
@@ -319,16 +418,29 @@ def main() -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="engine and training forward in batch-invariant mode (model.batch_invariant)")
     parser.add_argument("--profile", action="store_true", help="print device time per decode step by kernel")
+    parser.add_argument("--engines", nargs="+", default=["native"], choices=["native", "vllm"])
+    parser.add_argument("--vllm-variants", nargs="+", default=["{}"],
+                        help="JSON objects of extra vllm.LLM arguments (rollout.vllm_kwargs), one engine each")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the device")
+    parser.add_argument("--vllm-child", default="", help=argparse.SUPPRESS)  # vllm_in_child's row file
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.vllm_child:  # vLLM joins the process group the trainer would have made: here, one of one
+        from rl import parallel
+
+        os.environ.setdefault("MASTER_PORT", "29641")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        device = parallel.init_distributed().device
     bandwidth = copy_bandwidth(device)
     rows = []
     for path in args.models:
-        rows.append(bench_model(path, args, device, dtype, bandwidth))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "prompt_lens"}), flush=True)
+        rows += bench_model(path, args, device, dtype, bandwidth)
+    if args.vllm_child:
+        Path(args.vllm_child).write_text(json.dumps(rows[0]))
+        return
     print(table(rows, bandwidth))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
