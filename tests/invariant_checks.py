@@ -46,7 +46,7 @@ def main(out: str) -> None:
     engine = NativeEngine(hf.config, torch.device("cpu"), torch.float32, max_batch_size=8, seed=0,
                           max_context_len=MAX_CONTEXT, batch_invariant=True)
     engine.load_weights(full_weights(hf))
-    seqs = [p for p in PROMPTS for _ in range(2)]
+    seqs = list(PROMPTS)
     outs = engine.generate(seqs, SamplingParams(max_new_tokens=8, temperature=1.0))
     responses = [list(o.token_ids) for o in outs]
     engine_lp = [torch.tensor(o.logprobs) for o in outs]

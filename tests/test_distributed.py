@@ -144,6 +144,7 @@ def test_main_loop_batch_invariant(tmp_path, monkeypatch):
     float32 through Triton's interpreter here), and training and weight sync go on as usual."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rows = run_loop(tmp_path, 2, "--train.num_rollout=2", "--model.batch_invariant=true",
+                    "--rollout.rollout_batch_size=4", "--rollout.n_samples_per_prompt=2",  # the interpreter is slow
                     "--reward.user_fn=tests.reward_fns:digit_fraction")
     assert [r["weight_version"] for r in rows] == [2, 3]
     for row in rows:
