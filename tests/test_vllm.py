@@ -26,6 +26,9 @@ def test_engine_kwargs_pass_vllm_kwargs_through_last():
     assert gpu["max_num_batched_tokens"] == 8192 and gpu["enable_prefix_caching"] is False
     # graphs for the batch sizes the engine runs, merged with the user's table
     assert gpu["compilation_config"] == {"max_cudagraph_capture_size": 64, "pass_config": {"fuse_allreduce_rms": False}}
+    tp2 = engine_kwargs("m", RolloutConfig(engine="vllm", tensor_parallel_size=2), torch.device("cuda"),
+                        torch.bfloat16, 0)
+    assert tp2["compilation_config"]["pass_config"] == {"fuse_allreduce_rms": False}  # no NVLink multicast
     cpu = engine_kwargs("m", RolloutConfig(engine="vllm"), torch.device("cpu"), torch.float32, 0)
     assert "compilation_config" not in cpu and cpu["enforce_eager"]
 

@@ -27,10 +27,12 @@ Departures from vLLM defaults, and why:
   layer on the meta device, loads into fresh tensors, post-processes and copies back: the work a load
   from disk needs, and on CUDA without quantization the post-processing is empty. On CPU it is not
   (vLLM's CPU backend repacks linear weights after loading), so the CPU engine keeps `reload_weights`.
+- With TP > 1 on GPUs, NVLink multicast stays off: vLLM 0.26 otherwise builds flashinfer's `mnnvl`
+  all-reduce workspace (multicast) for its all-reduce + RMSNorm fusion and takes symmetric-memory
+  all-reduce. Here `pass_config.fuse_allreduce_rms` is off, and the environment gets
+  VLLM_ALLREDUCE_USE_SYMM_MEM=0 and VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm unless it sets them.
 - `rollout.vllm_kwargs` is passed to `vllm.LLM` last; a `compilation_config` table in it is merged
-  into this file's. For TP > 1 without NVLink multicast: `compilation_config = {pass_config =
-  {fuse_allreduce_rms = false}}` with VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm and
-  VLLM_ALLREDUCE_USE_SYMM_MEM=0 in the environment.
+  into this file's key by key (its own `pass_config` replaces this file's whole).
 - Sleep mode is CUDA-only in vLLM (`enable_sleep_mode` is refused on CPU). On CPU the
   same calls still go through vLLM's engine core (scheduler pause, prefix-cache reset),
   whose CPU worker keeps weights and KV resident.
@@ -83,6 +85,8 @@ def engine_kwargs(model_path: str, cfg: RolloutConfig, device: torch.device, dty
     else:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     compilation = {"max_cudagraph_capture_size": cfg.max_batch_size} if on_gpu else {}
+    if on_gpu and cfg.tensor_parallel_size > 1:
+        compilation["pass_config"] = {"fuse_allreduce_rms": False}  # module docstring: no NVLink multicast
     extra = dict(cfg.vllm_kwargs)
     compilation |= extra.pop("compilation_config", {})
     if compilation:
@@ -109,6 +113,9 @@ class VllmEngine:
         # The engine core must run in this process for external_launcher (and for weights to
         # be loaded by a plain function call).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if device.type == "cuda" and cfg.tensor_parallel_size > 1:  # module docstring: no NVLink multicast
+            os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
+            os.environ.setdefault("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
         from vllm import LLM
 
         # With skip_tokenizer_init, LLM() still warms up a chat template and logs the failure
