@@ -395,7 +395,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              "rollout.kv_cache_memory_bytes must be > 0 when set")
     _require(ro.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
     owned = sorted(set(ro.vllm_kwargs) & {"model", "skip_tokenizer_init", "load_format", "dtype", "seed",
-                                          "tensor_parallel_size", "distributed_executor_backend", "logprobs_mode"})
+                                          "tensor_parallel_size", "distributed_executor_backend", "logprobs_mode",
+                                          "max_model_len", "max_num_seqs", "enable_sleep_mode"})
     _require(not owned, f"rollout.vllm_kwargs may not set {owned}: the engine sets them (or another rollout key does)")
     _require(not ro.vllm_kwargs or ro.engine == "vllm", "rollout.vllm_kwargs needs rollout.engine='vllm'")
     _require(ro.engine == "vllm" or ro.tensor_parallel_size == 1,

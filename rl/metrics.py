@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from rl.health import RunStopped
+from rl.rollout.vmem import unmapped_allocator_bytes
 
 PRINT_KEYS = ("rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm",
               "train/clip_frac", "perf/step_s", "perf/rollout_s", "perf/train_s", "perf/weight_sync_s")
@@ -48,12 +49,17 @@ def timed(times: dict[str, float], key: str):
 def memory_phase(phase: str, device: torch.device) -> dict[str, float]:
     """Peak and reserved memory of torch's allocator since the previous call (then a fresh peak counter),
     and the device memory in use now by the driver's count, which also covers what lives outside torch's
-    allocator (the native engine's weights and KV cache) and the CUDA context."""
+    allocator (the native engine's weights and KV cache) and the CUDA context.
+
+    Segments with no memory behind them at the call (a sleeping vLLM's pools, which torch keeps counting)
+    are left out of peak and reserved; they stay unmapped through the train phase, so its peak is the
+    trainer's own."""
     if device.type != "cuda":
         return {}
     free, total = torch.cuda.mem_get_info(device)
-    stats = {f"memory/{phase}_peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-             f"memory/{phase}_reserved_gb": torch.cuda.memory_reserved(device) / 1e9,
+    unmapped_allocated, unmapped_reserved = unmapped_allocator_bytes(device)
+    stats = {f"memory/{phase}_peak_gb": (torch.cuda.max_memory_allocated(device) - unmapped_allocated) / 1e9,
+             f"memory/{phase}_reserved_gb": (torch.cuda.memory_reserved(device) - unmapped_reserved) / 1e9,
              f"memory/{phase}_device_used_gb": (total - free) / 1e9}
     torch.cuda.reset_peak_memory_stats(device)
     return stats
