@@ -23,12 +23,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from transformers import AutoConfig, AutoTokenizer
 
 from rl import checkpoint, parallel
-from rl.algo import advantages
+from rl.algo import advantages, needs_old_logprobs
 from rl.checks import check_model_and_tokenizer
 from rl.config import (AlgoConfig, Config, ConfigError, RolloutConfig, TrainConfig, check_paths, dump, load_config,
                        resolve)
 from rl.data import PromptDataset, Sample, Status
 from rl.evaluate import evaluate, load_eval_prompts
+from rl.flops import train_flops
 from rl.export import export_policy
 from rl.health import Health, RunStopped
 from rl.metrics import make_logger, memory_phase, timed
@@ -184,7 +185,6 @@ def main(argv: list[str]) -> None:
         critic = Critic(cfg.model, cfg.critic, cfg.train, dist.mesh, dist.device, cfg.rollout.max_context_len)
         print0(f"critic: {cfg.critic.path or cfg.model.path} with a value head, lr {cfg.critic.lr}")
     critic_state = (critic.model, critic.optimizer) if critic else None
-    num_params = sum(p.numel() for p in policy.parameters())  # DTensors count their global size
     health = Health(cfg.train.max_bad_steps, cfg.reward.max_failed_steps, policy.config.vocab_size)
     start, weight_version = 0, 1  # seed step 8: the first push is version 1
     if resume_from:
@@ -268,8 +268,9 @@ def main(argv: list[str]) -> None:
                         steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank,
                                                                                 dist.world_size, dist.device)
                 if critic:  # GAE: the critic's values of this rank's samples give per-token advantages
-                    critic.onload()
-                    values = critic.values(micro_batches)
+                    with timed(times, "perf/critic_s"):
+                        critic.onload()
+                        values = critic.values(micro_batches)
                     returns = gae_advantages(micro_batches, values, {s.index: s.reward for s in samples},
                                              kl_rows(cfg.algo.kl_estimator, old, ref) if cfg.algo.kl_in_reward else None,
                                              cfg.algo)
@@ -283,9 +284,8 @@ def main(argv: list[str]) -> None:
                 per_rank = parallel.all_gather_objects([local_stats])
                 train_stats = train_metrics(per_rank, len(steps), cfg.algo) | extra_stats
             train_stats["train/padding_micro_batches"] = padding
-            mfu = train_mfu(num_params, sum(len(s.tokens) for s in samples), times["perf/train_s"], dist)
-            if mfu is not None:
-                train_stats["perf/train_mfu"] = mfu
+            train_stats |= train_throughput(policy.config, samples, times, dist,
+                                            extra_forward=bool(old) or needs_old_logprobs(cfg.train, cfg.algo))
             memory |= memory_phase("train", dist.device)
 
             # E. weights into the engine, version + 1 (the same weights and version when every step was skipped:
@@ -382,14 +382,22 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12
                    "B200": 2250e12}
 
 
-def train_mfu(num_params: int, tokens: int, train_s: float, dist: parallel.Dist) -> float | None:
-    """Model FLOPs utilisation of the train phase: 6 x parameters x tokens (forward and backward) over the
-    time and the peak of all devices. Attention FLOPs are left out, so it reads low for long sequences."""
-    if dist.device.type != "cuda" or train_s <= 0:
-        return None
-    name = torch.cuda.get_device_name(dist.device)
-    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if re.search(rf"\b{key}\b", name)), None)
-    return 6 * num_params * tokens / (train_s * dist.world_size * peak) if peak else None
+def train_throughput(config, samples: list[Sample], times: dict[str, float], dist: parallel.Dist,
+                     extra_forward: bool) -> dict[str, float]:
+    """The policy's training speed: tokens per second of the train phase, and its model FLOPs utilisation
+    (rl/flops.py: matmuls of forward + backward, plus a forward when the old logprobs took a pass of
+    their own) over the time and the peak of all devices (CUDA devices of PEAK_BF16_FLOPS only). The
+    reference's and the critic's passes are another model's work: their time is left out."""
+    seconds = times["perf/train_s"] - times.get("perf/ref_logprobs_s", 0.0) - times.get("perf/critic_s", 0.0)
+    lengths = [len(s.tokens) for s in samples]
+    out = {"perf/train_tokens_per_s": sum(lengths) / max(seconds, 1e-9)}
+    if dist.device.type == "cuda" and seconds > 0:
+        name = torch.cuda.get_device_name(dist.device)
+        peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if re.search(rf"\b{key}\b", name)), None)
+        if peak:
+            flops = train_flops(config, lengths, passes=1 + (1 / 3 if extra_forward else 0))
+            out["perf/train_mfu"] = flops / (seconds * dist.world_size * peak)
+    return out
 
 
 STARTUP_TIMEOUT_S = 1800.0  # the process group's own timeout while models load and kernels compile

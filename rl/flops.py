@@ -1,0 +1,37 @@
+"""Model FLOPs of training, for `perf/train_mfu`: what the model must compute, not what a kernel happens to do.
+
+One training pass over a sequence is a forward and a backward, 3 forwards' worth of matmuls. Per
+token, a forward multiplies every weight matrix once (2 FLOPs per weight): the decoder's linear
+layers (q, k, v, o and the gated MLP's three) and the lm_head (hidden x vocab, tied or not; the
+embedding lookup is no matmul). Causal attention adds, per layer and sequence of length L, QK^T and
+AV over the L (L + 1) / 2 visible pairs: 2 x 2 x heads x head_dim FLOPs per pair. Norms, activations,
+RoPE and the softmax are left out (a few percent at these shapes), as in the usual MFU counts.
+"""
+
+from __future__ import annotations
+
+
+def decoder_matmul_params(config) -> int:
+    """Weights of the decoder layers' matmuls (Llama / Qwen2 layout; biases left out)."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = config.num_key_value_heads * head_dim
+    attention = hidden * q + 2 * hidden * kv + q * hidden
+    mlp = 3 * hidden * config.intermediate_size
+    return layers * (attention + mlp)
+
+
+def forward_flops(config, seq_lens: list[int]) -> float:
+    """Matmul FLOPs of one forward pass over sequences of these lengths."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    tokens = sum(seq_lens)
+    weights = decoder_matmul_params(config) + config.hidden_size * config.vocab_size
+    pairs = sum(n * (n + 1) // 2 for n in seq_lens)
+    attention = config.num_hidden_layers * 4 * config.num_attention_heads * head_dim * pairs
+    return 2.0 * weights * tokens + attention
+
+
+def train_flops(config, seq_lens: list[int], passes: float = 1.0) -> float:
+    """Forward + backward over the sequences `passes` times (3 forwards each)."""
+    return 3.0 * passes * forward_flops(config, seq_lens)

@@ -1,0 +1,26 @@
+"""The FLOP count behind perf/train_mfu, against a count by hand for the tiny model."""
+
+import pytest
+import torch
+
+from rl.flops import decoder_matmul_params, forward_flops, train_flops
+from tests.tiny import tiny_config, tiny_model
+
+
+def test_flops_by_hand():
+    """hidden 128, MLP 200, 2 layers, 2 heads of 64, 1 KV head, vocab 256.
+    Per layer: q 128x128 + k 128x64 + v 128x64 + o 128x128 = 49,152; MLP 3 x 128 x 200 = 76,800 -> 125,952;
+    2 layers 251,904; lm_head 128 x 256 = 32,768; 284,672 weights. Sequences of 3 and 5 tokens: 8 tokens,
+    2 x 284,672 x 8 = 4,554,752; causal pairs 3*4/2 + 5*6/2 = 21, attention 2 layers x 4 x 2 heads x 64 x 21
+    = 21,504; forward 4,576,256; training (x3) 13,728,768, plus a forward-only pass 18,305,024."""
+    config = tiny_config()
+    assert decoder_matmul_params(config) == 251_904
+    assert forward_flops(config, [3, 5]) == 4_576_256
+    assert train_flops(config, [3, 5]) == 13_728_768
+    assert train_flops(config, [3, 5], passes=4 / 3) == pytest.approx(18_305_024)
+
+
+def test_decoder_matmul_params_are_the_models_linear_weights():
+    model = tiny_model()
+    linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    assert decoder_matmul_params(model.config) == linear
