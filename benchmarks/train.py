@@ -18,7 +18,6 @@ import argparse
 import itertools
 import math
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -32,8 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, ModelConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
-from rl.flops import train_flops  # noqa: E402
-from rl.main import PEAK_BF16_FLOPS  # noqa: E402
+from rl.flops import peak_bf16_flops, train_flops  # noqa: E402
 from rl.policy import build_optimizer, build_policy  # noqa: E402
 from rl.train import build_schedule, token_logprobs, train_on_rollout  # noqa: E402
 
@@ -55,13 +53,6 @@ def seed_batch(vocab: int, samples: int, max_response: int, seed: int = 0) -> li
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((f for key, f in PEAK_BF16_FLOPS.items() if re.search(rf"\b{key}\b", name)), None)
 
 
 def run(model_dir: str, mbt: int, checkpointing: bool, args, d: parallel.Dist) -> dict:
@@ -100,7 +91,7 @@ def run(model_dir: str, mbt: int, checkpointing: bool, args, d: parallel.Dist) -
         profile = prof.key_averages().table(sort_by="self_device_time_total", row_limit=10)
     lengths = [len(s.tokens) for s in samples]
     step_s = statistics.median(times)
-    peak = peak_flops(d.device)
+    peak = peak_bf16_flops(d.device)
     row = {"model": Path(model_dir).name, "micro_batch_tokens": mbt, "checkpointing": checkpointing,
            "tokens": sum(lengths), "micro_batches": len(steps[0]), "step_s": step_s,
            "tokens_per_s": sum(lengths) / step_s,
@@ -133,7 +124,7 @@ def main() -> None:
             itertools.product(models, args.micro_batch_tokens, args.gradient_checkpointing)]
     if d.is_main:
         print(f"device: {torch.cuda.get_device_name(d.device) if d.device.type == 'cuda' else 'cpu'}, "
-              f"{d.world_size} rank(s), peak {peak_flops(d.device) or 0:.3g} FLOP/s, torch {torch.__version__}")
+              f"{d.world_size} rank(s), peak {peak_bf16_flops(d.device) or 0:.3g} FLOP/s, torch {torch.__version__}")
         print("| model | micro_batch_tokens | checkpointing | tokens | micro-batches | step s | tokens/s | MFU | "
               "forward-only s | peak GB |")
         print("|---|---|---|---|---|---|---|---|---|---|")

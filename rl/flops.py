@@ -10,6 +10,22 @@ RoPE and the softmax are left out (a few percent at these shapes), as in the usu
 
 from __future__ import annotations
 
+import re
+
+import torch
+
+# Dense bf16 peak of one device from its datasheet (devices not listed get no MFU).
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+                   "B200": 2250e12}
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak of a CUDA device of PEAK_BF16_FLOPS, else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if re.search(rf"\b{key}\b", name)), None)
+
 
 def decoder_matmul_params(config) -> int:
     """Weights of the decoder layers' matmuls (Llama / Qwen2 layout; biases left out)."""

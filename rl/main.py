@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import resource
 import signal
 import sys
@@ -29,7 +28,7 @@ from rl.config import (AlgoConfig, Config, ConfigError, RolloutConfig, TrainConf
                        resolve)
 from rl.data import PromptDataset, Sample, Status
 from rl.evaluate import evaluate, load_eval_prompts
-from rl.flops import train_flops
+from rl.flops import peak_bf16_flops, train_flops
 from rl.export import export_policy
 from rl.health import Health, RunStopped
 from rl.metrics import make_logger, memory_phase, timed
@@ -377,26 +376,19 @@ def dump_samples(samples: list[Sample], mismatch: dict[int, float], path: Path) 
                     + "\n")
 
 
-# Dense bf16 peak of one device, for perf/train_mfu (devices not listed log no MFU).
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-                   "B200": 2250e12}
-
-
 def train_throughput(config, samples: list[Sample], times: dict[str, float], dist: parallel.Dist,
                      extra_forward: bool) -> dict[str, float]:
     """The policy's training speed: tokens per second of the train phase, and its model FLOPs utilisation
     (rl/flops.py: matmuls of forward + backward, plus a forward when the old logprobs took a pass of
-    their own) over the time and the peak of all devices (CUDA devices of PEAK_BF16_FLOPS only). The
+    their own) over the time and the peak of all devices (CUDA devices of rl.flops.PEAK_BF16_FLOPS only). The
     reference's and the critic's passes are another model's work: their time is left out."""
     seconds = times["perf/train_s"] - times.get("perf/ref_logprobs_s", 0.0) - times.get("perf/critic_s", 0.0)
     lengths = [len(s.tokens) for s in samples]
     out = {"perf/train_tokens_per_s": sum(lengths) / max(seconds, 1e-9)}
-    if dist.device.type == "cuda" and seconds > 0:
-        name = torch.cuda.get_device_name(dist.device)
-        peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if re.search(rf"\b{key}\b", name)), None)
-        if peak:
-            flops = train_flops(config, lengths, passes=1 + (1 / 3 if extra_forward else 0))
-            out["perf/train_mfu"] = flops / (seconds * dist.world_size * peak)
+    peak = peak_bf16_flops(dist.device)
+    if peak and seconds > 0:
+        flops = train_flops(config, lengths, passes=1 + (1 / 3 if extra_forward else 0))
+        out["perf/train_mfu"] = flops / (seconds * dist.world_size * peak)
     return out
 
 
