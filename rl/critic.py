@@ -22,7 +22,7 @@ from rl import parallel
 from rl.algo import aggregate, gae, masked_sum, value_loss
 from rl.config import AlgoConfig, CriticConfig, ModelConfig, TrainConfig
 from rl.policy import PolicyOffloader, build_optimizer, build_policy
-from rl.train import MicroBatch, clip_grad_norm
+from rl.train import MicroBatch, optimizer_step, per_sample_rows
 
 
 def values_of(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -67,12 +67,8 @@ class Critic:
         if self.parking:
             self.parking.offload()
 
-    @torch.no_grad()
     def values(self, micro_batches: list[MicroBatch]) -> dict[int, torch.Tensor]:
-        out = {i: row for mb in micro_batches for i, row in zip(mb.indices, values_of(self.model, mb))}
-        if isinstance(self.model, FSDPModule):
-            self.model.reshard()
-        return out
+        return per_sample_rows(self.model, micro_batches, values_of)
 
     def update(self, steps: list[list[MicroBatch]], step_tokens: list[int], old_values: dict[int, torch.Tensor],
                returns: dict[int, torch.Tensor], dp_size: int) -> dict[str, float]:
@@ -100,13 +96,9 @@ class Critic:
                 sums["return_sq_sum"] += masked_sum(ret * ret, mb.loss_mask)
                 sums["residual_sq_sum"] += masked_sum((ret - old) ** 2, mb.loss_mask)
                 sums["tokens"] += mb.loss_mask.sum()
-            grad_norms.append(clip_grad_norm(self.model, self.cfg.clip_grad))
-            bad = parallel.all_reduce_max(float(not (torch.isfinite(step_loss) and math.isfinite(grad_norms[-1]))))
-            if not bad:
-                self.optimizer.step()
-                self.scheduler.step()
-            skipped += int(bool(bad))
-            self.optimizer.zero_grad(set_to_none=True)
+            grad_norm, bad = optimizer_step(self.model, self.optimizer, self.scheduler, step_loss, self.cfg.clip_grad)
+            grad_norms.append(grad_norm)
+            skipped += int(bad)
         if isinstance(self.model, FSDPModule):
             self.model.reshard()
         out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))

@@ -190,13 +190,30 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return float(total)
 
 
+def optimizer_step(model, optimizer, scheduler, step_loss: torch.Tensor, max_norm: float) -> tuple[float, bool]:
+    """Clips the gradients and steps, unless the step's loss or grad norm is not finite on any rank: then every
+    rank skips it, so the weights keep their last finite values. Returns (grad norm, skipped)."""
+    grad_norm = clip_grad_norm(model, max_norm)
+    skipped = bool(parallel.all_reduce_max(float(not (torch.isfinite(step_loss) and math.isfinite(grad_norm)))))
+    if not skipped:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped
+
+
 @torch.no_grad()
-def compute_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float) -> dict[int, torch.Tensor]:
-    """Sample.index -> logprobs row (T-1,) of `model` (the policy before the update, or the reference)."""
-    out = {i: row for mb in micro_batches for i, row in zip(mb.indices, token_logprobs(model, mb, temperature)[0])}
+def per_sample_rows(model, micro_batches: list[MicroBatch], forward) -> dict[int, torch.Tensor]:
+    """Sample.index -> its row of `forward(model, micro_batch)`, without gradients; the model is resharded after."""
+    out = {i: row for mb in micro_batches for i, row in zip(mb.indices, forward(model, mb))}
     if isinstance(model, FSDPModule):
         model.reshard()
     return out
+
+
+def compute_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float) -> dict[int, torch.Tensor]:
+    """Sample.index -> logprobs row (T-1,) of `model` (the policy before the update, or the reference)."""
+    return per_sample_rows(model, micro_batches, lambda m, mb: token_logprobs(m, mb, temperature)[0])
 
 
 def response_kl_sums(kind: str, old: dict[int, torch.Tensor], ref: dict[int, torch.Tensor],
@@ -273,15 +290,10 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
             (loss * dp_size).backward()
             sums["loss_sum"] += loss.detach()
             step_loss += loss.detach()
-        grad_norms.append(clip_grad_norm(model, train.clip_grad))
-        # A non-finite loss or gradient on any rank: skip the step on all of them, so the weights (and
-        # the engine that receives them) keep their last finite values; the caller counts the streak.
-        skipped_flags.append(bool(parallel.all_reduce_max(
-            float(not (torch.isfinite(step_loss) and math.isfinite(grad_norms[-1]))))))
-        if not skipped_flags[-1]:
-            optimizer.step()
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        # A skipped step keeps the engine's weights finite too; the caller counts the streak.
+        grad_norm, skipped = optimizer_step(model, optimizer, scheduler, step_loss, train.clip_grad)
+        grad_norms.append(grad_norm)
+        skipped_flags.append(skipped)
     if isinstance(model, FSDPModule):
         model.reshard()
     out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all the sums
