@@ -64,11 +64,6 @@ def _group_centred(rewards: torch.Tensor, group_index: torch.Tensor, std_normali
     return out
 
 
-def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, std_normalization: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
-    return advantages("grpo", rewards, group_index, std_normalization, eps=eps)
-
-
 def whiten(values: torch.Tensor, weights: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(values - mean) / sqrt(var + eps) with each value counted `weights` times (a per-sample value
     broadcast to its tokens); the variance is the unbiased one over the weighted count."""
@@ -146,12 +141,6 @@ def policy_loss(kind: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, a
         cut = torch.where(advantages < 0, cut | (capped < loss), cut)
         loss = torch.where(advantages < 0, capped, loss)
     return loss, cut.float()
-
-
-def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  eps_clip: float, eps_clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seed step 40's token-level PPO-clip loss (policy_loss "ppo" without the dual clip)."""
-    return policy_loss("ppo", logprobs, old_logprobs, advantages, torch.ones_like(logprobs), eps_clip, eps_clip_high)
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: float, global_seqs: float,

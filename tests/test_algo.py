@@ -3,15 +3,15 @@ import math
 import pytest
 import torch
 
-from rl.algo import (advantages, aggregate, approx_kl_k3, can_reuse_old_logprobs, gae, grpo_advantages, kl_penalty,
-                     policy_loss, ppo_clip_loss, tis_weights, value_loss)
+from rl.algo import (advantages, aggregate, approx_kl_k3, can_reuse_old_logprobs, gae, kl_penalty, policy_loss,
+                     tis_weights, value_loss)
 from rl.config import AlgoConfig, TrainConfig
 from rl.train import ChunkedLogprobs
 
 
 def test_grpo_seed_group():
     rewards = torch.tensor([1, 0, 0, 1, 1, 0, 1, 0], dtype=torch.float)
-    adv = grpo_advantages(rewards, torch.zeros(8, dtype=torch.long))
+    adv = advantages("grpo", rewards, torch.zeros(8, dtype=torch.long))
     expected = 0.5 / (math.sqrt(8 * 0.25 / 7) + 1e-6)  # unbiased std 0.5345 -> 0.9354
     assert expected == pytest.approx(0.9354, abs=1e-4)
     assert adv.tolist() == pytest.approx([expected, -expected, -expected, expected,
@@ -21,11 +21,11 @@ def test_grpo_seed_group():
 def test_grpo_groups_are_independent_and_toggle():
     rewards = torch.tensor([1.0, 1.0, 0.0, 2.0, 5.0])
     groups = torch.tensor([0, 0, 1, 1, 2])
-    adv = grpo_advantages(rewards, groups)
+    adv = advantages("grpo", rewards, groups)
     assert adv[:2].tolist() == [0.0, 0.0]  # all-equal group carries no signal
     assert adv[2].item() == pytest.approx(-1.0 / (math.sqrt(2) + 1e-6))
     assert adv[4].item() == 0.0  # a group of one is only centred
-    plain = grpo_advantages(rewards, groups, std_normalization=False)
+    plain = advantages("grpo", rewards, groups, std_normalization=False)
     assert plain.tolist() == [0.0, 0.0, -1.0, 1.0, 0.0]
 
 
@@ -34,7 +34,7 @@ def test_ppo_clip_hand_values():
     logprobs = torch.tensor([[1.0, 1.0, math.log(0.5), math.log(0.5), 0.0]])
     old = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0]])
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 2.0]])
-    loss, clipped = ppo_clip_loss(logprobs, old, adv, eps_clip=0.2, eps_clip_high=0.2)
+    loss, clipped = policy_loss("ppo", logprobs, old, adv, torch.ones_like(adv), eps_clip=0.2, eps_clip_high=0.2)
     # ratio e, A=+1: max(-e, -1.2) = -1.2, clipped; ratio e, A=-1: max(e, 1.2) = e
     # ratio 0.5, A=+1: max(-0.5, -0.8) = -0.5; ratio 0.5, A=-1: max(0.5, 0.8) = 0.8, clipped; ratio 1: -A
     assert loss[0].tolist() == pytest.approx([-1.2, e, -0.5, 0.8, -2.0], abs=1e-6)
@@ -42,15 +42,16 @@ def test_ppo_clip_hand_values():
 
 
 def test_ppo_clip_higher():
-    loss, clipped = ppo_clip_loss(torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]),
-                                  eps_clip=0.2, eps_clip_high=0.28)
+    loss, clipped = policy_loss("ppo", torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]),
+                                torch.ones(1, 1), eps_clip=0.2, eps_clip_high=0.28)
     assert loss.item() == pytest.approx(-1.28)
     assert clipped.item() == 1.0
 
 
 def test_ppo_gradient_when_ratio_is_one():
     logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss, _ = ppo_clip_loss(logprobs, logprobs.detach(), torch.tensor([[0.9354, -0.9354]]), 0.2, 0.2)
+    loss, _ = policy_loss("ppo", logprobs, logprobs.detach(), torch.tensor([[0.9354, -0.9354]]), torch.ones(1, 2),
+                          0.2, 0.2)
     assert loss[0].tolist() == pytest.approx([-0.9354, 0.9354])
     loss.sum().backward()
     assert logprobs.grad[0].tolist() == pytest.approx([-0.9354, 0.9354])  # d(-ratio*A)/dlogp = -A
