@@ -259,8 +259,9 @@ def main(argv: list[str]) -> None:
                         ref = reference.logprobs(micro_batches, cfg.rollout.temperature)
                 if cfg.algo.kl_in_reward:  # the advantages wait for the KL of each response
                     old = compute_old_logprobs(policy, micro_batches, cfg.rollout.temperature)
-                    kl_sums = {i: kl for part in parallel.all_gather_objects(
-                        [response_kl_sums(cfg.algo.kl_estimator, old, ref, micro_batches)]) for i, kl in part.items()}
+                    kl = kl_rows(cfg.algo.kl_estimator, old, ref)
+                    kl_sums = {i: s for part in parallel.all_gather_objects([response_kl_sums(kl, micro_batches)])
+                               for i, s in part.items()}
                     extra_stats["train/kl_reward_penalty"] = cfg.algo.kl_coef * sum(kl_sums.values()) / len(samples)
                     if not critic:
                         assign_advantages(samples, cfg.algo, kl_sums)
@@ -271,8 +272,7 @@ def main(argv: list[str]) -> None:
                         critic.onload()
                         values = critic.values(micro_batches)
                     returns = gae_advantages(micro_batches, values, {s.index: s.reward for s in samples},
-                                             kl_rows(cfg.algo.kl_estimator, old, ref) if cfg.algo.kl_in_reward else None,
-                                             cfg.algo)
+                                             kl if cfg.algo.kl_in_reward else None, cfg.algo)
                 local_stats = train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, dist.world_size,
                                                cfg.train, cfg.algo, cfg.rollout.temperature, step_seqs, old, ref)
                 if critic:

@@ -216,23 +216,19 @@ def compute_old_logprobs(model, micro_batches: list[MicroBatch], temperature: fl
     return per_sample_rows(model, micro_batches, lambda m, mb: token_logprobs(m, mb, temperature)[0])
 
 
-def response_kl_sums(kind: str, old: dict[int, torch.Tensor], ref: dict[int, torch.Tensor],
-                     micro_batches: list[MicroBatch]) -> dict[int, float]:
-    """Sample.index -> the KL estimator summed over the response's trained tokens (policy before the update
-    vs the reference), for algo.kl_in_reward; each sample once (padding micro-batches repeat indices)."""
-    out: dict[int, float] = {}
-    for mb in micro_batches:
-        if not mb.loss_mask.any():
-            continue
-        kl = (kl_penalty(kind, torch.stack([old[i] for i in mb.indices]), torch.stack([ref[i] for i in mb.indices]))
-              * mb.loss_mask).sum(-1)
-        out.update(zip(mb.indices, kl.tolist()))
-    return out
-
-
 def kl_rows(kind: str, old: dict[int, torch.Tensor], ref: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """Sample.index -> per-token KL estimate of the policy before the update against the reference."""
     return {i: kl_penalty(kind, row, ref[i]) for i, row in old.items()}
+
+
+def response_kl_sums(rows: dict[int, torch.Tensor], micro_batches: list[MicroBatch]) -> dict[int, float]:
+    """Sample.index -> its `kl_rows` summed over the response's trained tokens, for algo.kl_in_reward; each
+    sample once (padding micro-batches repeat indices)."""
+    out: dict[int, float] = {}
+    for mb in micro_batches:
+        if mb.loss_mask.any():
+            out.update(zip(mb.indices, (torch.stack([rows[i] for i in mb.indices]) * mb.loss_mask).sum(-1).tolist()))
+    return out
 
 
 SUM_KEYS = ("loss_sum", "clipped_tokens", "entropy_sum", "tokens", "mismatch_abs_sum", "mismatch_abs_max",
