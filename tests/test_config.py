@@ -120,3 +120,11 @@ def test_model_and_tokenizer_folders_are_checked_first(tmp_path):
         check_paths(make(model={"path": str(model), "tokenizer": str(tok)}))
     (tok / "tokenizer_config.json").write_text("{}")
     check_paths(make(model={"path": str(model), "tokenizer": str(tok)}))
+    with pytest.raises(ConfigError, match=r"model.ref_path '.*nope': no config.json"):
+        check_paths(make(model={"path": str(model), "tokenizer": str(tok), "ref_path": str(tmp_path / "nope")},
+                         algo={"kl_coef": 0.1}))
+    with pytest.raises(ConfigError, match=r"critic.path '.*nope': no config.json"):
+        check_paths(make(model={"path": str(model), "tokenizer": str(tok)}, critic={"path": str(tmp_path / "nope")},
+                         algo={"advantage_estimator": "gae"}))
+    check_paths(make(model={"path": str(model), "tokenizer": str(tok), "ref_path": str(model)}, critic={"path": str(model)},
+                     algo={"advantage_estimator": "gae", "kl_coef": 0.1}))
