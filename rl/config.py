@@ -35,6 +35,9 @@ class ModelConfig:
     ref_path: str = ""  # the KL reference (algo.kl_coef > 0): a local HF folder; "" is the initial policy
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
+    # torch.compile each decoder block's forward (fuses its norms, RoPE, SiLU * up and residual adds); the
+    # first micro-batches of a run compile (seconds to a minute), every later one runs the compiled code.
+    compile: bool = False
     # The native engine and the trainer compute each token with the same batch-invariant kernels, so
     # rollout and training logprobs agree bit for bit (rl/invariant.py); slower decode, CUDA only.
     batch_invariant: bool = False
@@ -176,6 +179,9 @@ class LogConfig:
     run_name: str = ""
     progress: bool = True  # tqdm bar over samples during rollout
     sample_interval: int = 0  # > 0: every that many rollouts, <output_dir>/samples/rollout_<N>.jsonl
+    # >= 0: profile that rollout's train phase (host ops and device kernels) into
+    # <output_dir>/profile/train_rollout_<N>_rank<R>.txt
+    profile_rollout: int = -1
 
 
 @dataclass(frozen=True)
@@ -379,6 +385,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(bool(cfg.model.path), "model.path is required (a local HF model folder)")
     _require(bool(data.source), "data.source is required (file.jsonl, file.parquet or reasoning_gym:<task>)")
     _require(ro.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {ro.engine!r}")
+    _require(not (cfg.model.batch_invariant and cfg.model.compile),
+             "model.compile and model.batch_invariant: the batch-invariant forward runs its own kernels; turn one off")
     _require(not cfg.model.batch_invariant or ro.engine == "native",
              "model.batch_invariant needs rollout.engine='native': the trainer reuses the native engine's kernels")
     _require(not cfg.model.batch_invariant or ro.dtype == "auto",

@@ -22,13 +22,12 @@ from rl import parallel
 from rl.algo import aggregate, gae, masked_sum, value_loss
 from rl.config import AlgoConfig, CriticConfig, ModelConfig, TrainConfig
 from rl.policy import PolicyOffloader, build_optimizer, build_policy
-from rl.train import MicroBatch, optimizer_step, per_sample_rows
+from rl.train import MicroBatch, causal_forward, optimizer_step, per_sample_rows
 
 
 def values_of(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     """(B, T-1) float32: the value of each prefix that chose a target token."""
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                use_cache=False).logits
+    out = causal_forward(model, mb.input_ids).logits
     return out[:, :-1, 0].float()
 
 

@@ -46,7 +46,7 @@ def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_co
                                         device="cpu" if cfg.random_init else "meta")
     if cfg.batch_invariant:  # patches forwards and builds its tables on the CPU: works on a meta model
         model = make_batch_invariant(model, max_context_len)
-    model = shard_policy(model, mesh, device, cfg.gradient_checkpointing)
+    model = shard_policy(model, mesh, device, cfg.gradient_checkpointing, cfg.compile)
     if not cfg.random_init:
         model.to_empty(device=device)
         init_non_persistent_buffers(model)
@@ -185,12 +185,23 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
+def compile_blocks(model: torch.nn.Module) -> None:
+    """torch.compile each decoder block's forward, not the block's call: FSDP2's gather and reshard hooks stay
+    eager around it. Shapes are dynamic from the start (micro-batches vary in rows and length), and every
+    block runs the same code, so the blocks share their compiled graphs."""
+    for block in decoder_blocks(model):
+        block.forward = torch.compile(block.forward, dynamic=True)
+
+
+def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_checkpointing: bool,
+                 compile: bool = False) -> torch.nn.Module:
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
+    if compile:
+        compile_blocks(model)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

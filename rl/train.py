@@ -28,9 +28,7 @@ from rl.data import Sample
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor  # (B, T)
-    attention_mask: torch.Tensor  # (B, T)
-    position_ids: torch.Tensor  # (B, T)
+    input_ids: torch.Tensor  # (B, T), right-padded
     loss_mask: torch.Tensor  # (B, T-1), 1 where target t+1 is a trained response token
     advantages: torch.Tensor  # (B, T-1)
     rollout_logprobs: torch.Tensor  # (B, T-1)
@@ -42,34 +40,54 @@ def collate(samples: list[Sample], device: torch.device, pad_token_id: int = 0) 
     width = max(len(s.tokens) for s in samples)
     b = len(samples)
     input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, width), dtype=torch.long)
     loss_mask = torch.zeros((b, width - 1))
     advantages = torch.zeros((b, width - 1))
     rollout_logprobs = torch.zeros((b, width - 1))
     for i, s in enumerate(samples):
         n, start = len(s.tokens), s.prompt_length - 1
         input_ids[i, :n] = torch.tensor(s.tokens)
-        attention_mask[i, :n] = 1
         loss_mask[i, start : start + s.response_length] = torch.tensor(s.loss_mask, dtype=torch.float)
         advantages[i, start : start + s.response_length] = s.advantage
         rollout_logprobs[i, start : start + s.response_length] = torch.tensor(s.rollout_log_probs)
-    position_ids = torch.arange(width).expand(b, width).contiguous()
-    return MicroBatch(input_ids.to(device), attention_mask.to(device), position_ids.to(device),
-                      loss_mask.to(device), advantages.to(device), rollout_logprobs.to(device),
+    return MicroBatch(input_ids.to(device), loss_mask.to(device), advantages.to(device), rollout_logprobs.to(device),
                       [s.index for s in samples])
+
+
+def causal_forward(model: torch.nn.Module, input_ids: torch.Tensor):
+    """The model's output over right-padded rows. No attention mask: under the causal mask a real token
+    never sees the padding after it, and without a mask SDPA runs its flash kernels, where a padding mask
+    sent it to a masked kernel. Positions are 0.. in every row, given per row: RoPE's cos and sin then come
+    as (rows, length, head_dim), which a compiled block's RoPE kernel indexes by token (measured a little
+    faster than the (1, length, head_dim) of the model's default positions).
+
+    When the model names its layers' attention kinds (`config.layer_types`, as Qwen2 does) and all of them
+    attend causally over the whole context, it gets its mask mapping prepared (no mask for any layer): left
+    to build one, it reads a device flag back to look for packed sequences in the positions, a host sync in
+    every forward."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    if set(getattr(getattr(model, "config", None), "layer_types", None) or ["other"]) == {"full_attention"}:
+        return model(input_ids=input_ids, attention_mask={"full_attention": None}, position_ids=positions,
+                     use_cache=False)
+    return model(input_ids=input_ids, position_ids=positions, use_cache=False)
 
 
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy), both (B, T-1): log p(token t+1 | <= t) under logits / temperature."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                   use_cache=False).logits
+    logits = causal_forward(model, mb.input_ids).logits
     b, t, vocab = logits.shape
     # Every position gets a target (the last one a dummy) so the logits stay one contiguous (B*T, V) view.
     target = torch.cat([mb.input_ids[:, 1:], mb.input_ids.new_zeros(b, 1)], dim=1).reshape(-1)
-    logprobs, entropy = ChunkedLogprobs.apply(logits.reshape(-1, vocab), target, temperature,
-                                              max(1, LOGPROB_CHUNK_BYTES // (4 * vocab)))
+    if FUSED_LOGPROBS and logits.is_cuda:
+        from rl.logprob_kernels import FusedLogprobs
+        logprobs, entropy = FusedLogprobs.apply(logits.reshape(-1, vocab), target, temperature)
+    else:
+        logprobs, entropy = ChunkedLogprobs.apply(logits.reshape(-1, vocab), target, temperature,
+                                                  max(1, LOGPROB_CHUNK_BYTES // (4 * vocab)))
     return logprobs.view(b, t)[:, :-1], entropy.view(b, t)[:, :-1]
+
+
+FUSED_LOGPROBS = True  # on CUDA, rl/logprob_kernels.py: one read of the bf16 logits forward, one backward
 
 
 LOGPROB_CHUNK_BYTES = 1 << 29  # float32 logits materialised at once: ~880 rows of a 152k vocabulary

@@ -1,0 +1,73 @@
+"""The train phase's speed options give the same loss and gradients as the plain path, on the CPU in float32:
+padded rows without an attention mask against each sample alone, and compiled decoder blocks against eager
+ones. (The fused log-prob kernels have their own test, tests/test_logprob_kernels.py.)"""
+
+import copy
+import random
+
+import torch
+
+from rl.algo import policy_loss
+from rl.data import Sample
+from rl.policy import compile_blocks
+from rl.train import collate, token_logprobs
+from tests.tiny import tiny_model
+
+
+def samples(n: int, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        s = Sample(prompt="", tokens=[rng.randrange(3, 256) for _ in range(rng.randint(3, 9))], index=i)
+        k = rng.randint(2, 14)
+        s.append_response_tokens([rng.randrange(3, 256) for _ in range(k)], [-5.5] * k)
+        s.advantage = rng.uniform(-1, 1)
+        out.append(s)
+    return out
+
+
+def loss_and_grads(model, batch: list[Sample]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A PPO loss summed over the batch's trained tokens (old logprobs fixed), and the gradients it leaves."""
+    model.zero_grad(set_to_none=True)
+    mb = collate(batch, torch.device("cpu"))
+    lp, entropy = token_logprobs(model, mb, 0.8)
+    loss, _ = policy_loss("ppo", lp, mb.rollout_logprobs, mb.advantages, mb.loss_mask, 0.2, 0.28, 0.0)
+    total = (loss * mb.loss_mask).sum() - 0.01 * (entropy * mb.loss_mask).sum()
+    total.backward()
+    return total.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> bool:
+    return all(torch.allclose(a[n], b[n], rtol=rtol, atol=rtol * b[n].abs().max().item()) for n in b)
+
+
+def test_padded_rows_without_attention_mask_match_each_sample_alone():
+    """Right-padded rows run with no attention mask (flash attention on a GPU): each row's logprobs, the loss
+    and the gradients equal those of every sample run alone, with no padding at all."""
+    model = tiny_model(seed=1)
+    batch = samples(5)
+    mb = collate(batch, torch.device("cpu"))
+    with torch.no_grad():
+        lp, entropy = token_logprobs(model, mb, 0.8)
+        for row, s in enumerate(batch):
+            alone, h = token_logprobs(model, collate([s], torch.device("cpu")), 0.8)
+            n = len(s.tokens) - 1
+            assert torch.allclose(lp[row, :n], alone[0], atol=1e-5), s.index
+            assert torch.allclose(entropy[row, :n], h[0], atol=1e-5), s.index
+    loss, grads = loss_and_grads(model, batch)
+    parts = [loss_and_grads(model, [s]) for s in batch]
+    assert torch.allclose(loss, sum(p[0] for p in parts), rtol=1e-5)
+    assert close(grads, {n: sum(p[1][n] for p in parts) for n in grads}, 1e-4)
+
+
+def test_compiled_blocks_give_the_eager_loss_and_gradients():
+    """model.compile: the same loss and gradients as eager over micro-batches of different shapes (a recompile
+    with dynamic sizes after the first), every block compiled with its own weights."""
+    eager = tiny_model(seed=2, layers=3)
+    compiled = copy.deepcopy(eager)
+    compile_blocks(compiled)
+    for batch in (samples(3, seed=1), samples(4, seed=2)):
+        want_loss, want = loss_and_grads(eager, batch)
+        got_loss, got = loss_and_grads(compiled, batch)
+        assert torch.allclose(got_loss, want_loss, rtol=1e-5)
+        assert close(got, want, 1e-4)
