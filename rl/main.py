@@ -31,7 +31,7 @@ from rl.evaluate import evaluate, load_eval_prompts
 from rl.flops import peak_bf16_flops, train_flops
 from rl.export import export_policy
 from rl.health import Health, RunStopped
-from rl.metrics import make_logger, memory_phase, timed
+from rl.metrics import make_logger, memory_phase, profiled, timed
 from rl.parallel import print0
 from rl.policy import PolicyOffloader, build_optimizer, build_policy
 from rl.reward import RewardInput, RewardPool
@@ -249,7 +249,9 @@ def main(argv: list[str]) -> None:
             with timed(times, "perf/onload_train_s"):
                 if offloader:
                     offloader.onload(dist.device)
-            with timed(times, "perf/train_s"):
+            profile = out_dir / "profile" / f"train_rollout_{rollout_id}_rank{dist.rank}.txt" \
+                if rollout_id == cfg.log.profile_rollout else None
+            with timed(times, "perf/train_s"), profiled(profile):
                 steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank,
                                                                         dist.world_size, dist.device)
                 micro_batches = [mb for step in steps for mb in step]

@@ -46,6 +46,31 @@ def timed(times: dict[str, float], key: str):
         times[key] = times.get(key, 0.0) + time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def profiled(path: Path | None):
+    """With a path, profiles the block with torch.profiler (host ops, and device kernels on CUDA) and writes
+    the wall time and the largest entries by device time and by host time to that text file; else nothing."""
+    if path is None:
+        yield
+        return
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    table = prof.key_averages()
+    parts = [f"wall {wall:.3f} s (profiled)\n"]
+    if cuda:
+        parts += ["largest device time:", table.table(sort_by="self_device_time_total", row_limit=40,
+                                                       max_name_column_width=80)]
+    parts += ["largest host time:", table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=80)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(parts))
+
+
 def memory_phase(phase: str, device: torch.device) -> dict[str, float]:
     """Peak and reserved memory of torch's allocator since the previous call (then a fresh peak counter),
     and the device memory in use now by the driver's count, which also covers what lives outside torch's

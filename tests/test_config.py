@@ -68,6 +68,8 @@ def test_impossible_combinations():
         make(model={"path": "m", "ref_path": "r"})
     with pytest.raises(ConfigError, match="algo.tis_cap with algo.use_rollout_logprobs"):
         make(algo={"tis_cap": 2.0, "use_rollout_logprobs": True})
+    with pytest.raises(ConfigError, match="model.compile and model.batch_invariant"):
+        make(model={"path": "m", "compile": True, "batch_invariant": True})
     with pytest.raises(ConfigError, match="n_samples_per_prompt=1 with algo.advantage_estimator='rloo'"):
         make(rollout={"n_samples_per_prompt": 1}, algo={"advantage_estimator": "rloo"})
     assert make(rollout={"n_samples_per_prompt": 1}, algo={"advantage_estimator": "reinforce_plus_plus"})

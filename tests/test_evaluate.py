@@ -43,7 +43,7 @@ def test_eval_and_sample_dumps_in_the_loop(tmp_path):
                             for i in range(20, 26)))
     out = tmp_path / "run"
     proc = run(inputs, out, f"--eval.source={held}", "--eval.interval=2", "--eval.n_samples=3",
-               "--train.num_rollout=3", "--log.sample_interval=2", nproc=2)
+               "--train.num_rollout=3", "--log.sample_interval=2", "--log.profile_rollout=1", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = strict_rows(out)
     assert [r["rollout_id"] for r in rows] == [0, 1, 2, 3]  # the last row is the eval after the last update
@@ -63,3 +63,8 @@ def test_eval_and_sample_dumps_in_the_loop(tmp_path):
     assert max(gaps) <= rows[2]["rollout/logprob_abs_diff_max"]
     assert sorted((out / "samples").iterdir()) == sorted(out / "samples" / name for name in (
         "eval_rollout_0.jsonl", "eval_rollout_2.jsonl", "eval_rollout_3.jsonl", "rollout_0.jsonl", "rollout_2.jsonl"))
+    # log.profile_rollout: rollout 1's train phase, one table per rank
+    profiles = sorted(p.name for p in (out / "profile").iterdir())
+    assert profiles == ["train_rollout_1_rank0.txt", "train_rollout_1_rank1.txt"]
+    text = (out / "profile" / profiles[0]).read_text()
+    assert text.startswith("wall ") and "largest host time:" in text and "aten::" in text
