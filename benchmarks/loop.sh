@@ -7,8 +7,9 @@
 #   ENGINES="native vllm" bash benchmarks/loop.sh ...   # each GPU count with each engine, tabled side by side
 #
 # vLLM runs take rollout.gpu_memory_utilization=$VLLM_MEMORY (default 0.3; an override after ROLLOUTS wins).
-# Runs land in runs/loop/<model>-<gpus> (native) or runs/loop/<model>-<gpus>-vllm; the step-time table is
-# printed at the end.
+# The trainer runs compiled decoder blocks over micro-batches of 32768 tokens (MICRO_BATCH_TOKENS, COMPILE=false
+# to run eager). Runs land in runs/loop/<model>-<gpus> (native) or runs/loop/<model>-<gpus>-vllm; the step-time
+# table is printed at the end.
 set -euo pipefail
 model=$1; tokenizer=$2; gpus=$3; rollouts=${4:-4}; shift $(( $# < 4 ? $# : 4 ))
 engines=${ENGINES:-native}
@@ -28,7 +29,8 @@ for n in $gpus; do
       --model.path=$model --model.random_init=true --model.tokenizer=$tokenizer \
       --data.source=$data --data.max_prompt_len=512 --rollout.max_context_len=1600 --rollout.max_new_tokens=1024 \
       --rollout.rollout_batch_size=32 --rollout.n_samples_per_prompt=8 --reward.num_workers=4 \
-      --reward.user_fn=tests.reward_fns:digit_fraction --log.progress=false --train.micro_batch_tokens=16384 \
+      --reward.user_fn=tests.reward_fns:digit_fraction --log.progress=false --train.micro_batch_tokens=${MICRO_BATCH_TOKENS:-32768} \
+      --model.compile=${COMPILE:-true} \
       --train.lr=1e-6 --train.offload=true --train.num_rollout=$rollouts --log.output_dir=$out "${extra[@]}" "$@"
     runs+=($out)
   done

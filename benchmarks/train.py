@@ -1,14 +1,27 @@
 """The train phase alone: one optimizer step over a seed-sized batch, per model shape and option.
 
     python benchmarks/train.py [--models configs/models/qwen2.5-0.5b configs/models/qwen2.5-1.5b]
-        [--micro-batch-tokens 16384 32768] [--gradient-checkpointing off on] [--repeats 2] [--profile]
+        [--variants "" "logprobs=chunked,mask=padding" "compile=off,mbt=16384" ...] [--repeats 2] [--profile]
+        [--profile-cpu]
 
 256 samples (32 prompts x 8), prompts of 150-512 tokens, responses up to 1024 with the spread of an RL
 batch (a third run to the limit, the rest spread below it), random weights, the trainer's own code path
-(`build_schedule` + `train_on_rollout`, PPO with reused old logprobs as in the seed's default). For each
-model x option it prints the step time (median of --repeats after one warm-up step), tokens/s, MFU (the
-model FLOPs of rl/flops.py over the device's dense bf16 peak), the forward-only time of the same
-micro-batches, the peak memory and, with --profile, the ten largest device-time entries of one step.
+(`build_schedule` + `train_on_rollout`, PPO with reused old logprobs as in the seed's default). Each variant
+is a comma-separated list of option=value over these defaults (what benchmarks/loop.sh runs); without
+--variants it runs the trainer as it was before these options, then the defaults:
+
+    mbt=32768          train.micro_batch_tokens
+    compile=on|off     model.compile (torch.compile of the decoder blocks)
+    checkpointing=off|on   model.gradient_checkpointing
+    logprobs=fused|chunked the Triton log-prob kernels (CUDA) or the chunked torch path
+    mask=none|causal|padding   `none`: the trainer's forward (no mask, the mask mapping prepared);
+                       `causal`: no mask, the model builds its own (a host sync per forward);
+                       `padding`: the padding mask, as the trainer ran before right-padded rows went without one
+    cold=off|on        `on` empties torch's allocator cache before each step, as the RL loop's policy offload does
+
+For each model x variant it prints the step time (median of --repeats after one warm-up step), tokens/s, MFU
+(the model FLOPs of rl/flops.py over the device's dense bf16 peak), the forward-only time of the same
+micro-batches, the peak memory and, with --profile, the largest device-time entries of one step.
 On a CPU (`--models tiny`) it runs a small model as a smoke test.
 """
 
@@ -33,6 +46,7 @@ from rl.config import AlgoConfig, ModelConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
 from rl.flops import peak_bf16_flops, train_flops  # noqa: E402
 from rl.policy import build_optimizer, build_policy  # noqa: E402
+from rl import train as train_module  # noqa: E402
 from rl.train import build_schedule, token_logprobs, train_on_rollout  # noqa: E402
 
 
@@ -55,10 +69,37 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(model_dir: str, mbt: int, checkpointing: bool, args, d: parallel.Dist) -> dict:
-    policy = build_policy(ModelConfig(path=model_dir, random_init=True, gradient_checkpointing=checkpointing),
-                          d.mesh, d.device, seed=0, max_context_len=2048)
-    train = TrainConfig(global_batch_size=args.samples, micro_batch_tokens=mbt, lr=1e-6)
+CAUSAL_FORWARD = train_module.causal_forward
+DEFAULTS = {"mbt": "32768", "compile": "on", "checkpointing": "off", "logprobs": "fused", "mask": "none",
+            "cold": "off"}  # what benchmarks/loop.sh runs
+BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding"  # the trainer before these options
+
+
+def parse_variant(text: str) -> dict[str, str]:
+    out = dict(DEFAULTS)
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in DEFAULTS or not value:
+            raise SystemExit(f"variant {text!r}: {item!r} is not option=value with an option of {list(DEFAULTS)}")
+        out[key] = value
+    return out
+
+
+def forward_with_padding_mask(model, input_ids):
+    """The trainer's forward before right-padded rows ran without a mask (benchmark tokens are >= 3, padding 0)."""
+    mask = (input_ids != 0).long()
+    return model(input_ids=input_ids, attention_mask=mask, position_ids=torch.arange(input_ids.shape[1],
+                 device=input_ids.device).expand_as(input_ids), use_cache=False)
+
+
+def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict:
+    on = {k: v == "on" for k, v in variant.items()}
+    train_module.FUSED_LOGPROBS = variant["logprobs"] == "fused"
+    train_module.causal_forward = {"none": CAUSAL_FORWARD, "padding": forward_with_padding_mask,
+                                   "causal": lambda model, ids: model(input_ids=ids, use_cache=False)}[variant["mask"]]
+    policy = build_policy(ModelConfig(path=model_dir, random_init=True, gradient_checkpointing=on["checkpointing"],
+                                      compile=on["compile"]), d.mesh, d.device, seed=0, max_context_len=2048)
+    train = TrainConfig(global_batch_size=args.samples, micro_batch_tokens=int(variant["mbt"]), lr=1e-6)
     algo = AlgoConfig(eps_clip_high=0.2)
     optimizer, scheduler = build_optimizer(policy, train)
     samples = seed_batch(policy.config.vocab_size, args.samples, args.max_response)
@@ -66,13 +107,18 @@ def run(model_dir: str, mbt: int, checkpointing: bool, args, d: parallel.Dist) -
     times = []
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
-    for i in range(args.repeats + 1):  # the first step warms the allocator and kernels up
+    first_s = 0.0
+    for i in range(args.repeats + 1):  # the first step warms the allocator and kernels up (and compiles)
+        if on["cold"] and d.device.type == "cuda":
+            torch.cuda.empty_cache()
         sync(d.device)
         t = time.perf_counter()
         train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, d.world_size, train, algo, 1.0, step_seqs)
         sync(d.device)
         if i:
             times.append(time.perf_counter() - t)
+        else:
+            first_s = time.perf_counter() - t
     forward_s = 0.0
     for _ in range(2):  # the second pass is timed: the first picks no-grad kernels and allocates
         sync(d.device)
@@ -84,15 +130,24 @@ def run(model_dir: str, mbt: int, checkpointing: bool, args, d: parallel.Dist) -
         forward_s = time.perf_counter() - t
     profile = ""
     if args.profile and d.device.type == "cuda":
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CUDA] + [torch.profiler.ProfilerActivity.CPU] * args.profile_cpu
+        with torch.profiler.profile(activities=activities) as prof:
+            t = time.perf_counter()
             train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, d.world_size, train, algo, 1.0,
                              step_seqs)
             sync(d.device)
-        profile = prof.key_averages().table(sort_by="self_device_time_total", row_limit=10)
+            wall = time.perf_counter() - t
+        device_s = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+        profile = f"device time {device_s:.2f} s in a step of {wall:.2f} s (profiled)\n"
+        profile += prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
+        if args.profile_cpu:
+            profile += prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
     lengths = [len(s.tokens) for s in samples]
     step_s = statistics.median(times)
     peak = peak_bf16_flops(d.device)
-    row = {"model": Path(model_dir).name, "micro_batch_tokens": mbt, "checkpointing": checkpointing,
+    row = {"model": Path(model_dir).name, "variant": ",".join(f"{k}={v}" for k, v in variant.items()
+                                                               if v != DEFAULTS[k]) or "defaults",
+           "first_s": first_s,
            "tokens": sum(lengths), "micro_batches": len(steps[0]), "step_s": step_s,
            "tokens_per_s": sum(lengths) / step_s,
            "mfu": train_flops(policy.config, lengths) / (step_s * d.world_size * peak) if peak else None,
@@ -108,36 +163,41 @@ def run(model_dir: str, mbt: int, checkpointing: bool, args, d: parallel.Dist) -
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["configs/models/qwen2.5-0.5b", "configs/models/qwen2.5-1.5b"])
-    p.add_argument("--micro-batch-tokens", nargs="+", type=int, default=[16384])
-    p.add_argument("--gradient-checkpointing", nargs="+", choices=["off", "on"], default=["off"])
+    p.add_argument("--variants", nargs="+", default=[BEFORE, ""],
+                   help="option=value,... over the defaults (see above); default: the trainer before its speed "
+                        "options, and the defaults")
     p.add_argument("--samples", type=int, default=256)
     p.add_argument("--max-response", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-cpu", action="store_true", help="the profile records host activity too")
     args = p.parse_args()
     d = parallel.init_distributed()
     models = list(args.models)
     if models == ["tiny"]:  # CPU smoke test
         from tests.tiny import save_tiny_model_dir
         models = [str(save_tiny_model_dir(Path(tempfile.mkdtemp()) / "tiny"))]
-    rows = [run(m, mbt, gc == "on", args, d) for m, mbt, gc in
-            itertools.product(models, args.micro_batch_tokens, args.gradient_checkpointing)]
+    variants = [parse_variant(v) for v in args.variants]
     if d.is_main:
         print(f"device: {torch.cuda.get_device_name(d.device) if d.device.type == 'cuda' else 'cpu'}, "
-              f"{d.world_size} rank(s), peak {peak_bf16_flops(d.device) or 0:.3g} FLOP/s, torch {torch.__version__}")
-        print("| model | micro_batch_tokens | checkpointing | tokens | micro-batches | step s | tokens/s | MFU | "
-              "forward-only s | peak GB |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
+              f"{d.world_size} rank(s), peak {peak_bf16_flops(d.device) or 0:.3g} FLOP/s, torch {torch.__version__}; "
+              f"defaults {','.join(f'{k}={v}' for k, v in DEFAULTS.items())}")
+        print("| model | variant | tokens | micro-batches | first step s | step s | tokens/s | MFU | forward-only s | "
+              "peak GB |")
+        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    rows = []
+    for m, v in itertools.product(models, variants):  # each row as it is measured: a later variant may not fit
+        r = run(m, v, args, d)
+        rows.append(r)
+        if d.is_main:
             mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
             peak = "-" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}"
-            print(f"| {r['model']} | {r['micro_batch_tokens']} | {r['checkpointing']} | {r['tokens']:,} | "
-                  f"{r['micro_batches']} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | "
-                  f"{r['forward_s']:.2f} | {peak} |")
+            print(f"| {r['model']} | {r['variant']} | {r['tokens']:,} | {r['micro_batches']} | {r['first_s']:.2f} | "
+                  f"{r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | {r['forward_s']:.2f} | {peak} |", flush=True)
+    if d.is_main:
         for r in rows:
             if r["profile"]:
-                print(f"\n{r['model']} micro_batch_tokens={r['micro_batch_tokens']} "
-                      f"checkpointing={r['checkpointing']}\n{r['profile']}")
+                print(f"\n{r['model']} {r['variant']}\n{r['profile']}")
     parallel.teardown()
 
 
