@@ -1,7 +1,7 @@
 """Triton kernels of the trainer's token log-probs: log p(target), the entropy and their gradient, read
 straight from the lm_head's bfloat16 logits.
 
-The torch path (`rl.train.ChunkedLogprobs`, which defines the semantics and runs on the CPU) converts
+The torch path of `rl.train.TokenLogprobs` (which defines the semantics and runs on the CPU) converts
 each chunk of logits to float32 and runs a chain of ops over the vocabulary: divide by the temperature,
 logsumexp, gather, softmax, product, sum, and in backward exp, subtract, multiply, scatter. At 16k
 tokens x a 152k vocabulary every op is a pass over ~10 GB of float32. Here one program per row reads
@@ -10,7 +10,8 @@ exponential x logit (an online softmax), and once more in backward, where it wri
 the logits' dtype: log p_y = u_y - lse(u) and H = lse(u) - E_p[u] with u = z / T, and
 dL/dz_i = g_lp (1[i = y] - p_i) / T - g_H p_i (u_i - E_p[u]) / T.
 
-Imported on first use on CUDA; tests/test_logprob_kernels.py runs them on the CPU through Triton's interpreter.
+`rl.train.TokenLogprobs` calls `forward` and `backward` on CUDA (imported on first use there);
+tests/test_logprob_kernels.py runs them on the CPU through Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -77,36 +78,32 @@ def _backward_kernel(logits_ptr, target_ptr, lse_ptr, entropy_ptr, grad_lp_ptr, 
         tl.store(out + idx, d.to(grad_ptr.dtype.element_ty), mask=valid)
 
 
-class FusedLogprobs(torch.autograd.Function):
-    """(log p(target), entropy) per row of `logits` (rows, vocab) under softmax(logits / temperature), in
-    float32; the gradient comes back in the logits' dtype. What `rl.train.ChunkedLogprobs` computes."""
+def forward(logits: torch.Tensor, target: torch.Tensor, temperature: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p(target), entropy, log-normaliser) per row of `logits` (rows, vocab) under softmax(logits / T),
+    in float32."""
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    rows, vocab = logits.shape
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    entropy, lse = torch.empty_like(logprobs), torch.empty_like(logprobs)
+    if rows:
+        _forward_kernel[(rows,)](logits, target.contiguous(), logprobs, entropy, lse, vocab, logits.stride(0),
+                                 1.0 / temperature, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+    return logprobs, entropy, lse
 
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float):
-        if logits.stride(1) != 1:
-            logits = logits.contiguous()
-        rows, vocab = logits.shape
-        target = target.contiguous()
-        logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        entropy, lse = torch.empty_like(logprobs), torch.empty_like(logprobs)
-        if rows:
-            _forward_kernel[(rows,)](logits, target, logprobs, entropy, lse, vocab, logits.stride(0),
-                                     1.0 / temperature, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
-        ctx.save_for_backward(logits, target, lse, entropy)
-        ctx.temperature = temperature
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
-        return logprobs, entropy
 
-    @staticmethod
-    def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
-        logits, target, lse, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        rows, vocab = logits.shape
-        if rows:
-            _backward_kernel[(rows,)](
-                logits, target, lse, entropy,
-                grad_logprobs.contiguous() if grad_logprobs is not None else lse,
-                grad_entropy.contiguous() if grad_entropy is not None else lse,
-                grad, vocab, logits.stride(0), grad.stride(0), 1.0 / ctx.temperature,
-                HAS_LP=grad_logprobs is not None, HAS_H=grad_entropy is not None, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
-        return grad, None, None
+def backward(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+             grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """d(loss)/d(logits) in the logits' dtype, from the gradients of `forward`'s log-probs and entropy (None:
+    that output went unused)."""
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    grad = torch.empty_like(logits)
+    rows, vocab = logits.shape
+    if rows:
+        _backward_kernel[(rows,)](
+            logits, target.contiguous(), lse, entropy,
+            grad_logprobs.contiguous() if grad_logprobs is not None else lse,
+            grad_entropy.contiguous() if grad_entropy is not None else lse,
+            grad, vocab, logits.stride(0), grad.stride(0), 1.0 / temperature,
+            HAS_LP=grad_logprobs is not None, HAS_H=grad_entropy is not None, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+    return grad

@@ -78,12 +78,11 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
     b, t, vocab = logits.shape
     # Every position gets a target (the last one a dummy) so the logits stay one contiguous (B*T, V) view.
     target = torch.cat([mb.input_ids[:, 1:], mb.input_ids.new_zeros(b, 1)], dim=1).reshape(-1)
+    kernels = None
     if FUSED_LOGPROBS and logits.is_cuda:
-        from rl.logprob_kernels import FusedLogprobs
-        logprobs, entropy = FusedLogprobs.apply(logits.reshape(-1, vocab), target, temperature)
-    else:
-        logprobs, entropy = ChunkedLogprobs.apply(logits.reshape(-1, vocab), target, temperature,
-                                                  max(1, LOGPROB_CHUNK_BYTES // (4 * vocab)))
+        import rl.logprob_kernels as kernels
+    logprobs, entropy = TokenLogprobs.apply(logits.reshape(-1, vocab), target, temperature,
+                                            max(1, LOGPROB_CHUNK_BYTES // (4 * vocab)), kernels)
     return logprobs.view(b, t)[:, :-1], entropy.view(b, t)[:, :-1]
 
 
@@ -93,10 +92,11 @@ FUSED_LOGPROBS = True  # on CUDA, rl/logprob_kernels.py: one read of the bf16 lo
 LOGPROB_CHUNK_BYTES = 1 << 29  # float32 logits materialised at once: ~880 rows of a 152k vocabulary
 
 
-class ChunkedLogprobs(torch.autograd.Function):
-    """log p(target) and the entropy of softmax(logits / T), computed over row chunks in float32.
+class TokenLogprobs(torch.autograd.Function):
+    """log p(target) and the entropy of softmax(logits / T), in float32.
 
-    Only one chunk of float32 logits exists at a time: forward keeps the per-row log-normaliser, and
+    With `kernels` (rl/logprob_kernels.py, on CUDA) Triton kernels read the logits once each way. Without,
+    torch ops run over row chunks in float32, and only one chunk of float32 logits exists at a time: forward keeps the per-row log-normaliser, and
     backward rebuilds each chunk's softmax from it (d log p_y / d z_i = (1[i = y] - p_i) / T) instead
     of autograd holding (rows, vocab) float32 activations, which at 16k tokens and a 152k vocabulary
     are ~10 GB each. The entropy H gets a gradient only when a loss uses it (algo.entropy_coef):
@@ -104,25 +104,30 @@ class ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, chunk: int):
-        rows = logits.shape[0]
-        logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        entropy, lse = torch.empty_like(logprobs), torch.empty_like(logprobs)
-        for s in range(0, rows, chunk):
-            z = logits[s : s + chunk].float() / temperature
-            lse[s : s + chunk] = norm = torch.logsumexp(z, dim=-1)
-            logprobs[s : s + chunk] = z.gather(-1, target[s : s + chunk, None]).squeeze(-1) - norm
-            entropy[s : s + chunk] = norm - (torch.softmax(z, dim=-1) * z).sum(-1)
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, chunk: int, kernels=None):
+        if kernels is not None:
+            logprobs, entropy, lse = kernels.forward(logits, target, temperature)
+        else:
+            rows = logits.shape[0]
+            logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+            entropy, lse = torch.empty_like(logprobs), torch.empty_like(logprobs)
+            for s in range(0, rows, chunk):
+                z = logits[s : s + chunk].float() / temperature
+                lse[s : s + chunk] = norm = torch.logsumexp(z, dim=-1)
+                logprobs[s : s + chunk] = z.gather(-1, target[s : s + chunk, None]).squeeze(-1) - norm
+                entropy[s : s + chunk] = norm - (torch.softmax(z, dim=-1) * z).sum(-1)
         ctx.save_for_backward(logits, target, lse, entropy)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.kernels = temperature, chunk, kernels
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         logits, target, lse, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits)
         t = ctx.temperature
+        if ctx.kernels is not None:
+            return ctx.kernels.backward(logits, target, lse, entropy, grad_logprobs, grad_entropy, t), *[None] * 4
+        grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.chunk):
             rows = slice(s, s + ctx.chunk)
             u = logits[rows].float().div_(t)
@@ -134,7 +139,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             if grad_entropy is not None:
                 d.add_(u)
             grad[rows] = d.scatter_add_(1, target[rows, None], g)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 # ---------------------------------------------------------------------------- the schedule

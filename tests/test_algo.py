@@ -6,7 +6,7 @@ import torch
 from rl.algo import (advantages, aggregate, approx_kl_k3, can_reuse_old_logprobs, gae, kl_penalty, policy_loss,
                      tis_weights, value_loss)
 from rl.config import AlgoConfig, TrainConfig
-from rl.train import ChunkedLogprobs
+from rl.train import TokenLogprobs
 
 
 def test_grpo_seed_group():
@@ -87,7 +87,7 @@ def test_chunked_logprobs_match_log_softmax_and_its_gradient(temperature):
     want_lp = logp.gather(-1, target[:, None]).squeeze(-1)
     want_entropy = -(logp.exp() * logp).sum(-1)
     (want_grad,) = torch.autograd.grad((want_lp * weights).sum(), logits)
-    got_lp, got_entropy = ChunkedLogprobs.apply(logits, target, temperature, 4)  # 3 chunks, the last short
+    got_lp, got_entropy = TokenLogprobs.apply(logits, target, temperature, 4)  # 3 chunks, the last short
     (got_grad,) = torch.autograd.grad((got_lp * weights).sum(), logits)
     assert torch.allclose(got_lp.double(), want_lp, atol=1e-6)
     assert torch.allclose(got_entropy.double(), want_entropy, atol=1e-5)
@@ -241,10 +241,10 @@ def test_chunked_entropy_gradient_matches_autograd():
     want_lp = logp.gather(-1, target[:, None]).squeeze(-1)
     want_h = -(logp.exp() * logp).sum(-1)
     (want,) = torch.autograd.grad((want_lp * w_lp).sum() + (want_h * w_h).sum(), logits)
-    got_lp, got_h = ChunkedLogprobs.apply(logits, target, 0.7, 4)
+    got_lp, got_h = TokenLogprobs.apply(logits, target, 0.7, 4)
     (got,) = torch.autograd.grad((got_lp * w_lp).sum() + (got_h * w_h).sum(), logits)
     assert torch.allclose(got, want, atol=1e-6)
-    got_lp, got_h = ChunkedLogprobs.apply(logits, target, 0.7, 4)  # the entropy alone
+    got_lp, got_h = TokenLogprobs.apply(logits, target, 0.7, 4)  # the entropy alone
     logp = torch.log_softmax(logits / 0.7, dim=-1)
     (want,) = torch.autograd.grad((-(logp.exp() * logp).sum(-1) * w_h).sum(), logits)
     (got,) = torch.autograd.grad((got_h * w_h).sum(), logits)

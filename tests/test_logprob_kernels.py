@@ -4,13 +4,11 @@ On a machine without a GPU they run through Triton's interpreter (imported for i
 private copy of the module imported under it, as tests/test_native_gpu.py does with the engine's kernels.
 """
 
-import functools
-import importlib.util
-
 import pytest
 import torch
 
-from tests.test_native_gpu import ON_GPU, interpreted_triton
+from rl.train import TokenLogprobs
+from tests.test_native_gpu import ON_GPU, interpreted_triton, interpreter, kernel_module  # noqa: F401 (a fixture)
 
 if not ON_GPU and not interpreted_triton():
     pytest.skip("needs a CUDA device, or Triton imported for its interpreter (tests/conftest.py)",
@@ -18,22 +16,10 @@ if not ON_GPU and not interpreted_triton():
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        if not ON_GPU:
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
-
-
-@functools.cache
 def kernels():
-    if ON_GPU:
-        return importlib.import_module("rl.logprob_kernels")
-    spec = importlib.util.find_spec("rl.logprob_kernels")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.BLOCK_V = 64  # several loop steps over the small vocabulary, the last one short
+    module = kernel_module("rl.logprob_kernels")
+    if not ON_GPU:
+        module.BLOCK_V = 64  # several loop steps over the small vocabulary, the last one short
     return module
 
 
@@ -61,7 +47,7 @@ def test_fused_logprobs_match_log_softmax_and_its_gradient(dtype, temperature, g
     w_lp = torch.randn(rows, device=DEVICE) if grads != "entropy" else None
     w_h = torch.randn(rows, device=DEVICE) if grads != "logprobs" else None
     want_lp, want_h, want_grad = reference(logits, target, temperature, w_lp, w_h)
-    lp, h = kernels().FusedLogprobs.apply(logits, target, temperature)
+    lp, h = TokenLogprobs.apply(logits, target, temperature, 0, kernels())
     loss = sum((v * w).sum() for v, w in ((lp, w_lp), (h, w_h)) if w is not None)
     (grad,) = torch.autograd.grad(loss, logits)
     assert lp.dtype == h.dtype == torch.float32 and grad.dtype == dtype
@@ -69,3 +55,30 @@ def test_fused_logprobs_match_log_softmax_and_its_gradient(dtype, temperature, g
     assert torch.allclose(h.double(), want_h, atol=2e-5)
     tol = 1e-6 if dtype == torch.float32 else 4e-3  # the gradient is rounded to the logits' dtype
     assert torch.allclose(grad.double(), want_grad, atol=tol, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_kernels_compile_for_hopper():
+    """Triton's compiler takes the kernels to a Hopper binary (no GPU needed): it refuses what the interpreter
+    lets through, such as a global that is not a tl.constexpr."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton.runtime.jit import JITFunction
+
+    import rl.logprob_kernels as k
+
+    common = {"logits_ptr": "*bf16", "target_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32",
+              "vocab": "i32", "row_stride": "i32", "inv_t": "fp32", "BLOCK": "constexpr"}
+    forward = {**common, "logprob_ptr": "*fp32"}
+    backward = {**common, "grad_lp_ptr": "*fp32", "grad_h_ptr": "*fp32", "grad_ptr": "*bf16", "grad_row_stride": "i32",
+                "HAS_LP": "constexpr", "HAS_H": "constexpr"}
+    kernels = [(k._forward_kernel, forward, {"BLOCK": 2048})]
+    kernels += [(k._backward_kernel, backward, {"BLOCK": 2048, "HAS_LP": lp, "HAS_H": h})
+                for lp, h in ((True, False), (False, True), (True, True))]
+    for fn, signature, constants in kernels:
+        fn = JITFunction(fn.fn)  # compiled, whether the module's decorator chose the interpreter or not
+        signature = {name: signature[name] for name in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"]

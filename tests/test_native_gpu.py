@@ -56,15 +56,19 @@ def interpreter():
 
 
 @functools.cache
-def kernels():
-    """rl.rollout.kernels; on the CPU a private copy, imported under the interpreter (Triton picks
-    compiled or interpreted when `@triton.jit` decorates a function) whatever imported it before."""
+def kernel_module(name: str):
+    """The module of Triton kernels `name`; on the CPU a private copy, imported under the interpreter (Triton
+    picks compiled or interpreted when `@triton.jit` decorates a function) whatever imported it before."""
     if ON_GPU:
-        return importlib.import_module("rl.rollout.kernels")
-    spec = importlib.util.find_spec("rl.rollout.kernels")
+        return importlib.import_module(name)
+    spec = importlib.util.find_spec(name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def kernels():
+    return kernel_module("rl.rollout.kernels")
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
