@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.test_distributed import ROOT, torchrun
+from tests.test_faults import one_line, rank_exit_code
 from tests.tiny import save_tiny_model_dir, write_arithmetic_jsonl
 
 COMPARED = ["rollout_id", "weight_version", "rollout/reward_mean", "train/loss", "train/grad_norm"]
@@ -89,6 +90,19 @@ def test_unreadable_checkpoint_falls_back_with_a_warning(inputs, tmp_path):
     text = proc.stdout + proc.stderr
     assert "rollout_1 could not be loaded" in text and "resumed from" in text and "rollout_0 instead" in text
     assert [r["rollout_id"] for r in rows(out)] == [0, 1, 2]
+
+
+def test_resuming_a_checkpoint_without_a_critic_into_gae_is_one_line(inputs, tmp_path):
+    """A GRPO run's checkpoint holds no value model: resuming it as PPO with GAE stops at start-up with one line
+    naming both estimators, instead of failing every checkpoint's read and falling back through them."""
+    out = tmp_path / "run"
+    launch(inputs, out, 2, "--train.num_rollout=1")
+    proc = launch(inputs, out, 2, "--train.num_rollout=2", "--algo.advantage_estimator=gae", check=False)
+    assert rank_exit_code(proc) == 2
+    line = one_line(proc, "rl: error:")
+    assert line.startswith("rl: error: checkpoint ") and "holds no critic" in line and "'grpo'" in line, line
+    assert "could not load" not in proc.stdout
+    assert [r["rollout_id"] for r in rows(out)] == [0]  # nothing of the refused run was written
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(inputs, tmp_path):
