@@ -31,7 +31,7 @@ def _forward_kernel(logits_ptr, target_ptr, logprob_ptr, entropy_ptr, lse_ptr, v
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * row_stride
     lanes = tl.arange(0, BLOCK)
-    m = tl.full([], float("-inf"), tl.float32)  # running max of u over the blocks read so far; per lane, relative to it:
+    m = tl.full([], float("-inf"), tl.float32)  # running max of u over the blocks read so far; per lane:
     s = tl.zeros([BLOCK], tl.float32)  # sum of exp(u - m)
     t = tl.zeros([BLOCK], tl.float32)  # and sum of exp(u - m) * u
     for v0 in range(0, vocab, BLOCK):

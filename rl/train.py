@@ -96,11 +96,12 @@ class TokenLogprobs(torch.autograd.Function):
     """log p(target) and the entropy of softmax(logits / T), in float32.
 
     With `kernels` (rl/logprob_kernels.py, on CUDA) Triton kernels read the logits once each way. Without,
-    torch ops run over row chunks in float32, and only one chunk of float32 logits exists at a time: forward keeps the per-row log-normaliser, and
-    backward rebuilds each chunk's softmax from it (d log p_y / d z_i = (1[i = y] - p_i) / T) instead
-    of autograd holding (rows, vocab) float32 activations, which at 16k tokens and a 152k vocabulary
-    are ~10 GB each. The entropy H gets a gradient only when a loss uses it (algo.entropy_coef):
-    with u = z / T, dH / du_i = -p_i (u_i - E_p[u]) and E_p[u] = logsumexp(u) - H.
+    torch ops run over row chunks in float32, and only one chunk of float32 logits exists at a time:
+    forward keeps the per-row log-normaliser, and backward rebuilds each chunk's softmax from it
+    (d log p_y / d z_i = (1[i = y] - p_i) / T) instead of autograd holding (rows, vocab) float32
+    activations, which at 16k tokens and a 152k vocabulary are ~10 GB each. The entropy H gets a gradient
+    only when a loss uses it (algo.entropy_coef): with u = z / T, dH / du_i = -p_i (u_i - E_p[u]) and
+    E_p[u] = logsumexp(u) - H.
     """
 
     @staticmethod

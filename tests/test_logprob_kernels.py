@@ -4,6 +4,11 @@ On a machine without a GPU they run through Triton's interpreter (imported for i
 private copy of the module imported under it, as tests/test_native_gpu.py does with the engine's kernels.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -57,28 +62,38 @@ def test_fused_logprobs_match_log_softmax_and_its_gradient(dtype, temperature, g
     assert torch.allclose(grad.double(), want_grad, atol=tol, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_kernels_compile_for_hopper():
+def test_kernels_compile_for_hopper(tmp_path):
     """Triton's compiler takes the kernels to a Hopper binary (no GPU needed): it refuses what the interpreter
-    lets through, such as a global that is not a tl.constexpr."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    lets through, such as a global that is not a tl.constexpr. It runs in a fresh process with an empty cache:
+    this session's Triton is set up for the interpreter, and a cached binary would skip the compiler."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["_forward_kernel", "_backward_kernel", "_backward_kernel", "_backward_kernel"]
 
-    from triton.runtime.jit import JITFunction
 
-    import rl.logprob_kernels as k
+COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-    common = {"logits_ptr": "*bf16", "target_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32",
-              "vocab": "i32", "row_stride": "i32", "inv_t": "fp32", "BLOCK": "constexpr"}
-    forward = {**common, "logprob_ptr": "*fp32"}
-    backward = {**common, "grad_lp_ptr": "*fp32", "grad_h_ptr": "*fp32", "grad_ptr": "*bf16", "grad_row_stride": "i32",
-                "HAS_LP": "constexpr", "HAS_H": "constexpr"}
-    kernels = [(k._forward_kernel, forward, {"BLOCK": 2048})]
-    kernels += [(k._backward_kernel, backward, {"BLOCK": 2048, "HAS_LP": lp, "HAS_H": h})
-                for lp, h in ((True, False), (False, True), (True, True))]
-    for fn, signature, constants in kernels:
-        fn = JITFunction(fn.fn)  # compiled, whether the module's decorator chose the interpreter or not
-        signature = {name: signature[name] for name in fn.arg_names}
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
-                                  target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm["cubin"]
+import rl.logprob_kernels as k
+
+common = {"logits_ptr": "*bf16", "target_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "vocab": "i32",
+          "row_stride": "i32", "inv_t": "fp32", "BLOCK": "constexpr"}
+forward = {**common, "logprob_ptr": "*fp32"}
+backward = {**common, "grad_lp_ptr": "*fp32", "grad_h_ptr": "*fp32", "grad_ptr": "*bf16", "grad_row_stride": "i32",
+            "HAS_LP": "constexpr", "HAS_H": "constexpr"}
+kernels = [(k._forward_kernel, forward, {"BLOCK": 2048})]
+kernels += [(k._backward_kernel, backward, {"BLOCK": 2048, "HAS_LP": lp, "HAS_H": h})
+            for lp, h in ((True, False), (False, True), (True, True))]
+for fn, signature, constants in kernels:
+    signature = {name: signature[name] for name in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
+    print(fn.__name__)
+"""
