@@ -49,6 +49,8 @@ class Health:
         self.out_of_band: dict[str, int] = {}  # rollouts in a row each check has warned
         self.warned_now: set[str] = set()
         self.history: dict[str, list[float]] = {}  # the last TREND_WINDOW values of the trend metrics
+        # This process's first train phase compiles kernels (model.compile) and fills caches: its speed is not judged.
+        self.warmed_up = False
         if state:
             self.load_state_dict(state)
 
@@ -78,6 +80,7 @@ class Health:
         try:
             self._after_train(row, steps)
         finally:
+            self.warmed_up = True
             for check in list(self.out_of_band):
                 if check not in self.warned_now:
                     del self.out_of_band[check]
@@ -118,7 +121,7 @@ class Health:
     def check_bands(self, row: dict[str, Any]) -> None:
         for metric, low, high, meaning in BANDS:
             value = row.get(metric)
-            if value is None or not math.isfinite(value):
+            if value is None or not math.isfinite(value) or (metric.startswith("perf/") and not self.warmed_up):
                 continue
             if (low is not None and value < low) or (high is not None and value > high):
                 band = f">= {low:g}" if high is None else f"<= {high:g}" if low is None else f"in [{low:g}, {high:g}]"

@@ -111,6 +111,20 @@ def test_the_seed_metric_table_bands_and_trends_warn(capsys):
     assert out.count("health warning: perf/rollout_tokens_per_s") == 1
 
 
+def test_the_first_train_phase_of_a_process_is_not_judged_on_speed(capsys):
+    """The first rollout of a process (a fresh run's or a resumed one's) compiles and warms up: a low MFU then
+    is no warning; the same value a rollout later is."""
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    health.after_train(row(**{"perf/train_mfu": 0.04, "rollout/truncated_frac": 0.75}), steps=1)
+    out = capsys.readouterr().out
+    assert "perf/train_mfu" not in out and "rollout/truncated_frac = 0.75" in out  # the other bands still hold
+    health.after_train(row(**{"perf/train_mfu": 0.04}), steps=1)
+    assert "perf/train_mfu = 0.04, expected >= 0.2" in capsys.readouterr().out
+    resumed = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100, state=health.state_dict())
+    resumed.after_train(row(**{"perf/train_mfu": 0.04}), steps=1)
+    assert "perf/train_mfu" not in capsys.readouterr().out
+
+
 def test_failed_rewards_stop_the_run_only_in_a_row():
     health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
     health.after_rewards(scored=8, failed=8)
