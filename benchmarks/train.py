@@ -2,7 +2,6 @@
 
     python benchmarks/train.py [--models configs/models/qwen2.5-0.5b configs/models/qwen2.5-1.5b]
         [--variants "" "logprobs=chunked,mask=padding" "compile=off,mbt=16384" ...] [--repeats 2] [--profile]
-        [--profile-cpu]
 
 256 samples (32 prompts x 8), prompts of 150-512 tokens, responses up to 1024 with the spread of an RL
 batch (a third run to the limit, the rest spread below it), random weights, the trainer's own code path
@@ -21,7 +20,8 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
 
 For each model x variant it prints the step time (median of --repeats after one warm-up step), tokens/s, MFU
 (the model FLOPs of rl/flops.py over the device's dense bf16 peak), the forward-only time of the same
-micro-batches, the peak memory and, with --profile, the largest device-time entries of one step.
+micro-batches, the peak memory and, with --profile, one step's wall time and largest device- and host-time
+entries (`rl.metrics.profiled`, what `log.profile_rollout` writes).
 On a CPU (`--models tiny`) it runs a small model as a smoke test.
 """
 
@@ -45,6 +45,7 @@ from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, ModelConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
 from rl.flops import peak_bf16_flops, train_flops  # noqa: E402
+from rl.metrics import profiled  # noqa: E402
 from rl.policy import build_optimizer, build_policy  # noqa: E402
 from rl import train as train_module  # noqa: E402
 from rl.train import build_schedule, token_logprobs, train_on_rollout  # noqa: E402
@@ -129,19 +130,12 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
         sync(d.device)
         forward_s = time.perf_counter() - t
     profile = ""
-    if args.profile and d.device.type == "cuda":
-        activities = [torch.profiler.ProfilerActivity.CUDA] + [torch.profiler.ProfilerActivity.CPU] * args.profile_cpu
-        with torch.profiler.profile(activities=activities) as prof:
-            t = time.perf_counter()
+    if args.profile:  # the trainer's own profiler (log.profile_rollout)
+        path = Path(tempfile.mkdtemp()) / "profile.txt"
+        with profiled(path):
             train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, d.world_size, train, algo, 1.0,
                              step_seqs)
-            sync(d.device)
-            wall = time.perf_counter() - t
-        device_s = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
-        profile = f"device time {device_s:.2f} s in a step of {wall:.2f} s (profiled)\n"
-        profile += prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
-        if args.profile_cpu:
-            profile += prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+        profile = path.read_text()
     lengths = [len(s.tokens) for s in samples]
     step_s = statistics.median(times)
     peak = peak_bf16_flops(d.device)
@@ -170,7 +164,6 @@ def main() -> None:
     p.add_argument("--max-response", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--profile-cpu", action="store_true", help="the profile records host activity too")
     args = p.parse_args()
     d = parallel.init_distributed()
     models = list(args.models)

@@ -214,14 +214,14 @@ def load(path: Path, model: torch.nn.Module, optimizer, critic: tuple[torch.nn.M
     """Restores model and optimizer (resharded to this run's ranks), and the critic's when given; a collective.
     The RNG states are restored apart (`restore_rng`), once nothing more of the start-up draws from them."""
     state = read_trainer_state(path)
+    saved = state.config.get("algo", {}).get("advantage_estimator", "?")
     if critic is not None and state.critic_scheduler is None:
-        saved = state.config.get("algo", {}).get("advantage_estimator", "?")
         raise ConfigError(f"checkpoint {path} holds no critic (its run had algo.advantage_estimator={saved!r}) and "
                           f"this run's algo.advantage_estimator='gae' needs one: resume with {saved!r}, or start "
                           f"the PPO run in another log.output_dir")
     if critic is None and state.critic_scheduler is not None:
-        print0(f"checkpoint: {path} holds a critic; this run has none (algo.advantage_estimator="
-               f"{state.config.get('algo', {}).get('advantage_estimator', '?')!r} there), so it is not restored")
+        print0(f"checkpoint: {path} holds a critic (algo.advantage_estimator={saved!r} there); this run has none, "
+               f"so it is not restored")
     sds = _state_dicts(model, optimizer, critic)
     dcp.load(sds, checkpoint_id=str(path / "model_optim"))
     set_state_dict(model, optimizer, model_state_dict=sds["model"], optim_state_dict=sds["optim"])
