@@ -17,6 +17,9 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
                        `causal`: no mask, the model builds its own (a host sync per forward);
                        `padding`: the padding mask, as the trainer ran before right-padded rows went without one
     cold=off|on        `on` empties torch's allocator cache before each step, as the RL loop's policy offload does
+    width=64|1         what micro-batch widths are rounded up to on CUDA (`rl.train.width_multiple`)
+    fresh=off|on       `on` draws new lengths for every step, as every rollout of the loop brings (new shapes:
+                       cuDNN attention builds a graph for each one it has not seen)
 
 For each model x variant it prints the step time (median of --repeats after one warm-up step), tokens/s, MFU
 (the model FLOPs of rl/flops.py over the device's dense bf16 peak), the forward-only time of the same
@@ -72,8 +75,8 @@ def sync(device: torch.device) -> None:
 
 CAUSAL_FORWARD = train_module.causal_forward
 DEFAULTS = {"mbt": "32768", "compile": "on", "checkpointing": "off", "logprobs": "fused", "mask": "none",
-            "cold": "off"}  # what benchmarks/loop.sh runs
-BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding"  # the trainer before these options
+            "cold": "off", "width": "64", "fresh": "off"}  # what benchmarks/loop.sh runs
+BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding,width=1"  # the trainer before these options
 
 
 def parse_variant(text: str) -> dict[str, str]:
@@ -96,6 +99,7 @@ def forward_with_padding_mask(model, input_ids):
 def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict:
     on = {k: v == "on" for k, v in variant.items()}
     train_module.FUSED_LOGPROBS = variant["logprobs"] == "fused"
+    train_module.CUDA_WIDTH_MULTIPLE = int(variant["width"])
     train_module.causal_forward = {"none": CAUSAL_FORWARD, "padding": forward_with_padding_mask,
                                    "causal": lambda model, ids: model(input_ids=ids, use_cache=False)}[variant["mask"]]
     policy = build_policy(ModelConfig(path=model_dir, random_init=True, gradient_checkpointing=on["checkpointing"],
@@ -103,8 +107,11 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     train = TrainConfig(global_batch_size=args.samples, micro_batch_tokens=int(variant["mbt"]), lr=1e-6)
     algo = AlgoConfig(eps_clip_high=0.2)
     optimizer, scheduler = build_optimizer(policy, train)
-    samples = seed_batch(policy.config.vocab_size, args.samples, args.max_response)
-    steps, step_tokens, step_seqs, _ = build_schedule(samples, train, d.rank, d.world_size, d.device)
+    def schedule(seed: int):
+        batch = seed_batch(policy.config.vocab_size, args.samples, args.max_response, seed)
+        return (batch, *build_schedule(batch, train, d.rank, d.world_size, d.device, 2048))
+
+    samples, steps, step_tokens, step_seqs, _ = schedule(0)
     times = []
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
@@ -112,12 +119,14 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     for i in range(args.repeats + 1):  # the first step warms the allocator and kernels up (and compiles)
         if on["cold"] and d.device.type == "cuda":
             torch.cuda.empty_cache()
+        if on["fresh"] and i:
+            samples, steps, step_tokens, step_seqs, _ = schedule(i)
         sync(d.device)
         t = time.perf_counter()
         train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, d.world_size, train, algo, 1.0, step_seqs)
         sync(d.device)
         if i:
-            times.append(time.perf_counter() - t)
+            times.append((time.perf_counter() - t, [len(s.tokens) for s in samples]))
         else:
             first_s = time.perf_counter() - t
     forward_s = 0.0
@@ -136,15 +145,16 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
             train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, d.world_size, train, algo, 1.0,
                              step_seqs)
         profile = path.read_text()
-    lengths = [len(s.tokens) for s in samples]
-    step_s = statistics.median(times)
     peak = peak_bf16_flops(d.device)
+    # per timed step (its own lengths with fresh=on), then the median of each
     row = {"model": Path(model_dir).name, "variant": ",".join(f"{k}={v}" for k, v in variant.items()
                                                                if v != DEFAULTS[k]) or "defaults",
            "first_s": first_s,
-           "tokens": sum(lengths), "micro_batches": len(steps[0]), "step_s": step_s,
-           "tokens_per_s": sum(lengths) / step_s,
-           "mfu": train_flops(policy.config, lengths) / (step_s * d.world_size * peak) if peak else None,
+           "tokens": int(statistics.median(sum(lengths) for _, lengths in times)), "micro_batches": len(steps[0]),
+           "step_s": statistics.median(s for s, _ in times),
+           "tokens_per_s": statistics.median(sum(lengths) / s for s, lengths in times),
+           "mfu": statistics.median(train_flops(policy.config, lengths) / (s * d.world_size * peak)
+                                    for s, lengths in times) if peak else None,
            "forward_s": forward_s,
            "peak_gb": torch.cuda.max_memory_allocated(d.device) / 1e9 if d.device.type == "cuda" else None,
            "profile": profile}

@@ -253,7 +253,8 @@ def main(argv: list[str]) -> None:
                 if rollout_id == cfg.log.profile_rollout else None
             with timed(times, "perf/train_s"), profiled(profile):
                 steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank,
-                                                                        dist.world_size, dist.device)
+                                                                        dist.world_size, dist.device,
+                                                                        cfg.rollout.max_context_len)
                 micro_batches = [mb for step in steps for mb in step]
                 old, ref, extra_stats = {}, None, {}
                 if reference is not None:
@@ -268,7 +269,8 @@ def main(argv: list[str]) -> None:
                     if not critic:
                         assign_advantages(samples, cfg.algo, kl_sums)
                         steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank,
-                                                                                dist.world_size, dist.device)
+                                                                                dist.world_size, dist.device,
+                                                                                cfg.rollout.max_context_len)
                 if critic:  # GAE: the critic's values of this rank's samples give per-token advantages
                     with timed(times, "perf/critic_s"):
                         critic.onload()

@@ -35,9 +35,10 @@ class MicroBatch:
     indices: list[int]  # Sample.index of each row
 
 
-def collate(samples: list[Sample], device: torch.device, pad_token_id: int = 0) -> MicroBatch:
-    """Right-padded micro-batch; targets are shifted by one so row t predicts token t+1."""
-    width = max(len(s.tokens) for s in samples)
+def collate(samples: list[Sample], device: torch.device, pad_token_id: int = 0, width: int = 0) -> MicroBatch:
+    """Right-padded micro-batch (to `width`, or the longest row); targets are shifted by one so row t predicts
+    token t+1."""
+    width = max(width, *(len(s.tokens) for s in samples))
     b = len(samples)
     input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
     loss_mask = torch.zeros((b, width - 1))
@@ -146,22 +147,40 @@ class TokenLogprobs(torch.autograd.Function):
 # ---------------------------------------------------------------------------- the schedule
 
 
-def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_size: int, device
-                   ) -> tuple[list[list], list[int], list[int], int]:
+CUDA_WIDTH_MULTIPLE = 64  # micro-batch widths on CUDA; see `width_multiple`
+
+
+def width_multiple(device: torch.device) -> int:
+    """What micro-batch widths are rounded up to. On CUDA, SDPA's cuDNN kernels build a graph for every new
+    (rows, width) shape, 0.1-0.3 s each (forward and backward, measured on an H200), and every rollout brings
+    new lengths; rounded widths make the shapes repeat, so after the first rollouts every shape is built.
+    The cost is ~32 padded tokens a row. Elsewhere no rounding."""
+    return CUDA_WIDTH_MULTIPLE if device.type == "cuda" else 1
+
+
+def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_size: int, device,
+                   max_width: int = 0) -> tuple[list[list], list[int], list[int], int]:
     """Seed step 31: global batches in order, each split across DP ranks by balanced length, then
     this rank's share cut into micro-batches. Returns (micro-batches per step, loss tokens per step,
-    sequences with loss tokens per step, padding micro-batches over all ranks).
+    sequences with loss tokens per step, padding micro-batches over all ranks). Widths are rounded up
+    (`width_multiple`), never past `max_width` (the context the model was checked for) when it is given.
 
     Every rank holds the whole rollout, so each one computes every rank's cut and pads its own list
     to the longest with zero-loss copies of a real micro-batch: FSDP's collectives need all ranks
     to run the same number of forward/backward passes."""
+    multiple = width_multiple(torch.device(device))
+
+    def width(n: int) -> int:
+        rounded = -(-n // multiple) * multiple
+        return max(n, min(rounded, max_width)) if max_width else rounded
+
     steps, step_tokens, step_seqs, padding = [], [], [], 0
     for start in range(0, len(samples), train.global_batch_size):
         batch = samples[start : start + train.global_batch_size]
         parts = parallel.balanced_partition([float(len(s.tokens)) for s in batch], world_size)
         cuts = [cut_micro_batches(sorted((batch[i] for i in part), key=lambda s: len(s.tokens)),  # less padding
-                                  train.micro_batch_size, train.micro_batch_tokens) for part in parts]
-        mine = [collate(mb, device) for mb in cuts[rank]]
+                                  train.micro_batch_size, train.micro_batch_tokens, width) for part in parts]
+        mine = [collate(mb, device, width=width(max(len(s.tokens) for s in mb))) for mb in cuts[rank]]
         mine += [zero_loss(mine[0]) for _ in range(max(map(len, cuts)) - len(mine))]
         padding += sum(len(mine) - len(c) for c in cuts)
         steps.append(mine)
@@ -170,14 +189,15 @@ def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_s
     return steps, step_tokens, step_seqs, padding
 
 
-def cut_micro_batches(samples: list[Sample], size: int, token_budget: int) -> list[list[Sample]]:
+def cut_micro_batches(samples: list[Sample], size: int, token_budget: int, width=lambda n: n
+                      ) -> list[list[Sample]]:
     """Consecutive runs of `samples` (shortest first): `size` rows each, or, with a token budget,
-    as many rows as fit when every row is padded to the run's longest."""
+    as many rows as fit when every row is padded to `width(the run's longest)`."""
     if token_budget <= 0:
         return [samples[i : i + size] for i in range(0, len(samples), size)]
     out: list[list[Sample]] = [[]]
     for s in samples:
-        if out[-1] and (len(out[-1]) + 1) * len(s.tokens) > token_budget:
+        if out[-1] and (len(out[-1]) + 1) * width(len(s.tokens)) > token_budget:
             out.append([])
         out[-1].append(s)
     return out

@@ -2,6 +2,8 @@
 
 import torch
 
+import rl.train
+
 from rl.config import TrainConfig
 from rl.data import Sample
 from rl.train import build_schedule, cut_micro_batches
@@ -34,3 +36,14 @@ def test_every_rank_runs_the_same_number_of_micro_batches():
     assert per_rank[0][1] == per_rank[1][1] == [sum(lengths)]
     assert per_rank[0][2] == per_rank[1][2] == [8]
     assert per_rank[0][3] == per_rank[1][3] == 1
+
+
+def test_widths_round_up_to_repeat_shapes_within_the_budget_and_the_context(monkeypatch):
+    monkeypatch.setattr(rl.train, "width_multiple", lambda device: 8)
+    samples = [sample(i, 2, n) for i, n in enumerate([1, 3, 3, 6, 10, 17])]  # 3, 5, 5, 8, 12, 19 tokens
+    cfg = TrainConfig(global_batch_size=6, micro_batch_tokens=24)
+    steps, _, _, _ = build_schedule(samples, cfg, 0, 1, torch.device("cpu"), max_width=22)
+    # rows are cut by the rounded width: 3 rows of 8 fit in 24, a 4th would not; 8 and 12 would fit as 2 x 12
+    # but not as 2 x 16; 19 rounds to 24, past the context of 22
+    assert [(mb.input_ids.shape[0], mb.input_ids.shape[1]) for mb in steps[0]] == [(3, 8), (1, 8), (1, 16), (1, 22)]
+    assert [mb.indices for mb in steps[0]] == [[0, 1, 2], [3], [4], [5]]

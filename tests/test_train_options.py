@@ -26,10 +26,10 @@ def samples(n: int, seed: int = 0) -> list[Sample]:
     return out
 
 
-def loss_and_grads(model, batch: list[Sample]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_grads(model, batch: list[Sample], width: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A PPO loss summed over the batch's trained tokens (old logprobs fixed), and the gradients it leaves."""
     model.zero_grad(set_to_none=True)
-    mb = collate(batch, torch.device("cpu"))
+    mb = collate(batch, torch.device("cpu"), width=width)
     lp, entropy = token_logprobs(model, mb, 0.8)
     loss, _ = policy_loss("ppo", lp, mb.rollout_logprobs, mb.advantages, mb.loss_mask, 0.2, 0.28, 0.0)
     total = (loss * mb.loss_mask).sum() - 0.01 * (entropy * mb.loss_mask).sum()
@@ -58,6 +58,17 @@ def test_padded_rows_without_attention_mask_match_each_sample_alone():
     parts = [loss_and_grads(model, [s]) for s in batch]
     assert torch.allclose(loss, sum(p[0] for p in parts), rtol=1e-5)
     assert close(grads, {n: sum(p[1][n] for p in parts) for n in grads}, 1e-4)
+
+
+def test_rounded_widths_give_the_same_loss_and_gradients():
+    """Micro-batch widths rounded up (on CUDA, to repeat attention shapes) only add padding after every row."""
+    model = tiny_model(seed=3)
+    batch = samples(4, seed=3)
+    exact = max(len(s.tokens) for s in batch)
+    want_loss, want = loss_and_grads(model, batch)
+    got_loss, got = loss_and_grads(model, batch, width=exact + 13)
+    assert torch.allclose(got_loss, want_loss, rtol=1e-5)
+    assert close(got, want, 1e-4)
 
 
 def test_compiled_blocks_give_the_eager_loss_and_gradients():
