@@ -398,6 +398,7 @@ def train_throughput(config, samples: list[Sample], times: dict[str, float], dis
 
 STARTUP_TIMEOUT_S = 1800.0  # the process group's own timeout while models load and kernels compile
 RANK0_REPORT_S = 20.0  # how long the other ranks wait after an error for rank 0 to say it
+PEERS_RECORD_S = 10.0  # how long rank 0 then waits for the other ranks of its node to record the error
 
 
 def claim_output_dir(cfg: Config, dist: parallel.Dist):
@@ -483,6 +484,34 @@ def record_error(message: str) -> None:
                                                                      "timestamp": str(int(time.time()))}}}, f)
 
 
+def recorded(path: str) -> bool:
+    """Whether the error file at `path` holds record_error's line (its callstack is the message), not yet
+    the traceback that `record` writes first."""
+    try:
+        with open(path) as f:
+            message = json.load(f)["message"]
+        return message["extraInfo"]["py_callstack"] == message["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def await_local_errors() -> None:
+    """Rank 0 waits (PEERS_RECORD_S at most) for the other ranks of its node to record the error: torchrun
+    stops them as soon as rank 0 exits, and a rank stopped before it recorded shows in its failure summary as
+    `error_file: <N/A>`. A rank that never meets the error (one rank 0 alone saw) costs the bound, no more.
+    torchrun's error files are <attempt_dir>/<local_rank>/error.json."""
+    own, local_rank = os.environ.get("TORCHELASTIC_ERROR_FILE"), os.environ.get("LOCAL_RANK")
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not own or local_world_size < 2 or os.path.basename(os.path.dirname(own)) != local_rank:
+        return
+    attempt_dir = os.path.dirname(os.path.dirname(own))
+    others = [os.path.join(attempt_dir, str(r), os.path.basename(own)) for r in range(local_world_size)
+              if str(r) != local_rank]
+    deadline = time.monotonic() + PEERS_RECORD_S
+    while not all(map(recorded, others)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def cli(argv: list[str]) -> int:
     """A bad config or input, or a fault the run cannot survive: one line on rank 0 and exit 2 (input) or
     1 (run stopped). Anything else is a bug and keeps its traceback (recorded for torchrun's summary)."""
@@ -493,9 +522,11 @@ def cli(argv: list[str]) -> int:
         record_error(message)
         if os.environ.get("RANK", "0") == "0":
             print(message, file=sys.stderr, flush=True)
+            await_local_errors()
         else:
             # Every rank meets the same error; torchrun stops the others as soon as one exits, so the
-            # others give rank 0 the time to print it.
+            # others give rank 0 the time to print it, and end at once when torchrun stops them.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(RANK0_REPORT_S)
         return 2 if isinstance(e, ConfigError) else 1
     return 0
