@@ -10,7 +10,7 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
 --variants it runs the trainer as it was before these options, then the defaults:
 
     mbt=32768          train.micro_batch_tokens
-    compile=on|off     model.compile (torch.compile of the decoder blocks)
+    compile=on|off     model.compile (torch.compile of the decoder blocks, RoPE as rl/rope.py's op)
     checkpointing=off|on   model.gradient_checkpointing
     logprobs=fused|chunked the Triton log-prob kernels (CUDA) or the chunked torch path
     mask=none|causal|padding   `none`: the trainer's forward (no mask, the mask mapping prepared);
@@ -50,6 +50,7 @@ from rl.data import Sample  # noqa: E402
 from rl.flops import peak_bf16_flops, train_flops  # noqa: E402
 from rl.metrics import profiled  # noqa: E402
 from rl.policy import build_optimizer, build_policy  # noqa: E402
+from rl.rope import unfuse_rope  # noqa: E402
 from rl import train as train_module  # noqa: E402
 from rl.train import build_schedule, token_logprobs, train_on_rollout  # noqa: E402
 
@@ -100,6 +101,8 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     on = {k: v == "on" for k, v in variant.items()}
     train_module.FUSED_LOGPROBS = variant["logprobs"] == "fused"
     train_module.CUDA_WIDTH_MULTIPLE = int(variant["width"])
+    if not on["compile"]:  # an earlier compiled variant swapped in the RoPE op for the process: HF's again
+        unfuse_rope()
     train_module.causal_forward = {"none": CAUSAL_FORWARD, "padding": forward_with_padding_mask,
                                    "causal": lambda model, ids: model(input_ids=ids, use_cache=False)}[variant["mask"]]
     policy = build_policy(ModelConfig(path=model_dir, random_init=True, gradient_checkpointing=on["checkpointing"],

@@ -66,13 +66,19 @@ def test_kernels_compile_for_hopper(tmp_path):
     """Triton's compiler takes the kernels to a Hopper binary (no GPU needed): it refuses what the interpreter
     lets through, such as a global that is not a tl.constexpr. It runs in a fresh process with an empty cache:
     this session's Triton is set up for the interpreter, and a cached binary would skip the compiler."""
+    assert compile_for_hopper(tmp_path, LOGPROB_KERNELS) == ["_forward_kernel"] + 3 * ["_backward_kernel"]
+
+
+def compile_for_hopper(tmp_path, kernels: str) -> list[str]:
+    """Runs `kernels` (code that sets `kernels` to a list of (jit function, signature, constexprs)) and compiles
+    each for sm_90 in a fresh process with an empty Triton cache; the names of the compiled functions."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", kernels + COMPILE_FOR_HOPPER], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["_forward_kernel", "_backward_kernel", "_backward_kernel", "_backward_kernel"]
+    return proc.stdout.split()
 
 
 COMPILE_FOR_HOPPER = """
@@ -80,6 +86,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+for fn, signature, constants in kernels:
+    signature = {name: signature[name] for name in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
+    print(fn.__name__)
+"""
+
+LOGPROB_KERNELS = """
 import rl.logprob_kernels as k
 
 common = {"logits_ptr": "*bf16", "target_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "vocab": "i32",
@@ -90,10 +105,4 @@ backward = {**common, "grad_lp_ptr": "*fp32", "grad_h_ptr": "*fp32", "grad_ptr":
 kernels = [(k._forward_kernel, forward, {"BLOCK": 2048})]
 kernels += [(k._backward_kernel, backward, {"BLOCK": 2048, "HAS_LP": lp, "HAS_H": h})
             for lp, h in ((True, False), (False, True), (True, True))]
-for fn, signature, constants in kernels:
-    signature = {name: signature[name] for name in fn.arg_names}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
-                              target=GPUTarget("cuda", 90, 32))
-    assert compiled.asm["cubin"]
-    print(fn.__name__)
 """
