@@ -21,7 +21,8 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
     fresh=off|on       `on` draws new lengths for every step, as every rollout of the loop brings (new shapes:
                        cuDNN attention builds a graph for each one it has not seen)
 
-For each model x variant it prints the step time (median of --repeats after one warm-up step), tokens/s, MFU
+For each model x variant it prints the step time (median of --repeats after one warm-up step, and each one),
+the graphs torch.compile compiled during those steps (recompiles: 0 once warm), tokens/s, MFU
 (the model FLOPs of rl/flops.py over the device's dense bf16 peak), the forward-only time of the same
 micro-batches, the peak memory and, with --profile, one step's wall time and largest device- and host-time
 entries (`rl.metrics.profiled`, what `log.profile_rollout` writes).
@@ -118,16 +119,18 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     times = []
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
-    first_s = 0.0
+    first_s, graphs = 0.0, 0
     for i in range(args.repeats + 1):  # the first step warms the allocator and kernels up (and compiles)
         if on["cold"] and d.device.type == "cuda":
             torch.cuda.empty_cache()
         if on["fresh"] and i:
             samples, steps, step_tokens, step_seqs, _ = schedule(i)
         sync(d.device)
+        compiled_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         t = time.perf_counter()
         train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, d.world_size, train, algo, 1.0, step_seqs)
         sync(d.device)
+        graphs += (torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled_before) if i else 0
         if i:
             times.append((time.perf_counter() - t, [len(s.tokens) for s in samples]))
         else:
@@ -154,7 +157,7 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
                                                                if v != DEFAULTS[k]) or "defaults",
            "first_s": first_s,
            "tokens": int(statistics.median(sum(lengths) for _, lengths in times)), "micro_batches": len(steps[0]),
-           "step_s": statistics.median(s for s, _ in times),
+           "step_s": statistics.median(s for s, _ in times), "steps_s": [s for s, _ in times], "graphs": graphs,
            "tokens_per_s": statistics.median(sum(lengths) / s for s, lengths in times),
            "mfu": statistics.median(train_flops(policy.config, lengths) / (s * d.world_size * peak)
                                     for s, lengths in times) if peak else None,
@@ -188,9 +191,9 @@ def main() -> None:
         print(f"device: {torch.cuda.get_device_name(d.device) if d.device.type == 'cuda' else 'cpu'}, "
               f"{d.world_size} rank(s), peak {peak_bf16_flops(d.device) or 0:.3g} FLOP/s, torch {torch.__version__}; "
               f"defaults {','.join(f'{k}={v}' for k, v in DEFAULTS.items())}")
-        print("| model | variant | tokens | micro-batches | first step s | step s | tokens/s | MFU | forward-only s | "
-              "peak GB |")
-        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        print("| model | variant | tokens | micro-batches | first step s | step s | each step s | graphs compiled | "
+              "tokens/s | MFU | forward-only s | peak GB |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for m, v in itertools.product(models, variants):  # each row as it is measured: a later variant may not fit
         r = run(m, v, args, d)
@@ -199,7 +202,8 @@ def main() -> None:
             mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
             peak = "-" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}"
             print(f"| {r['model']} | {r['variant']} | {r['tokens']:,} | {r['micro_batches']} | {r['first_s']:.2f} | "
-                  f"{r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | {r['forward_s']:.2f} | {peak} |", flush=True)
+                  f"{r['step_s']:.2f} | {' / '.join(f'{s:.2f}' for s in r['steps_s'])} | {r['graphs']} | "
+                  f"{r['tokens_per_s']:,.0f} | {mfu} | {r['forward_s']:.2f} | {peak} |", flush=True)
     if d.is_main:
         for r in rows:
             if r["profile"]:
