@@ -3,6 +3,7 @@
     python benchmarks/loop_breakdown.py data /tmp/long.jsonl      # 2048 prompts of ~150-500 tokens
     python benchmarks/loop_breakdown.py tokenizer /tmp/tok        # a word-level tokenizer for them
     python benchmarks/loop_breakdown.py table RUN_DIR [RUN_DIR ...]
+    python benchmarks/loop_breakdown.py engines ROLLOUT_JSON NATIVE_RUN_DIR VLLM_RUN_DIR   # benchmarks/engines.sh
 
 `tokenizer` writes a tokenizer folder for machines that have none: one token per word, digit
 run and punctuation mark of those prompts (as many tokens per prompt as Qwen2.5's tokenizer gives,
@@ -61,24 +62,60 @@ def write_tokenizer(path: str) -> None:
     tok.save_pretrained(path)
 
 
+def run_medians(run: str) -> dict[str, float]:
+    """Each ROWS metric of a run's metrics.jsonl, median over every rollout but the first."""
+    rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+    use = rows[1:] or rows
+    return {key: statistics.median([r[key] for r in use if key in r] or [float("nan")]) for _, key in ROWS}
+
+
 def table(run_dirs: list[str]) -> str:
-    medians = {}
-    for run in run_dirs:
-        rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
-        use = rows[1:] or rows
-        medians[Path(run).name] = {key: statistics.median([r[key] for r in use if key in r] or [float("nan")])
-                                   for _, key in ROWS}
+    medians = {Path(run).name: run_medians(run) for run in run_dirs}
     lines = ["| median over rollouts 1.. | " + " | ".join(medians) + " |", "|---|" + "---|" * len(medians)]
     lines += [f"| {label} | " + " | ".join(f"{m[key]:.4g}" for m in medians.values()) + " |" for label, key in ROWS]
     return "\n".join(lines)
 
 
+def engines(rollout_json: str, native_run: str, vllm_run: str) -> str:
+    """One table of both engines: `benchmarks/rollout.py --engines native vllm --out` rows per model (the
+    fastest vLLM variant) and the loop's medians of a native and a vLLM run, with the acceptance bounds
+    for vLLM on one GPU: sleep(2) frees >= 90% of its memory, a weight sync <= 0.05 s, and a train peak
+    within 10% of the native engine's."""
+    rows = json.loads(Path(rollout_json).read_text())["rows"]
+    lines = ["| | native | vLLM | bound for vLLM | met |", "|---|---|---|---|---|"]
+
+    def line(label, native, vllm, bound="", met=None):
+        lines.append(f"| {label} | {native} | {vllm} | {bound} | {'' if met is None else 'yes' if met else 'NO'} |")
+
+    for model in dict.fromkeys(r["model"] for r in rows):
+        native = next(r for r in rows if r["model"] == model and r["engine"] == "native")
+        vllm = max((r for r in rows if r["model"] == model and r["engine"].startswith("vllm")),
+                   key=lambda r: r["engine_tok_s"])
+        line(f"{model}: rollout tok/s (vLLM: {vllm['engine']})", f"{native['engine_tok_s']:,.0f}",
+             f"{vllm['engine_tok_s']:,.0f}")
+        line(f"{model}: of the decode roofline", f"{native['roofline_frac']:.0%}", f"{vllm['roofline_frac']:.0%}")
+        freed = vllm["sleep"]["freed_frac"]
+        line(f"{model}: sleep(2) frees", f"{native['sleep']['freed_frac']:.1%}", f"{freed:.1%}", ">= 90%",
+             freed >= 0.9)
+    loop = {"native": run_medians(native_run), "vllm": run_medians(vllm_run)}
+    for label, key in ROWS[:5]:
+        line(f"loop: {label}", f"{loop['native'][key]:.4g}", f"{loop['vllm'][key]:.4g}")
+    sync = loop["vllm"]["perf/weight_sync_s"]
+    line("loop: weight sync s", f"{loop['native']['perf/weight_sync_s']:.4g}", f"{sync:.4g}", "<= 0.05", sync <= 0.05)
+    peaks = [loop[e]["memory/train_peak_gb"] for e in ("native", "vllm")]
+    line("loop: train peak GB", f"{peaks[0]:.4g}", f"{peaks[1]:.4g}", "native + 10%", peaks[1] <= 1.1 * peaks[0])
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("data", "tokenizer", "table"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("data", "tokenizer", "table", "engines") or \
+            (sys.argv[1] == "engines" and len(sys.argv) != 5):
         sys.exit(__doc__)
     if sys.argv[1] == "data":
         write_data(sys.argv[2])
     elif sys.argv[1] == "tokenizer":
         write_tokenizer(sys.argv[2])
+    elif sys.argv[1] == "engines":
+        print(engines(*sys.argv[2:]))
     else:
         print(table(sys.argv[2:]))
