@@ -35,8 +35,10 @@ def reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bo
 
 @torch.library.custom_op("rl::rope", mutates_args=())
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """RoPE of x (rows, heads, length, head_dim) by cos and sin (rows or 1, length, head_dim), or its transpose."""
     k = kernels(x)
-    if k is None or x.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1:
+    if k is None or x.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1 or \
+            cos.shape[0] not in (1, x.shape[0]) or cos.shape[1:] != (x.shape[2], x.shape[3]):
         return reference(x, cos, sin, inverse)
     return k.apply(x, cos, sin, inverse)
 

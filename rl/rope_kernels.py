@@ -12,7 +12,7 @@ The backward is the transposed rotation, the same kernel with `inverse`:
 
     dx1 = g1 c1 + g2 s2,    dx2 = g2 c2 - g1 s1
 
-`rl.policy.Rope` calls `apply` on CUDA; tests/test_rope.py runs it on the CPU through Triton's interpreter.
+The op `rl.rope.rope` calls `apply` on CUDA; tests/test_rope.py runs it on the CPU through Triton's interpreter.
 """
 
 from __future__ import annotations

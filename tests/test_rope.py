@@ -77,6 +77,17 @@ def test_the_op_gives_hf_values_and_gradients(kernels):
         assert torch.allclose(got, want, atol=1e-6)
 
 
+def test_tables_the_kernel_cannot_index_are_not_read_as_if_it_could(kernels):
+    """cos and sin of other rows or another length go to the torch formula, which refuses them, instead of the
+    kernel reading past them."""
+    q, _, cos, sin = qk_cos_sin(torch.float32, rows=2, cos_rows=3)
+    with pytest.raises(RuntimeError):
+        rope(q, cos, sin, False)
+    q, _, cos, sin = qk_cos_sin(torch.float32, length=5)
+    with pytest.raises(RuntimeError):
+        rope(q[:, :, :4], cos, sin, False)
+
+
 def test_compiled_blocks_with_the_rope_kernel_give_the_eager_loss_and_gradients(kernels):
     eager = tiny_model(seed=4, layers=2).to(DEVICE)
     want_loss, want = loss_and_grads(eager, samples(3, seed=4))
