@@ -20,6 +20,7 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
     width=64|1         what micro-batch widths are rounded up to on CUDA (`rl.train.width_multiple`)
     fresh=off|on       `on` draws new lengths for every step, as every rollout of the loop brings (new shapes:
                        cuDNN attention builds a graph for each one it has not seen)
+    adamw=foreach|fused    torch's AdamW implementation (the trainer's is foreach)
 
 For each model x variant it prints the step time (median of --repeats after one warm-up step, and each one),
 the graphs torch.compile compiled during those steps (recompiles: 0 once warm), tokens/s, MFU
@@ -77,7 +78,7 @@ def sync(device: torch.device) -> None:
 
 CAUSAL_FORWARD = train_module.causal_forward
 DEFAULTS = {"mbt": "32768", "compile": "on", "checkpointing": "off", "logprobs": "fused", "mask": "none",
-            "cold": "off", "width": "64", "fresh": "off"}  # what benchmarks/loop.sh runs
+            "cold": "off", "width": "64", "fresh": "off", "adamw": "foreach"}  # what benchmarks/loop.sh runs
 BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding,width=1"  # the trainer before these options
 
 
@@ -110,7 +111,7 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
                                       compile=on["compile"]), d.mesh, d.device, seed=0, max_context_len=2048)
     train = TrainConfig(global_batch_size=args.samples, micro_batch_tokens=int(variant["mbt"]), lr=1e-6)
     algo = AlgoConfig(eps_clip_high=0.2)
-    optimizer, scheduler = build_optimizer(policy, train)
+    optimizer, scheduler = build_optimizer(policy, train, fused=variant["adamw"] == "fused" or None)
     def schedule(seed: int):
         batch = seed_batch(policy.config.vocab_size, args.samples, args.max_response, seed)
         return (batch, *build_schedule(batch, train, d.rank, d.world_size, d.device, 2048))

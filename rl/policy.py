@@ -212,9 +212,10 @@ def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_ch
     return model
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool | None = None):
+    """AdamW (torch's multi-tensor implementation unless `fused`) and its warm-up schedule."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay, fused=fused)
     warmup = cfg.lr_warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
