@@ -131,11 +131,12 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
         t = time.perf_counter()
         train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, d.world_size, train, algo, 1.0, step_seqs)
         sync(d.device)
-        graphs += (torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled_before) if i else 0
+        elapsed = time.perf_counter() - t
         if i:
-            times.append((time.perf_counter() - t, [len(s.tokens) for s in samples]))
+            times.append((elapsed, [len(s.tokens) for s in samples]))
+            graphs += torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled_before
         else:
-            first_s = time.perf_counter() - t
+            first_s = elapsed
     forward_s = 0.0
     for _ in range(2):  # the second pass is timed: the first picks no-grad kernels and allocates
         sync(d.device)
