@@ -399,6 +399,7 @@ def train_throughput(config, samples: list[Sample], times: dict[str, float], dis
 STARTUP_TIMEOUT_S = 1800.0  # the process group's own timeout while models load and kernels compile
 RANK0_REPORT_S = 20.0  # how long the other ranks wait after an error for rank 0 to say it
 PEERS_RECORD_S = 10.0  # how long rank 0 then waits for the other ranks of its node to record the error
+FIRST_RECORD_S = 5.0  # how long the other ranks of a node wait for its first rank to record the error first
 
 
 def claim_output_dir(cfg: Config, dist: parallel.Dist):
@@ -495,20 +496,22 @@ def recorded(path: str) -> bool:
         return False
 
 
-def await_local_errors() -> None:
-    """Rank 0 waits (PEERS_RECORD_S at most) for the other ranks of its node to record the error: torchrun
-    stops them as soon as rank 0 exits, and a rank stopped before it recorded shows in its failure summary as
-    `error_file: <N/A>`. A rank that never meets the error (one rank 0 alone saw) costs the bound, no more.
-    torchrun's error files are <attempt_dir>/<local_rank>/error.json."""
+def local_error_files() -> list[str]:
+    """The error files of this node's ranks, by local rank (torchrun's are <attempt_dir>/<local_rank>/error.json);
+    none outside torchrun or with one rank a node."""
     own, local_rank = os.environ.get("TORCHELASTIC_ERROR_FILE"), os.environ.get("LOCAL_RANK")
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if not own or local_world_size < 2 or os.path.basename(os.path.dirname(own)) != local_rank:
-        return
+        return []
     attempt_dir = os.path.dirname(os.path.dirname(own))
-    others = [os.path.join(attempt_dir, str(r), os.path.basename(own)) for r in range(local_world_size)
-              if str(r) != local_rank]
-    deadline = time.monotonic() + PEERS_RECORD_S
-    while not all(map(recorded, others)) and time.monotonic() < deadline:
+    return [os.path.join(attempt_dir, str(r), os.path.basename(own)) for r in range(local_world_size)]
+
+
+def await_recorded(paths: list[str], seconds: float) -> None:
+    """Waits, `seconds` at most, until every error file in `paths` holds its rank's recorded error. A rank that
+    never meets the error (one that another rank alone saw) costs the bound, no more."""
+    deadline = time.monotonic() + seconds
+    while not all(map(recorded, paths)) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -519,13 +522,18 @@ def cli(argv: list[str]) -> int:
         record(main)(argv)
     except (ConfigError, RunStopped, parallel.StalledRankError) as e:
         message = f"rl: {'error' if isinstance(e, ConfigError) else 'stopped'}: {e}"
+        # Every rank meets the same error, and torchrun's summary names the earliest recorded one the root cause,
+        # so the node's other ranks record theirs after its first rank has. Torchrun stops the other ranks as soon
+        # as one exits: the first rank waits until they have recorded (or a rank stopped before it recorded shows
+        # as `error_file: <N/A>`), the others give rank 0 the time to print the line and end when they are stopped.
+        files = local_error_files()
+        if files and files[0] != os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            await_recorded(files[:1], FIRST_RECORD_S)
         record_error(message)
         if os.environ.get("RANK", "0") == "0":
             print(message, file=sys.stderr, flush=True)
-            await_local_errors()
+            await_recorded(files[1:], PEERS_RECORD_S)
         else:
-            # Every rank meets the same error; torchrun stops the others as soon as one exits, so the
-            # others give rank 0 the time to print it, and end at once when torchrun stops them.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(RANK0_REPORT_S)
         return 2 if isinstance(e, ConfigError) else 1
