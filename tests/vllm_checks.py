@@ -1,6 +1,7 @@
 """In-process vLLM checks, started by tests/test_vllm.py as
-`torchrun --nproc-per-node 2 tests/vllm_checks.py OUT TP`."""
+`torchrun --nproc-per-node 2 tests/vllm_checks.py OUT MODEL_DIR TP` (one rank per GPU on a GPU machine)."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -46,6 +47,13 @@ def main(out_dir: str, model_dir: str, tp: int) -> None:
     greedy = SamplingParams(max_new_tokens=8, top_k=1)
     sampled = SamplingParams(max_new_tokens=8, stop_token_ids=(tokenizer.eos_token_id,))
     results = {"greedy_before": [c.token_ids for c in engine.generate(PROMPTS, greedy)]}
+    # A call seed: the same call draws the same samples whatever ran between (a resumed run redraws them).
+    def draw(seed):
+        return [c.token_ids for c in engine.generate(PROMPTS * 4, dataclasses.replace(sampled, seed=seed))]
+    first = draw(7)
+    engine.generate(PROMPTS, sampled)
+    results["seeded_again_equal"] = draw(7) == first
+    results["other_seed_differs"] = draw(8) != first
     samples = generate_rollout(engine, groups_of(PROMPTS, 4), sampled, 1, tokenizer)
     results["weight_versions"] = sorted({s.weight_version for s in samples})
     results["tokens"] = [s.tokens for s in samples]

@@ -20,6 +20,8 @@ Departures from vLLM defaults, and why:
   ignores EOS leaves out.
 - A prompt group (identical consecutive prompts) is one request with `n` samples, so
   its KV is prefilled once and shared.
+- Log-probabilities come back flat (`flat_logprobs`): plain lists per sequence instead of a dict and
+  a `Logprob` object per token, which vLLM otherwise builds on the host at every step.
 - CUDA graphs are captured for decode batches up to `max_batch_size` (vLLM's default goes to twice
   max_num_seqs, batches this engine never runs).
 - Weight sync on the GPU copies each tensor into vLLM's parameters in place through the model's own
@@ -103,6 +105,15 @@ def logprobs_mode(cfg: RolloutConfig) -> str:
     return "raw_logprobs"
 
 
+def sampled_logprobs(logprobs, tokens: list[int]) -> list[float]:
+    """The sampled tokens' logprobs from vLLM's flat logprobs of a sequence: with `logprobs=0` one entry per
+    position, the sampled token's."""
+    if logprobs.token_ids != tokens:
+        raise RuntimeError(f"vLLM returned logprobs for other tokens than it sampled "
+                           f"({len(logprobs.token_ids)} entries for {len(tokens)} tokens)")
+    return list(logprobs.logprobs)
+
+
 def _copy_into_parameters(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Runs on vLLM's worker: the model's own loader, which copies each tensor into its parameter."""
     worker.get_model().load_weights(weights)
@@ -171,31 +182,36 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_finish: Callable[[int], None] | None = None) -> list[Completion]:
+    def requests(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list, list]:
+        """vLLM's prompts and sampling parameters for `prompts`: one request per prompt group (module docstring).
+        With a call seed each request draws from its own stream (the call seed and its place in the call), so the
+        same call on a resumed run draws the same samples whatever else the engine has run."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
-        if any(self.asleep.values()):
-            raise RuntimeError(f"generate on a sleeping engine ({self.asleep}); call wake_up() first")
         runs = group_runs(prompts)
         requests = [TokensPrompt(prompt_token_ids=list(prompts[start])) for start, _ in runs]
-        # With a call seed each request draws from its own stream (the call seed and its place in the
-        # call), so the same call on a resumed run draws the same samples whatever else the engine has run.
         sampling = [VllmSamplingParams(n=count, max_tokens=params.max_new_tokens, temperature=params.temperature,
                                        top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
                                        stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
-                                       logprobs=0, detokenize=False,
+                                       logprobs=0, flat_logprobs=True, detokenize=False,
                                        skip_special_tokens=False, spaces_between_special_tokens=False,
                                        seed=None if params.seed is None else derive_seed(params.seed, i))
                     for i, (_, count) in enumerate(runs)]
+        return requests, sampling
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 on_finish: Callable[[int], None] | None = None) -> list[Completion]:
+        if any(self.asleep.values()):
+            raise RuntimeError(f"generate on a sleeping engine ({self.asleep}); call wake_up() first")
+        requests, sampling = self.requests(prompts, params)
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         completions: list[Completion] = []
         for out in outputs:
             for choice in sorted(out.outputs, key=lambda c: c.index):
                 tokens = list(choice.token_ids)
-                logprobs = [step[token].logprob for token, step in zip(tokens, choice.logprobs, strict=True)]
-                completions.append(Completion(tokens, logprobs, choice.finish_reason or "abort"))
+                completions.append(Completion(tokens, sampled_logprobs(choice.logprobs, tokens),
+                                              choice.finish_reason or "abort"))
         if on_finish is not None:
             on_finish(len(completions))
         return completions
