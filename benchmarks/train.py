@@ -20,7 +20,10 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
     width=64|1         what micro-batch widths are rounded up to on CUDA (`rl.train.width_multiple`)
     fresh=off|on       `on` draws new lengths for every step, as every rollout of the loop brings (new shapes:
                        cuDNN attention builds a graph for each one it has not seen)
-    adamw=foreach|fused    torch's AdamW implementation (the trainer's is foreach)
+    adamw=fused|foreach    torch's AdamW implementation (the trainer's is fused on CUDA)
+    gathered=on|off    `on` keeps FSDP2's gathered bf16 parameters from the first micro-batch of an optimizer step
+                       to its last (model.reshard_after_forward=false); `off` gathers them for every forward and
+                       every backward
 
 For each model x variant it prints the step time (median of --repeats after one warm-up step, and each one),
 the graphs torch.compile compiled during those steps (recompiles: 0 once warm), tokens/s, MFU
@@ -78,8 +81,10 @@ def sync(device: torch.device) -> None:
 
 CAUSAL_FORWARD = train_module.causal_forward
 DEFAULTS = {"mbt": "32768", "compile": "on", "checkpointing": "off", "logprobs": "fused", "mask": "none",
-            "cold": "off", "width": "64", "fresh": "off", "adamw": "foreach"}  # what benchmarks/loop.sh runs
-BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding,width=1"  # the trainer before these options
+            "cold": "off", "width": "64", "fresh": "off", "adamw": "fused",
+            "gathered": "on"}  # what benchmarks/loop.sh runs
+# the trainer before these options
+BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding,width=1,adamw=foreach,gathered=off"
 
 
 def parse_variant(text: str) -> dict[str, str]:
@@ -108,10 +113,11 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     train_module.causal_forward = {"none": CAUSAL_FORWARD, "padding": forward_with_padding_mask,
                                    "causal": lambda model, ids: model(input_ids=ids, use_cache=False)}[variant["mask"]]
     policy = build_policy(ModelConfig(path=model_dir, random_init=True, gradient_checkpointing=on["checkpointing"],
-                                      compile=on["compile"]), d.mesh, d.device, seed=0, max_context_len=2048)
+                                      compile=on["compile"], reshard_after_forward=not on["gathered"]),
+                          d.mesh, d.device, seed=0, max_context_len=2048)
     train = TrainConfig(global_batch_size=args.samples, micro_batch_tokens=int(variant["mbt"]), lr=1e-6)
     algo = AlgoConfig(eps_clip_high=0.2)
-    optimizer, scheduler = build_optimizer(policy, train, fused=variant["adamw"] == "fused" or None)
+    optimizer, scheduler = build_optimizer(policy, train, fused=variant["adamw"] == "fused" and d.device.type == "cuda")
     def schedule(seed: int):
         batch = seed_batch(policy.config.vocab_size, args.samples, args.max_response, seed)
         return (batch, *build_schedule(batch, train, d.rank, d.world_size, d.device, 2048))

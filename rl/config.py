@@ -35,6 +35,11 @@ class ModelConfig:
     ref_path: str = ""  # the KL reference (algo.kl_coef > 0): a local HF folder; "" is the initial policy
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
+    # FSDP2 gathers each block's parameters (bf16 on GPUs) for a micro-batch's forward and again for its backward.
+    # false keeps them gathered from an optimizer step's first micro-batch to its last: one gather a step, for the
+    # full bf16 model held on every rank. true frees them after each forward and backward (ZeRO-3), for models
+    # whose gathered copy does not fit beside the activations.
+    reshard_after_forward: bool = False
     # torch.compile each decoder block's forward (fuses its norms, RoPE, SiLU * up and residual adds); the
     # first micro-batches of a run compile (seconds to a minute), every later one runs the compiled code.
     compile: bool = False

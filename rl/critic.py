@@ -16,7 +16,6 @@ import dataclasses
 import math
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from rl import parallel
 from rl.algo import aggregate, gae, masked_sum, value_loss
@@ -98,8 +97,6 @@ class Critic:
             grad_norm, bad = optimizer_step(self.model, self.optimizer, self.scheduler, step_loss, self.cfg.clip_grad)
             grad_norms.append(grad_norm)
             skipped += int(bad)
-        if isinstance(self.model, FSDPModule):
-            self.model.reshard()
         out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["skipped_steps"] = skipped

@@ -234,9 +234,18 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return float(total)
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP2 module of `model` back to its shards (`FSDPModule.reshard` frees only its own parameters):
+    after the passes of an optimizer step, which keep them gathered with model.reshard_after_forward=false."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def optimizer_step(model, optimizer, scheduler, step_loss: torch.Tensor, max_norm: float) -> tuple[float, bool]:
     """Clips the gradients and steps, unless the step's loss or grad norm is not finite on any rank: then every
     rank skips it, so the weights keep their last finite values. Returns (grad norm, skipped)."""
+    reshard(model)  # the shards hold the gradients, and the step's update is gathered afresh by the next pass
     grad_norm = clip_grad_norm(model, max_norm)
     skipped = bool(parallel.all_reduce_max(float(not (torch.isfinite(step_loss) and math.isfinite(grad_norm)))))
     if not skipped:
@@ -250,8 +259,7 @@ def optimizer_step(model, optimizer, scheduler, step_loss: torch.Tensor, max_nor
 def per_sample_rows(model, micro_batches: list[MicroBatch], forward) -> dict[int, torch.Tensor]:
     """Sample.index -> its row of `forward(model, micro_batch)`, without gradients; the model is resharded after."""
     out = {i: row for mb in micro_batches for i, row in zip(mb.indices, forward(model, mb))}
-    if isinstance(model, FSDPModule):
-        model.reshard()
+    reshard(model)
     return out
 
 
@@ -334,8 +342,6 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
         grad_norm, skipped = optimizer_step(model, optimizer, scheduler, step_loss, train.clip_grad)
         grad_norms.append(grad_norm)
         skipped_flags.append(skipped)
-    if isinstance(model, FSDPModule):
-        model.reshard()
     out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all the sums
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = scheduler.get_last_lr()[0]

@@ -1,17 +1,22 @@
 """The train phase's speed options give the same loss and gradients as the plain path, on the CPU in float32:
 padded rows without an attention mask against each sample alone, and compiled decoder blocks against eager
-ones. (The fused log-prob kernels have their own test, tests/test_logprob_kernels.py.)"""
+ones, and FSDP2 parameters kept gathered across micro-batches against resharded after each pass. (The fused
+log-prob kernels have their own test, tests/test_logprob_kernels.py.)"""
 
 import copy
 import random
 
+import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
+from rl import parallel
 from rl.algo import policy_loss
+from rl.config import AlgoConfig, TrainConfig
 from rl.data import Sample
-from rl.policy import compile_blocks
+from rl.policy import build_optimizer, compile_blocks, shard_policy
 from rl.rope import unfuse_rope
-from rl.train import collate, token_logprobs
+from rl.train import collate, token_logprobs, train_on_rollout
 from tests.tiny import tiny_model
 
 
@@ -86,3 +91,30 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients():
             assert close(got, want, 1e-4)
     finally:
         unfuse_rope()
+
+
+def test_parameters_kept_gathered_across_micro_batches_give_the_same_steps(monkeypatch):
+    """model.reshard_after_forward=false: FSDP2 keeps the gathered parameters from an optimizer step's first
+    micro-batch to its last. Two steps of two micro-batches each give the grad norms and updated weights of
+    resharding after every forward and backward (so the second step ran on the first one's update), and every
+    parameter is back on its shard afterwards, where weight sync and checkpoints read it."""
+    for key, value in dict(MASTER_PORT="29653", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    d = parallel.init_distributed()
+    try:
+        batch = samples(8, seed=3)
+        runs = []
+        for reshard in (True, False):
+            model = shard_policy(tiny_model(seed=1), d.mesh, d.device, False, reshard_after_forward=reshard)
+            train = TrainConfig(lr=1e-2, num_steps_per_rollout=2)
+            optimizer, scheduler = build_optimizer(model, train)
+            steps = [[collate(batch[i:i + 2], d.device) for i in (k, k + 2)] for k in (0, 4)]
+            tokens = [sum(int(mb.loss_mask.sum()) for mb in step) for step in steps]
+            out = train_on_rollout(model, optimizer, scheduler, steps, tokens, 1, train, AlgoConfig(eps_clip_high=0.2), 1.0)
+            assert all(isinstance(p, DTensor) for p in model.parameters())
+            runs.append((out["grad_norm"], {n: p.full_tensor().clone() for n, p in model.named_parameters()}))
+        (norm_resharded, weights_resharded), (norm_gathered, weights_gathered) = runs
+        assert norm_gathered == pytest.approx(norm_resharded, rel=1e-5) and norm_gathered > 0
+        assert close(weights_gathered, weights_resharded, 1e-5)
+    finally:
+        parallel.teardown()
