@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Both engines on one GPU in one run, and one table of them: rollout throughput of the seed's batch at
 # 0.5B and 1.5B (benchmarks/rollout.py; vLLM as configured by default and with prefix caching off, the
-# faster of them tabled), then the RL loop at 0.5B with each engine (benchmarks/loop.sh), then
+# faster of them tabled), then the RL loop at 0.5B with each engine (benchmarks/loop.sh; vLLM with the settings of
+# its faster variant at 0.5B), then
 # `benchmarks/loop_breakdown.py engines`: tok/s, share of the decode roofline, sleep(2), the loop's phases,
 # weight sync and train peak, with the bounds vLLM must meet.
 #
@@ -17,5 +18,6 @@ python benchmarks/rollout.py --engines native vllm --hf-steps -1 --parity-sequen
 for run in runs/loop/qwen2.5-0.5b-1 runs/loop/qwen2.5-0.5b-1-vllm; do
   if [ -e $run ]; then mv $run $run.$(date +%s); fi
 done
-ENGINES="native vllm" bash benchmarks/loop.sh configs/models/qwen2.5-0.5b $tokenizer "1" $rollouts "$@"
+VLLM_KWARGS=$(python benchmarks/loop_breakdown.py best-vllm $out/rollout.json qwen2.5-0.5b) \
+  ENGINES="native vllm" bash benchmarks/loop.sh configs/models/qwen2.5-0.5b $tokenizer "1" $rollouts "$@"
 python benchmarks/loop_breakdown.py engines $out/rollout.json runs/loop/qwen2.5-0.5b-1 runs/loop/qwen2.5-0.5b-1-vllm

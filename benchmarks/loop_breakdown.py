@@ -4,6 +4,7 @@
     python benchmarks/loop_breakdown.py tokenizer /tmp/tok        # a word-level tokenizer for them
     python benchmarks/loop_breakdown.py table RUN_DIR [RUN_DIR ...]
     python benchmarks/loop_breakdown.py engines ROLLOUT_JSON NATIVE_RUN_DIR VLLM_RUN_DIR   # benchmarks/engines.sh
+    python benchmarks/loop_breakdown.py best-vllm ROLLOUT_JSON MODEL   # its fastest vLLM variant, as TOML
 
 `tokenizer` writes a tokenizer folder for machines that have none: one token per word, digit
 run and punctuation mark of those prompts (as many tokens per prompt as Qwen2.5's tokenizer gives,
@@ -11,6 +12,8 @@ within a few percent), a ChatML template, ids far below any model's vocabulary. 
 first (which compiles kernels, captures graphs and pins host memory) of the seed's phases: rollout,
 engine sleep, policy onload, train, weight sync, policy offload and KV wake-up, with weight-sync
 GB/s and memory per phase. `benchmarks/loop.sh` runs the loop on 1..N GPUs and calls both.
+`best-vllm` prints the `vllm.LLM` arguments of the fastest vLLM variant that `benchmarks/rollout.py` measured
+for MODEL as a TOML inline table, the value of `--rollout.vllm_kwargs`.
 """
 
 from __future__ import annotations
@@ -107,9 +110,26 @@ def engines(rollout_json: str, native_run: str, vllm_run: str) -> str:
     return "\n".join(lines)
 
 
+def toml_value(value) -> str:
+    """A JSON value as TOML (inline tables for objects)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {toml_value(v)}" for key, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # true/false, numbers and basic strings are spelled alike
+
+
+def best_vllm(rollout_json: str, model: str) -> str:
+    rows = [r for r in json.loads(Path(rollout_json).read_text())["rows"]
+            if r["model"] == model and r["engine"].startswith("vllm")]
+    if not rows:
+        sys.exit(f"{rollout_json} has no vLLM row for model {model!r}")
+    return toml_value(max(rows, key=lambda r: r["engine_tok_s"])["vllm_kwargs"])
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("data", "tokenizer", "table", "engines") or \
-            (sys.argv[1] == "engines" and len(sys.argv) != 5):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("data", "tokenizer", "table", "engines", "best-vllm") or \
+            (sys.argv[1] == "engines" and len(sys.argv) != 5) or (sys.argv[1] == "best-vllm" and len(sys.argv) != 4):
         sys.exit(__doc__)
     if sys.argv[1] == "data":
         write_data(sys.argv[2])
@@ -117,5 +137,7 @@ if __name__ == "__main__":
         write_tokenizer(sys.argv[2])
     elif sys.argv[1] == "engines":
         print(engines(*sys.argv[2:]))
+    elif sys.argv[1] == "best-vllm":
+        print(best_vllm(*sys.argv[2:]))
     else:
         print(table(sys.argv[2:]))

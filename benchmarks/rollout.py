@@ -6,8 +6,9 @@
 The seed's scenario: 32 prompts x 8 samples, prompts of random length up to 512 tokens, 1024 new
 tokens per sample with EOS ignored, so every engine does identical work. Weights are random
 (built from the config folders in configs/models), which changes nothing about the work done.
-Per model and engine the table gives output tokens/s and time to finish the batch, HF `generate`
-on the same inputs in the same run, and the decode roofline: the bytes every decode step must read
+Per model and engine the table gives output tokens/s and time to finish the batch (the second of two
+calls; the first is shown beside it), HF `generate` on the same inputs in the same run, and the
+decode roofline: the bytes every decode step must read
 (weights + each sequence's KV) over the device-to-device copy bandwidth measured in the same run,
 with the fraction of it the engine achieved (over its whole batch time, prefill included). Per
 engine it also times a weight load (the engine's side of a weight sync: the model is unsharded, so
@@ -19,7 +20,8 @@ Each vLLM engine runs as the trainer runs it (rl/rollout/vllm.py, in-process, a 
 one), in a child process of its own (vLLM's sleep allocator serves one engine per process);
 `--vllm-variants` takes JSON objects of extra `vllm.LLM` arguments (`rollout.vllm_kwargs`), one
 engine per object, e.g. '{}' '{"enable_prefix_caching": false}' '{"enforce_eager": true}'. For each
-vLLM engine the batch is also generated without logprobs (what reporting them costs).
+vLLM engine the batch is also generated with each of the engine's per-call choices undone (`VLLM_CALLS`:
+without logprobs, with vLLM's per-token logprob dicts), for what each costs.
 
     python benchmarks/rollout.py --batch-invariant --hf-steps -1   # the same in model.batch_invariant mode
 
@@ -47,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rl.config import RolloutConfig  # noqa: E402
 from rl.invariant import make_batch_invariant  # noqa: E402
-from rl.rollout import SamplingParams, vmem  # noqa: E402
+from rl.rollout import SamplingParams, derive_seed, vmem  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
 from rl.weights import iter_full_weights  # noqa: E402
 
@@ -222,24 +224,24 @@ def time_weight_loads(engine, model, device: torch.device, repeats: int = 5) -> 
     return statistics.median(times)
 
 
-def vllm_no_logprobs_s(engine, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
-    """Seconds for the vLLM engine to generate the batch as `engine.generate` does, but asking no logprobs."""
-    from vllm import SamplingParams as VllmSamplingParams
-    from vllm.inputs import TokensPrompt
+VLLM_CALLS = {  # what the engine's per-call choices cost or save (rl/rollout/vllm.py's docstring): the same batch
+    "no logprobs": lambda s: setattr(s, "logprobs", None),
+    "logprob dicts": lambda s: setattr(s, "flat_logprobs", False),
+}
 
-    from rl.rollout.vllm import group_runs
 
-    runs = group_runs(prompts)
-    requests = [TokensPrompt(prompt_token_ids=list(prompts[start])) for start, _ in runs]
-    sampling = [VllmSamplingParams(n=count, max_tokens=new_tokens, temperature=1.0, ignore_eos=True,
-                                   detokenize=False)
-                for _, count in runs]
+def vllm_call_s(engine, prompts: list[list[int]], params: SamplingParams, change, device: torch.device) -> float:
+    """Seconds for the vLLM engine to generate the batch as `engine.generate` asks it, with one of its per-call
+    choices changed (`VLLM_CALLS`: a function of one request's vLLM sampling parameters)."""
+    requests, sampling = engine.requests(prompts, params)
+    for s in sampling:
+        change(s)
     sync(device)
     start = time.perf_counter()
     outs = engine.llm.generate(requests, sampling, use_tqdm=False)
     sync(device)
     seconds = time.perf_counter() - start
-    assert sum(len(c.token_ids) for o in outs for c in o.outputs) == len(prompts) * new_tokens
+    assert sum(len(c.token_ids) for o in outs for c in o.outputs) == len(prompts) * params.max_new_tokens
     return seconds
 
 
@@ -290,28 +292,35 @@ def bench_engine(name: str, variant: dict, path: str, model, prompts: list[list[
     start = time.perf_counter()
     engine = build(name, path, cfg, args, device, dtype, batch, variant)
     engine.load_weights(all_weights(model))
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)  # no stop ids: EOS ignored
-    engine.generate(prompts, SamplingParams(max_new_tokens=min(16, args.max_new_tokens)))  # warm-up: kernels compiled, graph captured
+    # No stop ids: EOS ignored. A call seed, as the loop passes one.
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=derive_seed(0, 1))
+    # warm-up: kernels compiled, graph captured
+    engine.generate(prompts, SamplingParams(max_new_tokens=min(16, args.max_new_tokens)))
     sync(device)
     startup_s = time.perf_counter() - start
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    sync(device)
-    engine_s = time.perf_counter() - start
+    times = []
+    for _ in range(2):  # the batch's time is the second call's: vLLM's first full batch once took 12 s against 7 s
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    first_s, engine_s = times
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == batch * args.max_new_tokens
     engine_bytes = free_base - free_bytes(device)
 
     label = name + (" " + json.dumps(variant, separators=(",", ":")) if variant else "")
     row = {"model": Path(path).name + (" (batch-invariant)" if args.batch_invariant else ""), "engine": label,
-           "batch": batch, "prompt_lens": lens, "new_tokens": args.max_new_tokens, "startup_s": startup_s,
-           "engine_s": engine_s, "engine_tok_s": tokens / engine_s, "engine_bytes": engine_bytes}
+           "vllm_kwargs": variant, "batch": batch, "prompt_lens": lens, "new_tokens": args.max_new_tokens,
+           "startup_s": startup_s, "first_call_s": first_s, "engine_s": engine_s, "engine_tok_s": tokens / engine_s,
+           "engine_bytes": engine_bytes}
     row |= roofline(model, lens, args.n_samples, args.max_new_tokens, bandwidth)
     row["roofline_tok_s"] = tokens / row["roofline_s"]
     row["roofline_frac"] = row["roofline_s"] / engine_s
     row["roofline_shared_prompt_frac"] = row["roofline_shared_prompt_s"] / engine_s
     if name == "vllm":
-        row["no_logprobs_s"] = vllm_no_logprobs_s(engine, prompts, args.max_new_tokens, device)
+        row["call_s"] = {label: vllm_call_s(engine, prompts, params, change, device)
+                         for label, change in VLLM_CALLS.items()}
     row["load_weights_s"] = time_weight_loads(engine, model, device)
     if args.profile and device.type == "cuda" and name == "native":
         row["profile_ms_per_step"] = profile_decode(engine, prompts)
@@ -372,18 +381,18 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
 
 def table(rows: list[dict], bandwidth: float) -> str:
     lines = [f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s",
-             "| model | engine | batch x new | tok/s | s | no-logprobs s | start-up s | load weights s | "
+             "| model | engine | batch x new | tok/s | s | first call s | " + " | ".join(f"{c} s" for c in VLLM_CALLS) + " | start-up s | load weights s | "
              "HF generate tok/s | HF s | speedup | decode roofline tok/s | of roofline | of shared-prompt roofline |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---" * (14 + len(VLLM_CALLS)) + "|"]
     for r in rows:
         if "hf_s" in r:
             label = "" if r["hf_new_tokens"] == r["new_tokens"] else f" (first {r['hf_new_tokens']} steps)"
             hf = f"{r['hf_tok_s']:,.0f}{label} | {r['hf_s']:.1f} | {r['speedup']:.1f}x"
         else:
             hf = "- | - | -"
-        no_lp = f"{r['no_logprobs_s']:.2f}" if "no_logprobs_s" in r else "-"
+        calls = " | ".join(f"{r['call_s'][c]:.2f}" if c in r.get("call_s", {}) else "-" for c in VLLM_CALLS)
         lines.append(f"| {r['model']} | {r['engine']} | {r['batch']} x {r['new_tokens']} | {r['engine_tok_s']:,.0f} | "
-                     f"{r['engine_s']:.2f} | {no_lp} | {r['startup_s']:.1f} | {r['load_weights_s']:.4f} | {hf} | "
+                     f"{r['engine_s']:.2f} | {r.get('first_call_s', float('nan')):.2f} | {calls} | {r['startup_s']:.1f} | {r['load_weights_s']:.4f} | {hf} | "
                      f"{r['roofline_tok_s']:,.0f} | {100 * r['roofline_frac']:.0f}% | "
                      f"{100 * r['roofline_shared_prompt_frac']:.0f}% |")
     lines += ["", "| model | engine | logprob mean abs diff | max abs diff | tokens | bitwise equal | "
