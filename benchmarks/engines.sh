@@ -18,6 +18,6 @@ python benchmarks/rollout.py --engines native vllm --hf-steps -1 --parity-sequen
 for run in runs/loop/qwen2.5-0.5b-1 runs/loop/qwen2.5-0.5b-1-vllm; do
   if [ -e $run ]; then mv $run $run.$(date +%s); fi
 done
-VLLM_KWARGS=$(python benchmarks/loop_breakdown.py best-vllm $out/rollout.json qwen2.5-0.5b) \
-  ENGINES="native vllm" bash benchmarks/loop.sh configs/models/qwen2.5-0.5b $tokenizer "1" $rollouts "$@"
+kwargs=$(python benchmarks/loop_breakdown.py best-vllm $out/rollout.json qwen2.5-0.5b)  # on its own: set -e sees it fail
+VLLM_KWARGS=$kwargs ENGINES="native vllm" bash benchmarks/loop.sh configs/models/qwen2.5-0.5b $tokenizer "1" $rollouts "$@"
 python benchmarks/loop_breakdown.py engines $out/rollout.json runs/loop/qwen2.5-0.5b-1 runs/loop/qwen2.5-0.5b-1-vllm
