@@ -381,7 +381,8 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
 
 def table(rows: list[dict], bandwidth: float) -> str:
     lines = [f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s",
-             "| model | engine | batch x new | tok/s | s | first call s | " + " | ".join(f"{c} s" for c in VLLM_CALLS) + " | start-up s | load weights s | "
+             "| model | engine | batch x new | tok/s | s | first call s | "
+             + " | ".join(f"{c} s" for c in VLLM_CALLS) + " | start-up s | load weights s | "
              "HF generate tok/s | HF s | speedup | decode roofline tok/s | of roofline | of shared-prompt roofline |",
              "|---" * (14 + len(VLLM_CALLS)) + "|"]
     for r in rows:
@@ -392,7 +393,8 @@ def table(rows: list[dict], bandwidth: float) -> str:
             hf = "- | - | -"
         calls = " | ".join(f"{r['call_s'][c]:.2f}" if c in r.get("call_s", {}) else "-" for c in VLLM_CALLS)
         lines.append(f"| {r['model']} | {r['engine']} | {r['batch']} x {r['new_tokens']} | {r['engine_tok_s']:,.0f} | "
-                     f"{r['engine_s']:.2f} | {r.get('first_call_s', float('nan')):.2f} | {calls} | {r['startup_s']:.1f} | {r['load_weights_s']:.4f} | {hf} | "
+                     f"{r['engine_s']:.2f} | {r.get('first_call_s', float('nan')):.2f} | {calls} | "
+                     f"{r['startup_s']:.1f} | {r['load_weights_s']:.4f} | {hf} | "
                      f"{r['roofline_tok_s']:,.0f} | {100 * r['roofline_frac']:.0f}% | "
                      f"{100 * r['roofline_shared_prompt_frac']:.0f}% |")
     lines += ["", "| model | engine | logprob mean abs diff | max abs diff | tokens | bitwise equal | "
