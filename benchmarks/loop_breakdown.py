@@ -92,8 +92,7 @@ def engines(rollout_json: str, native_run: str, vllm_run: str) -> str:
 
     for model in dict.fromkeys(r["model"] for r in rows):
         native = next(r for r in rows if r["model"] == model and r["engine"] == "native")
-        vllm = max((r for r in rows if r["model"] == model and r["engine"].startswith("vllm")),
-                   key=lambda r: r["engine_tok_s"])
+        vllm = fastest_vllm(rows, model, rollout_json)
         line(f"{model}: rollout tok/s (vLLM: {vllm['engine']})", f"{native['engine_tok_s']:,.0f}",
              f"{vllm['engine_tok_s']:,.0f}")
         line(f"{model}: of the decode roofline", f"{native['roofline_frac']:.0%}", f"{vllm['roofline_frac']:.0%}")
@@ -119,12 +118,17 @@ def toml_value(value) -> str:
     return json.dumps(value)  # true/false, numbers and basic strings are spelled alike
 
 
-def best_vllm(rollout_json: str, model: str) -> str:
-    rows = [r for r in json.loads(Path(rollout_json).read_text())["rows"]
-            if r["model"] == model and r["engine"].startswith("vllm")]
-    if not rows:
+def fastest_vllm(rows: list[dict], model: str, rollout_json: str) -> dict:
+    """The vLLM variant of `model` with the most tokens/s among `benchmarks/rollout.py`'s rows."""
+    vllm = [r for r in rows if r["model"] == model and r["engine"].startswith("vllm")]
+    if not vllm:
         sys.exit(f"{rollout_json} has no vLLM row for model {model!r}")
-    return toml_value(max(rows, key=lambda r: r["engine_tok_s"])["vllm_kwargs"])
+    return max(vllm, key=lambda r: r["engine_tok_s"])
+
+
+def best_vllm(rollout_json: str, model: str) -> str:
+    rows = json.loads(Path(rollout_json).read_text())["rows"]
+    return toml_value(fastest_vllm(rows, model, rollout_json)["vllm_kwargs"])
 
 
 if __name__ == "__main__":
