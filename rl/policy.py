@@ -186,12 +186,23 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
+RECOMPILE_LIMIT = 64  # compiled variants of the decoder blocks' forward, for all of a process's models
+
+
 def compile_blocks(model: torch.nn.Module) -> None:
     """torch.compile each decoder block's forward, not the block's call: FSDP2's gather and reshard hooks stay
     eager around it. Shapes are dynamic from the start (micro-batches vary in rows and length), and every
     block runs the same code, so the blocks share their compiled graphs. RoPE runs as its own op
     (`rl.rope.fuse_rope`: for the whole process, every model of that modeling module), which Inductor
-    compiled to a kernel 10x off the memory floor."""
+    compiled to a kernel 10x off the memory floor.
+
+    Sharing has a ceiling: Dynamo keeps at most `recompile_limit` (8) compiled variants of one function and
+    runs every later one eager, and all of a process's models share this one. A variant is compiled for
+    each model size, grad mode (train passes, no-grad log-prob passes), one row or several, and side of a
+    token-count threshold of the compiled code (on an H200 at 0.5B, 3 with grad and 2 without:
+    benchmarks/NOTES.md), so a policy with a critic of another size goes past 8. The limit is raised to
+    `RECOMPILE_LIMIT`; each variant still compiles only once (5-15 s on an H200)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     fuse_rope(model)
     for block in decoder_blocks(model):
         block.forward = torch.compile(block.forward, dynamic=True)

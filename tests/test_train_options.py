@@ -4,6 +4,7 @@ ones, and FSDP2 parameters kept gathered across micro-batches against resharded 
 log-prob kernels have their own test, tests/test_logprob_kernels.py.)"""
 
 import copy
+import functools
 import random
 
 import pytest
@@ -91,6 +92,30 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients():
             assert close(got, want, 1e-4)
     finally:
         unfuse_rope()
+
+
+def test_compiled_blocks_keep_compiling_past_dynamos_default_limit(monkeypatch):
+    """All of a process's models share one compiled forward: five MLP widths, each with and without grad,
+    are ten variants, past Dynamo's default limit of 8 after which it runs new ones eager. Every one must
+    compile. (Dynamo's eager backend: the variants and the limit are Dynamo's, Inductor is not needed.)"""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default, put back afterwards
+    monkeypatch.setattr("rl.policy.torch.compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    ids = torch.randint(3, 256, (2, 8))
+    compiled = []
+    try:
+        for width in (64, 72, 80, 88, 96):
+            model = tiny_model(seed=0, layers=1, intermediate_size=width)
+            compile_blocks(model)
+            for grad in (True, False):
+                before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                with torch.set_grad_enabled(grad):
+                    model(input_ids=ids, use_cache=False)
+                compiled.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+    finally:
+        unfuse_rope()
+        torch._dynamo.reset()
+    assert compiled == [1] * 10
 
 
 def test_parameters_kept_gathered_across_micro_batches_give_the_same_steps(monkeypatch):
