@@ -53,7 +53,7 @@ from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, ModelConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
 from rl.flops import peak_bf16_flops, train_flops  # noqa: E402
-from rl.metrics import profiled  # noqa: E402
+from rl.metrics import graphs_compiled, profiled  # noqa: E402
 from rl.policy import build_optimizer, build_policy  # noqa: E402
 from rl.rope import unfuse_rope  # noqa: E402
 from rl import train as train_module  # noqa: E402
@@ -133,14 +133,16 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
         if on["fresh"] and i:
             samples, steps, step_tokens, step_seqs, _ = schedule(i)
         sync(d.device)
-        compiled_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        compiled: dict[str, float] = {}
         t = time.perf_counter()
-        train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, d.world_size, train, algo, 1.0, step_seqs)
+        with graphs_compiled(compiled, "graphs"):
+            train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, d.world_size, train, algo, 1.0,
+                             step_seqs)
         sync(d.device)
         elapsed = time.perf_counter() - t
         if i:
             times.append((elapsed, [len(s.tokens) for s in samples]))
-            graphs += torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled_before
+            graphs += compiled["graphs"]
         else:
             first_s = elapsed
     forward_s = 0.0

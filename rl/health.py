@@ -49,7 +49,9 @@ class Health:
         self.out_of_band: dict[str, int] = {}  # rollouts in a row each check has warned
         self.warned_now: set[str] = set()
         self.history: dict[str, list[float]] = {}  # the last TREND_WINDOW values of the trend metrics
-        # This process's first train phase compiles kernels (model.compile) and fills caches: its speed is not judged.
+        # This process's first train phase compiles kernels (model.compile) and fills caches, and a later one
+        # that compiles a new kind of micro-batch (`perf/train_graphs_compiled`) is seconds slower: neither's
+        # speed is judged.
         self.warmed_up = False
         if state:
             self.load_state_dict(state)
@@ -119,9 +121,10 @@ class Health:
         self.check_trends(row)
 
     def check_bands(self, row: dict[str, Any]) -> None:
+        speed_judged = self.warmed_up and not row.get("perf/train_graphs_compiled")
         for metric, low, high, meaning in BANDS:
             value = row.get(metric)
-            if value is None or not math.isfinite(value) or (metric.startswith("perf/") and not self.warmed_up):
+            if value is None or not math.isfinite(value) or (metric.startswith("perf/") and not speed_judged):
                 continue
             if (low is not None and value < low) or (high is not None and value > high):
                 band = f">= {low:g}" if high is None else f"<= {high:g}" if low is None else f"in [{low:g}, {high:g}]"

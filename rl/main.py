@@ -31,7 +31,7 @@ from rl.evaluate import evaluate, load_eval_prompts
 from rl.flops import peak_bf16_flops, train_flops
 from rl.export import export_policy
 from rl.health import Health, RunStopped
-from rl.metrics import make_logger, memory_phase, profiled, timed
+from rl.metrics import graphs_compiled, make_logger, memory_phase, profiled, timed
 from rl.parallel import print0
 from rl.policy import PolicyOffloader, build_optimizer, build_policy
 from rl.reward import RewardInput, RewardPool
@@ -251,7 +251,7 @@ def main(argv: list[str]) -> None:
                     offloader.onload(dist.device)
             profile = out_dir / "profile" / f"train_rollout_{rollout_id}_rank{dist.rank}.txt" \
                 if rollout_id == cfg.log.profile_rollout else None
-            with timed(times, "perf/train_s"), profiled(profile):
+            with timed(times, "perf/train_s"), profiled(profile), graphs_compiled(times, "perf/train_graphs_compiled"):
                 steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank,
                                                                         dist.world_size, dist.device,
                                                                         cfg.rollout.max_context_len)

@@ -47,6 +47,19 @@ def timed(times: dict[str, float], key: str):
 
 
 @contextlib.contextmanager
+def graphs_compiled(counts: dict[str, float], key: str):
+    """Adds the graphs torch.compile compiled during the block to `counts[key]`: with model.compile, the first
+    micro-batch of a new kind (one row, a token count across a threshold of the compiled code, no grad)
+    compiles the decoder block again, and that train phase is seconds slower (benchmarks/NOTES.md)."""
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["unique_graphs"]
+    try:
+        yield
+    finally:
+        counts[key] = counts.get(key, 0) + stats["unique_graphs"] - before
+
+
+@contextlib.contextmanager
 def profiled(path: Path | None):
     """With a path, profiles the block with torch.profiler (host ops, and device kernels on CUDA) and writes
     the wall time and the largest entries by device time and by host time to that text file; else nothing."""

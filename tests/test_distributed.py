@@ -66,12 +66,15 @@ def test_main_loop_two_ranks(tmp_path):
 def test_main_loop_compiled_blocks_train_as_eager_on_two_ranks(tmp_path):
     """model.compile under FSDP2 on two ranks (compiled block forwards, FSDP2's hooks eager around them): the
     same losses and grad norms as the eager loop over two rollouts, the second trained on the weights the
-    compiled run's first update pushed into the engine."""
+    compiled run's first update pushed into the engine; the compiled run counts the graphs it compiled."""
     args = ("--train.num_rollout=2", "--reward.user_fn=tests.reward_fns:digit_fraction")
     eager = run_loop(tmp_path / "eager", 2, *args)
     compiled = run_loop(tmp_path / "compiled", 2, *args, "--model.compile=true")
     for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
         assert [r[key] for r in compiled] == pytest.approx([r[key] for r in eager], rel=1e-5, abs=1e-7), key
+    # the compiled run's first train phase compiled the blocks, and says so (the health check's speed bands skip it)
+    assert compiled[0]["perf/train_graphs_compiled"] > 0
+    assert [r["perf/train_graphs_compiled"] for r in eager] == [0, 0]
 
 
 def test_main_loop_steps_per_rollout_filter_and_wandb(tmp_path, monkeypatch):

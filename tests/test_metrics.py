@@ -125,6 +125,17 @@ def test_the_first_train_phase_of_a_process_is_not_judged_on_speed(capsys):
     assert "perf/train_mfu" not in capsys.readouterr().out
 
 
+def test_a_train_phase_that_compiled_is_not_judged_on_speed(capsys):
+    """A later rollout whose train phase compiled a new kind of micro-batch (model.compile) is seconds slower
+    once: no MFU warning then; the same MFU without compiling is one."""
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    health.after_train(row(**{"perf/train_mfu": 0.5}), steps=1)
+    health.after_train(row(**{"perf/train_mfu": 0.08, "perf/train_graphs_compiled": 2}), steps=1)
+    assert "perf/train_mfu" not in capsys.readouterr().out
+    health.after_train(row(**{"perf/train_mfu": 0.08, "perf/train_graphs_compiled": 0}), steps=1)
+    assert "perf/train_mfu = 0.08, expected >= 0.2" in capsys.readouterr().out
+
+
 def test_failed_rewards_stop_the_run_only_in_a_row():
     health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
     health.after_rewards(scored=8, failed=8)
