@@ -201,7 +201,7 @@ def compile_blocks(model: torch.nn.Module) -> None:
     each model size, grad mode (train passes, no-grad log-prob passes), one row or several, and side of a
     token-count threshold of the compiled code (on an H200 at 0.5B, 3 with grad and 2 without:
     benchmarks/NOTES.md), so a policy with a critic of another size goes past 8. The limit is raised to
-    `RECOMPILE_LIMIT`; each variant still compiles only once (5-15 s on an H200)."""
+    `RECOMPILE_LIMIT`; each variant still compiles only once (4-12 s on an H200)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     fuse_rope(model)
     for block in decoder_blocks(model):

@@ -18,12 +18,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_config(vocab_size: int = 256, tie: bool = False, layers: int = 2, intermediate_size: int = 200) -> Qwen2Config:
+def tiny_config(vocab_size: int = 256, tie: bool = False, layers: int = 2,
+                intermediate_size: int = 200) -> Qwen2Config:
     # head_dim 64 like real models (and what CPU attention backends expect); sizes not divisible by
     # 3 ranks exercise FSDP2's uneven shards.
-    return Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=intermediate_size, num_hidden_layers=layers,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                       tie_word_embeddings=tie, rope_theta=10000.0)
+    return Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=intermediate_size,
+                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                       max_position_embeddings=512, tie_word_embeddings=tie, rope_theta=10000.0)
 
 
 def tiny_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
