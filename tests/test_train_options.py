@@ -15,6 +15,7 @@ from rl import parallel
 from rl.algo import policy_loss
 from rl.config import AlgoConfig, TrainConfig
 from rl.data import Sample
+from rl.metrics import graphs_compiled
 from rl.policy import build_optimizer, compile_blocks, shard_policy
 from rl.rope import unfuse_rope
 from rl.train import collate, token_logprobs, train_on_rollout
@@ -108,10 +109,10 @@ def test_compiled_blocks_keep_compiling_past_dynamos_default_limit(monkeypatch):
             model = tiny_model(seed=0, layers=1, intermediate_size=width)
             compile_blocks(model)
             for grad in (True, False):
-                before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-                with torch.set_grad_enabled(grad):
+                counts: dict[str, float] = {}
+                with torch.set_grad_enabled(grad), graphs_compiled(counts, "graphs"):
                     model(input_ids=ids, use_cache=False)
-                compiled.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+                compiled.append(counts["graphs"])
     finally:
         unfuse_rope()
         torch._dynamo.reset()
