@@ -78,37 +78,62 @@ class Prompt:
 # ---------------------------------------------------------------------------- reading rows
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Rows of a JSONL file and, per row, where it is ("path:line", 1-based; blank lines skipped)."""
+@dataclass(frozen=True)
+class SourceKeys:
+    """The config keys that errors about a prompt set name. The eval set has its own source and task
+    config but reads its rows with data's prompt and answer keys, so its errors name those as its own."""
+
+    source: str
+    prompt_key: str
+    answer_key: str
+    task_config: str
+
+
+TRAINING_KEYS = SourceKeys("data.source", "data.prompt_key", "data.answer_key", "data.task_config")
+EVAL_KEYS = SourceKeys("eval.source", "data.prompt_key, read for eval.source", "data.answer_key, read for eval.source",
+                       "eval.task_config")
+
+
+def _read_jsonl(path: Path, source_key: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows of a JSONL file and, per row, where it is ("<source_key>: path:line", 1-based; blank lines skipped)."""
     rows, where = [], []
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open("rb") as f:  # bytes, decoded a line at a time, so a bad byte is reported by its line
+        for line_no, raw in enumerate(f, 1):
+            at = f"{source_key}: {path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{at}: invalid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from e
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{line_no}: invalid JSON ({e.msg})") from e
+                raise ConfigError(f"{at}: invalid JSON ({e.msg})") from e
             if not isinstance(row, dict):
-                raise ConfigError(f"{path}:{line_no}: each line must be a JSON object")
+                raise ConfigError(f"{at}: each line must be a JSON object")
             rows.append(row)
-            where.append(f"{path}:{line_no}")
+            where.append(at)
     return rows, where
 
 
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
+def _read_parquet(path: Path, source_key: str) -> list[dict[str, Any]]:
+    import pyarrow
     import pyarrow.parquet as pq
 
-    return pq.read_table(path).to_pylist()
+    try:
+        return pq.read_table(path).to_pylist()
+    except pyarrow.ArrowException as e:  # a truncated or foreign file
+        raise ConfigError(f"{source_key}: {path}: not a readable parquet file ({e})") from e
 
 
-def _generate_reasoning_gym(task: str, cfg: DataConfig) -> list[dict[str, Any]]:
+def _generate_reasoning_gym(task: str, cfg: DataConfig, keys: SourceKeys) -> list[dict[str, Any]]:
     import reasoning_gym
 
     try:
         dataset = reasoning_gym.create_dataset(task, size=cfg.num_examples, seed=cfg.seed, **cfg.task_config)
     except Exception as e:  # reasoning-gym raises a mix of KeyError/ValueError/TypeError
-        raise ConfigError(f"data.source=reasoning_gym:{task} with data.task_config={cfg.task_config}: {e}") from e
+        raise ConfigError(f"{keys.source}=reasoning_gym:{task} with {keys.task_config}={cfg.task_config}: {e}") from e
     return [{"prompt": item["question"], "answer": item["answer"], "metadata": item.get("metadata", {})}
             for item in dataset]
 
@@ -125,29 +150,29 @@ def _prompt_problem(raw: Any) -> str:
     return f"must be text or a non-empty list of chat messages, got {type(raw).__name__} {raw!r}"[:300]
 
 
-def read_rows(cfg: DataConfig) -> tuple[list[dict[str, Any]], str, str]:
-    """Returns (rows, prompt_key, answer_key) for the configured source."""
+def read_rows(cfg: DataConfig, keys: SourceKeys = TRAINING_KEYS) -> tuple[list[dict[str, Any]], str, str]:
+    """Returns (rows, prompt_key, answer_key) for the configured source; errors name `keys`."""
     if cfg.source.startswith("reasoning_gym:"):
-        return _generate_reasoning_gym(cfg.source.split(":", 1)[1], cfg), "prompt", "answer"
+        return _generate_reasoning_gym(cfg.source.split(":", 1)[1], cfg, keys), "prompt", "answer"
     path = Path(cfg.source)
     if not path.is_file():
-        raise ConfigError(f"data.source: file not found: {path}")
+        raise ConfigError(f"{keys.source}: file not found: {path}")
     if path.suffix == ".jsonl":
-        rows, where = _read_jsonl(path)
+        rows, where = _read_jsonl(path, keys.source)
     elif path.suffix == ".parquet":
-        rows = _read_parquet(path)
-        where = [f"{path} row {i}" for i in range(len(rows))]
+        rows = _read_parquet(path, keys.source)
+        where = [f"{keys.source}: {path} row {i}" for i in range(len(rows))]
     else:
-        raise ConfigError(f"data.source: {path} must end in .jsonl or .parquet, or be reasoning_gym:<task>")
+        raise ConfigError(f"{keys.source}: {path} must end in .jsonl or .parquet, or be reasoning_gym:<task>")
     for row, at in zip(rows, where):
-        for key, name in ((cfg.prompt_key, "data.prompt_key"), (cfg.answer_key, "data.answer_key")):
+        for key, name in ((cfg.prompt_key, keys.prompt_key), (cfg.answer_key, keys.answer_key)):
             if key not in row:
                 raise ConfigError(f"{at}: missing key {key!r} ({name}); row keys: {sorted(row)}")
         problem = _prompt_problem(row[cfg.prompt_key])
         if problem:
-            raise ConfigError(f"{at}: {cfg.prompt_key!r} (data.prompt_key) {problem}")
+            raise ConfigError(f"{at}: {cfg.prompt_key!r} ({keys.prompt_key}) {problem}")
         if row[cfg.answer_key] is None:
-            raise ConfigError(f"{at}: {cfg.answer_key!r} (data.answer_key) is null")
+            raise ConfigError(f"{at}: {cfg.answer_key!r} ({keys.answer_key}) is null")
     return rows, cfg.prompt_key, cfg.answer_key
 
 
@@ -184,6 +209,15 @@ def tokenize_prompts(rows, prompt_key, answer_key, cfg: DataConfig, tokenizer) -
     return prompts, dropped
 
 
+def load_prompts(cfg: DataConfig, tokenizer, keys: SourceKeys = TRAINING_KEYS) -> tuple[list[Prompt], int]:
+    """The source's templated, tokenized prompts (at least one) and how many max_prompt_len dropped."""
+    rows, prompt_key, answer_key = read_rows(cfg, keys)
+    prompts, dropped = tokenize_prompts(rows, prompt_key, answer_key, cfg, tokenizer)
+    if not prompts:
+        raise ConfigError(f"{keys.source} yields no prompts (all filtered by data.max_prompt_len?)")
+    return prompts, dropped
+
+
 # ---------------------------------------------------------------------------- dataset
 
 
@@ -210,7 +244,7 @@ class PromptDataset:
 
     def __init__(self, prompts: list[Prompt], shuffle: bool, seed: int, num_filtered: int = 0):
         if not prompts:
-            raise ConfigError("data.source yields no prompts (all filtered by data.max_prompt_len?)")
+            raise ValueError("PromptDataset needs at least one prompt")  # else next_prompts never returns
         self.prompts = prompts
         self.shuffle = shuffle
         self.seed = seed
@@ -223,8 +257,7 @@ class PromptDataset:
 
     @classmethod
     def from_config(cls, cfg: DataConfig, tokenizer) -> PromptDataset:
-        rows, prompt_key, answer_key = read_rows(cfg)
-        prompts, dropped = tokenize_prompts(rows, prompt_key, answer_key, cfg, tokenizer)
+        prompts, dropped = load_prompts(cfg, tokenizer)
         return cls(prompts, cfg.shuffle, cfg.seed, num_filtered=dropped)
 
     def _permutation(self, epoch: int) -> list[int]:

@@ -84,6 +84,18 @@ def test_bad_sources_name_the_problem(tmp_path):
         read_rows(DataConfig(source="reasoning_gym:no_such_task"))
 
 
+def test_invalid_utf8_names_the_key_file_and_line(tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes('{"prompt": "a", "answer": "1"}\n\n{"prompt": "caf\u00e9", "answer": "2"}\n'.encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
+        read_rows(DataConfig(source=str(bad)))
+    assert str(info.value) == f"data.source: {bad}:3: invalid UTF-8 (byte 0xe9 at column 16)"
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(b"PAR1 and then not parquet")
+    with pytest.raises(ConfigError, match=f"data.source: {corrupt}: not a readable parquet file"):
+        read_rows(DataConfig(source=str(corrupt)))
+
+
 def test_reasoning_gym_source():
     cfg = DataConfig(source="reasoning_gym:basic_arithmetic", num_examples=5,
                      task_config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
