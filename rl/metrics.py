@@ -1,11 +1,12 @@
 """One flat dict of metrics per rollout step: stdout, `<output_dir>/metrics.jsonl`, wandb.
 
 Only rank 0 writes; other ranks get a `NullLogger`, so the loop never branches on
-rank. wandb runs offline unless `WANDB_API_KEY` is set. The JSONL file is always valid
-JSON Lines: a non-finite value is written as `null`, each row goes out in one write and
-is flushed to disk, a row that fails to write (a full disk) is cut back off and stops the
-run, a cut-off last line left by a crash is dropped when the file is opened again, and a
-resumed run drops the rows past its checkpoint before appending.
+rank. wandb runs offline unless `WANDB_API_KEY` is set, and a resumed run continues the
+folder's wandb run (its id is kept in `<output_dir>/wandb_run_id`). The JSONL file is
+always valid JSON Lines: a non-finite value is written as `null`, each row goes out in one
+write and is flushed to disk, a row that fails to write (a full disk) is cut back off and
+stops the run, a cut-off last line left by a crash is dropped when the file is opened
+again, and a resumed run drops the rows past its checkpoint before appending.
 """
 
 from __future__ import annotations
@@ -141,6 +142,25 @@ def keep_rows_before(path: Path, rollout_id: float) -> tuple[int, int, Path | No
     return len(rows) - len(kept), bad, moved_to
 
 
+WANDB_RUN_ID = "wandb_run_id"
+
+
+def start_wandb(output_dir: Path, project: str, run_name: str, config: dict[str, Any]):
+    """The wandb run of the run folder: the first one's id is kept in `<output_dir>/wandb_run_id`, so that a resumed
+    run continues its own wandb run rather than starting a new one."""
+    import wandb
+
+    if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+        os.environ["WANDB_MODE"] = "offline"
+    id_file = output_dir / WANDB_RUN_ID
+    run_id = id_file.read_text().strip() if id_file.is_file() else ""
+    run = wandb.init(project=project, name=run_name or None, config=config, dir=str(output_dir), id=run_id or None,
+                     resume="allow")
+    if not run_id:
+        id_file.write_text(run.id + "\n")
+    return run
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, config: dict[str, Any], use_wandb: bool, project: str, run_name: str,
                  start_rollout: int | None = 0):
@@ -153,14 +173,7 @@ class MetricsLogger:
                   f"checkpoint the run resumes from; they are moved to {moved_to}", flush=True)
         if bad:
             print(f"metrics: dropped {bad} cut-off line(s) from {self.path}", flush=True)
-        self.wandb_run = None
-        if use_wandb:
-            import wandb
-
-            if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
-                os.environ["WANDB_MODE"] = "offline"
-            self.wandb_run = wandb.init(project=project, name=run_name or None, config=config,
-                                        dir=str(self.path.parent), resume="allow")
+        self.wandb_run = start_wandb(self.path.parent, project, run_name, config) if use_wandb else None
 
     def log(self, metrics: dict[str, Any]) -> None:
         line = (json.dumps({k: finite_or_none(v) for k, v in metrics.items()}, allow_nan=False) + "\n").encode()

@@ -3,6 +3,8 @@
 import errno
 import json
 import os
+import sys
+import types
 
 import pytest
 
@@ -196,3 +198,26 @@ def test_a_write_the_disk_refuses_leaves_the_file_whole(tmp_path, monkeypatch):
         log.log({"rollout_id": 1, "train/loss": 0.5})
     monkeypatch.undo()
     assert lines(tmp_path) == ['{"rollout_id": 0}']
+
+
+def test_a_resumed_run_continues_the_folders_wandb_run(tmp_path, monkeypatch):
+    """wandb is replaced by a recorder of `wandb.init`'s arguments that hands out a new id per run it starts."""
+    calls = []
+
+    class Run:
+        def __init__(self, **kwargs):
+            calls.append(kwargs)
+            self.id = kwargs.get("id") or f"run{len(calls)}"
+
+        def log(self, metrics, step):
+            pass
+
+        def finish(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: Run(**kwargs)))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    for start in (0, 2):  # a run, then its resume into the same folder
+        MetricsLogger(str(tmp_path), {}, use_wandb=True, project="p", run_name="", start_rollout=start).close()
+    assert [(c.get("id"), c["resume"]) for c in calls] == [(None, "allow"), ("run1", "allow")]
+    assert (tmp_path / "wandb_run_id").read_text().strip() == "run1"
