@@ -18,16 +18,17 @@ from pathlib import Path
 
 from rl import parallel
 from rl.config import DataConfig, EvalConfig, RolloutConfig
-from rl.data import Prompt, PromptDataset, Sample, Status, expand_groups
+from rl.data import EVAL_KEYS, Prompt, Sample, Status, expand_groups, load_prompts
 from rl.reward import RewardInput, RewardPool
 from rl.rollout import SamplingParams, derive_seed, generate_rollout
 
 
 def load_eval_prompts(ev: EvalConfig, data: DataConfig, tokenizer, training: list[Prompt]) -> tuple[list[Prompt], int]:
-    """The eval prompts not among the training prompts, and how many were dropped for being there."""
-    source = dataclasses.replace(data, source=ev.source, num_examples=ev.num_examples, seed=ev.seed, shuffle=False,
+    """The eval prompts not among the training prompts, and how many were dropped for being there. Read with
+    data's keys and templates; errors name eval.source and eval.task_config."""
+    source = dataclasses.replace(data, source=ev.source, num_examples=ev.num_examples, seed=ev.seed,
                                  task_config=ev.task_config if ev.task_config is not None else data.task_config)
-    prompts = PromptDataset.from_config(source, tokenizer).prompts[: ev.num_examples]
+    prompts = load_prompts(source, tokenizer, EVAL_KEYS)[0][: ev.num_examples]
     seen = {p.text for p in training}
     held_out = [p for p in prompts if p.text not in seen]
     return held_out, len(prompts) - len(held_out)

@@ -1,8 +1,11 @@
 """Held-out evaluation: pass@k by hand, eval prompts never among the training ones, and eval in the loop."""
 
+import dataclasses
 import json
 
-from rl.config import DataConfig, EvalConfig
+import pytest
+
+from rl.config import ConfigError, DataConfig, EvalConfig
 from rl.data import PromptDataset
 from rl.evaluate import load_eval_prompts, pass_at_k, share
 from tests.test_faults import run, strict_rows
@@ -34,6 +37,30 @@ def test_eval_prompts_never_appear_in_training(tmp_path):
     assert dropped == 5 and len(prompts) == 5
     assert not {p.text for p in prompts} & {p.text for p in training}
     assert sorted(p.label for p in prompts) == sorted(str(i + 1) for i in range(10, 15))
+
+
+def test_eval_set_errors_name_the_eval_keys(tmp_path):
+    tokenizer = tiny_tokenizer()
+    data = DataConfig(source=str(write_arithmetic_jsonl(tmp_path / "train.jsonl")), prompt_key="question")
+    training = PromptDataset.from_config(data, tokenizer).prompts
+
+    def error(ev: EvalConfig, cfg: DataConfig = data) -> str:
+        with pytest.raises(ConfigError) as info:
+            load_eval_prompts(ev, cfg, tokenizer, training)
+        return str(info.value)
+
+    held = tmp_path / "eval.jsonl"
+    assert error(EvalConfig(source=str(held))) == f"eval.source: file not found: {held}"
+    held.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{"question": "What is 2 + 2?"}\n')
+    assert error(EvalConfig(source=str(held))).startswith(
+        f"eval.source: {held}:2: missing key 'answer' (data.answer_key, read for eval.source)")
+    held.write_bytes(b'{"question": "\xff", "answer": "2"}\n')
+    assert error(EvalConfig(source=str(held))) == f"eval.source: {held}:1: invalid UTF-8 (byte 0xff at column 15)"
+    held.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n')
+    assert error(EvalConfig(source=str(held)), dataclasses.replace(data, max_prompt_len=1)) == \
+        "eval.source yields no prompts (all filtered by data.max_prompt_len?)"
+    assert error(EvalConfig(source="reasoning_gym:no_such_task", task_config={})).startswith(
+        "eval.source=reasoning_gym:no_such_task with eval.task_config={}: ")
 
 
 def test_eval_and_sample_dumps_in_the_loop(tmp_path):
