@@ -22,6 +22,12 @@ def by_kind(prompt, response, label, metadata):
     return exact(prompt, response, label, metadata)
 
 
+def raise_on_odd_label(prompt, response, label, metadata):
+    """1.0 for an even label; raises for an odd one, so a known share of inputs fails."""
+    if int(label) % 2:
+        raise ValueError(f"odd label {label}")
+    return 1.0
+
 
 def digit_fraction(prompt, response, label, metadata):
     """A dense reward that random tiny models already vary on: the share of digits in the response."""

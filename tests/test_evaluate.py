@@ -4,10 +4,14 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
-from rl.config import ConfigError, DataConfig, EvalConfig
-from rl.data import PromptDataset
-from rl.evaluate import load_eval_prompts, pass_at_k, share
+from rl.config import ConfigError, DataConfig, EvalConfig, RewardConfig, RolloutConfig
+from rl.data import Prompt, PromptDataset
+from rl.evaluate import evaluate, load_eval_prompts, pass_at_k, share
+from rl.parallel import Dist
+from rl.reward import RewardPool
+from rl.rollout import Completion, SamplingParams
 from tests.test_faults import run, strict_rows
 from tests.tiny import save_tiny_model_dir, tiny_tokenizer, write_arithmetic_jsonl
 
@@ -63,6 +67,25 @@ def test_eval_set_errors_name_the_eval_keys(tmp_path):
         "eval.source=reasoning_gym:no_such_task with eval.task_config={}: ")
 
 
+class EchoEngine:
+    """Answers every prompt with the same two tokens: the eval's bookkeeping, without a model."""
+
+    def generate(self, prompts, params, on_finish=None):
+        return [Completion(token_ids=[40, 41], logprobs=[-0.1, -0.2], finish_reason="stop") for _ in prompts]
+
+
+def test_eval_counts_reward_errors(tmp_path):
+    prompts = [Prompt(text=f"p{i}", token_ids=[1, 2 + i], label=str(i), metadata={}) for i in range(5)]
+    one_rank = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+    ev, sampling = EvalConfig(source="eval.jsonl", n_samples=3), SamplingParams(max_new_tokens=4, seed=0)
+    with RewardPool(RewardConfig(user_fn="tests.reward_fns:raise_on_odd_label", num_workers=2)) as pool:
+        stats = evaluate(EchoEngine(), pool, prompts, ev, RolloutConfig(), sampling, 0, tiny_tokenizer(),
+                         one_rank, None)
+    # labels 1 and 3 raise: 2 of 5 greedy samples and 2 * 3 of the 15 drawn ones
+    assert stats["eval/reward_errors"] == 2 + 6
+    assert stats["eval/accuracy"] == 3 / 5 and stats["eval/pass@3"] == 3 / 5
+
+
 def test_eval_and_sample_dumps_in_the_loop(tmp_path):
     inputs = save_tiny_model_dir(tmp_path / "model"), write_arithmetic_jsonl(tmp_path / "train.jsonl")
     held = tmp_path / "eval.jsonl"
@@ -79,6 +102,7 @@ def test_eval_and_sample_dumps_in_the_loop(tmp_path):
     for r in rows:
         if "eval/accuracy" in r:
             assert r["eval/num_prompts"] == 6 and 0 <= r["eval/pass@3"] <= 1 and r["perf/eval_s"] > 0
+            assert r["eval/reward_errors"] == 0
     assert rows[3]["weight_version"] == 4
     greedy = [json.loads(line) for line in (out / "samples" / "eval_rollout_0.jsonl").read_text().splitlines()]
     assert sum(g["greedy"] for g in greedy) == 6 and len(greedy) == 6 + 18
