@@ -7,12 +7,20 @@ and hands out whole groups of `n_samples_per_prompt` copies with global
 `group_index`/`index` numbering (seed step 16). Its cursor (epoch, offset, seeded
 shuffle) is a small dict, so a run can resume exactly where it stopped. Every rank
 builds the same dataset and draws the same groups; ranks then take their own slice.
+
+The cursor also holds a fingerprint of the prompts it indexes (their number and a hash
+of their text and labels). A run resumed on prompts that changed (an edited data file,
+a new template or max_prompt_len) says so in one line and goes on rather than stopping:
+same epoch, same position, clamped to the new end so that a shorter set ends the epoch
+in progress and the next begins; epochs still advance one whole pass at a time. A cursor
+saved before fingerprints existed loads as before, unchecked.
 """
 
 from __future__ import annotations
 
 import copy
 import enum
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -20,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.config import ConfigError, DataConfig
+from rl.parallel import print0
 
 
 class Status(str, enum.Enum):
@@ -246,6 +255,7 @@ class PromptDataset:
         if not prompts:
             raise ValueError("PromptDataset needs at least one prompt")  # else next_prompts never returns
         self.prompts = prompts
+        self.prompts_hash = fingerprint(prompts)
         self.shuffle = shuffle
         self.seed = seed
         self.num_filtered = num_filtered
@@ -287,11 +297,31 @@ class PromptDataset:
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "offset": self.offset, "next_group_index": self.next_group_index,
-                "next_sample_index": self.next_sample_index, "seed": self.seed}
+                "next_sample_index": self.next_sample_index, "seed": self.seed,
+                "num_prompts": len(self.prompts), "prompts_hash": self.prompts_hash}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["seed"] != self.seed:
             raise ConfigError(f"data.seed={self.seed} differs from the checkpoint's {state['seed']}")
-        self.epoch, self.offset = state["epoch"], state["offset"]
+        # Past the end of a shorter set the epoch in progress is over; the next draw starts the next one.
+        self.epoch, self.offset = state["epoch"], min(state["offset"], len(self.prompts))
         self.next_group_index, self.next_sample_index = state["next_group_index"], state["next_sample_index"]
         self._order = self._permutation(self.epoch)
+        if "num_prompts" in state:  # absent from cursors saved before fingerprints
+            self._warn_if_changed(state["num_prompts"], state["prompts_hash"])
+
+    def _warn_if_changed(self, num_prompts: int, prompts_hash: int) -> None:
+        if (num_prompts, prompts_hash) == (len(self.prompts), self.prompts_hash):
+            return
+        same_count = " (as many, but other text or labels)" if num_prompts == len(self.prompts) else ""
+        print0(f"data: warning: the prompts of data.source changed since the checkpoint: {num_prompts} then, "
+               f"{len(self.prompts)} now{same_count}; epoch {self.epoch} goes on from prompt {self.offset}")
+
+
+def fingerprint(prompts: list[Prompt]) -> int:
+    """A 63-bit hash of the prompts' text and labels in order: a JSON-safe int that any change alters."""
+    digest = hashlib.blake2b(digest_size=8)
+    for prompt in prompts:
+        digest.update(json.dumps([prompt.text, prompt.label], default=str).encode())
+        digest.update(b"\n")
+    return int.from_bytes(digest.digest(), "little") >> 1

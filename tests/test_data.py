@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -35,6 +36,30 @@ def test_dataset_numbering_continues_and_cursor_resumes():
     assert [g[0].prompt for g in resumed.next_groups(6, 2)] == expected
     seen = [g[0].prompt for g in first + second]
     assert len(set(seen)) == 8  # no repeats within an epoch
+
+
+def test_a_changed_prompt_set_warns_and_goes_on_one_epoch_at_a_time(capsys):
+    ds = PromptDataset(prompts(64), shuffle=True, seed=3)
+    ds.next_prompts(8)
+    ds.next_prompts(8)
+    state = json.loads(json.dumps(ds.state_dict()))  # as the checkpoint stores it
+    shrunk = PromptDataset(prompts(5), shuffle=True, seed=3)  # the file cut to 5 rows under the checkpoint
+    shrunk.load_state_dict(state)
+    assert capsys.readouterr().out == ("data: warning: the prompts of data.source changed since the checkpoint: "
+                                       "64 then, 5 now; epoch 0 goes on from prompt 5\n")
+    epochs, drawn = [state["epoch"]], []
+    for _ in range(6):
+        drawn += [p.text for p in shrunk.next_prompts(4)]
+        epochs.append(shrunk.epoch)
+    assert epochs == [0, 1, 2, 3, 4, 4, 5]
+    assert all(sorted(drawn[i : i + 5]) == [f"p{j}" for j in range(5)] for i in range(0, 20, 5))  # whole passes
+
+    relabeled = PromptDataset([dataclasses.replace(p, label="x") for p in prompts(64)], shuffle=True, seed=3)
+    relabeled.load_state_dict(state)
+    assert "64 then, 64 now (as many, but other text or labels); epoch 0 goes on from prompt 16" in capsys.readouterr().out
+    for unchanged in [state, {k: v for k, v in state.items() if k not in ("num_prompts", "prompts_hash")}]:
+        PromptDataset(prompts(64), shuffle=True, seed=3).load_state_dict(unchanged)  # the second: an older checkpoint
+        assert capsys.readouterr().out == ""
 
 
 def test_append_response_tokens():
