@@ -11,14 +11,17 @@ Draws, against `rollout_id`, one figure per group:
   throughput.png  rollout and train tokens/s
   memory.png      torch's peak and the device memory in use, per phase (GPU runs only)
 Runs overlay on the same axes, the legend naming each run dir. A metric no run has is left out
-(its panel, or a figure with no panel at all); rows without a key, or with null (a non-finite
-value), leave a gap in that line. The figures go into every run dir, or only into --out.
+(its panel, or a figure with no panel at all). A row whose value is null (a non-finite value)
+breaks that line, so a step that logged nothing shows as a gap; a row without the key is passed
+over (eval rows come every few steps, and their line joins them). The figures go into every run
+dir, or only into --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -52,9 +55,19 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(rollout_id, value) of the rows that hold a number for key."""
-    points = [(r["rollout_id"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    """(rollout_id, value) of the rows that have key, NaN where the value is null or not a finite number:
+    matplotlib breaks a line at NaN, where dropping the point would draw straight across it."""
+    points = [(r["rollout_id"], as_number(r[key])) for r in rows if key in r]
     return [x for x, _ in points], [y for _, y in points]
+
+
+def as_number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
+
+
+def has_values(rows: list[dict], key: str) -> bool:
+    """Whether some row holds a finite number for key: a panel of nulls alone is not drawn."""
+    return any(not math.isnan(y) for y in series(rows, key)[1])
 
 
 def keys_of(runs: dict[str, list[dict]], predicate) -> list[str]:
@@ -67,9 +80,9 @@ def line_panel(ax, runs: dict[str, list[dict]], keys: list[str], title: str) -> 
     drawn = False
     for name, rows in runs.items():
         for key in keys:
-            x, y = series(rows, key)
-            if not x:
+            if not has_values(rows, key):
                 continue
+            x, y = series(rows, key)
             # Memory keys are found in the file, so even a lone one needs its phase in the legend.
             one_fixed_key = len(keys) == 1 and not key.startswith("memory/")
             label = name if one_fixed_key else f"{name}: {key.split('/', 1)[1]}"
@@ -86,7 +99,7 @@ def line_panel(ax, runs: dict[str, list[dict]], keys: list[str], title: str) -> 
 
 def line_figure(runs: dict[str, list[dict]], panels: list[tuple[str, list[str]]], path: Path) -> bool:
     """A figure of one line panel per (title, keys) that some run has; written only if non-empty."""
-    present = [(title, keys) for title, keys in panels if any(series(rows, k)[0] for rows in runs.values() for k in keys)]
+    present = [(title, keys) for title, keys in panels if any(has_values(rows, k) for rows in runs.values() for k in keys)]
     if not present:
         return False
     fig, axes = plt.subplots(1, len(present), figsize=(4.5 * len(present), 3.5), squeeze=False)
@@ -99,7 +112,7 @@ def line_figure(runs: dict[str, list[dict]], panels: list[tuple[str, list[str]]]
 def time_figure(runs: dict[str, list[dict]], path: Path) -> bool:
     """Seconds per step stacked by phase; stacks do not overlay, so one panel per run."""
     phases = [p for p in TIME_PHASES if any(f"perf/{p}_s" in r for rows in runs.values() for r in rows)]
-    with_time = {name: rows for name, rows in runs.items() if any(series(rows, f"perf/{p}_s")[0] for p in phases)}
+    with_time = {name: rows for name, rows in runs.items() if any(has_values(rows, f"perf/{p}_s") for p in phases)}
     if not with_time:
         return False
     fig, axes = plt.subplots(1, len(with_time), figsize=(5 * len(with_time), 3.5), squeeze=False, sharey=True)
@@ -129,7 +142,7 @@ def save(fig, path: Path) -> None:
 def plot_runs(run_dirs: list[Path], out_dirs: list[Path]) -> list[str]:
     """Draws the figures of the runs (overlaid) into each of out_dirs; returns the file names written.
 
-    Raises PlotError naming the file when a run has no metrics rows.
+    Raises PlotError naming the file when a run has no metrics rows, or an out dir that cannot be a folder.
     """
     runs = {}
     for run_dir in run_dirs:
@@ -155,13 +168,22 @@ def plot_runs(run_dirs: list[Path], out_dirs: list[Path]) -> list[str]:
     }
     written = []
     for out_dir in out_dirs:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(out_dir)
         for name, panels in groups.items():
             if line_figure(runs, panels, out_dir / name):
                 written.append(name)
         if time_figure(runs, out_dir / "time.png"):
             written.append("time.png")
     return sorted(set(written))
+
+
+def make_folder(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise PlotError(f"rl.plot: {path} is a file; the figures need a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent that is a file, no permission
+        raise PlotError(f"rl.plot: cannot create the folder {path} ({e.strerror})") from e
 
 
 def main(argv: list[str]) -> None:

@@ -1,13 +1,15 @@
 """rl.plot draws valid PNGs from a small metrics file with gaps, nulls and a cut-off last line."""
 
 import json
+import math
 import subprocess
 import sys
 
 import matplotlib.image
+import matplotlib.pyplot as plt
 import pytest
 
-from rl.plot import PlotError, plot_runs
+from rl.plot import PlotError, line_panel, plot_runs, read_rows
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["length.png", "memory.png", "reward.png", "throughput.png", "time.png", "train.png"]
@@ -80,3 +82,26 @@ def test_a_run_without_rows_is_one_line_naming_the_file(runs, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"rl.plot: no metrics rows in {empty / 'metrics.jsonl'}"
     assert proc.stdout == ""
+
+
+def test_a_null_breaks_the_line(runs):
+    rows = {"run_a": read_rows(runs[0] / "metrics.jsonl")}  # train/loss is null at rollout 1
+    fig, ax = plt.subplots()
+    assert line_panel(ax, rows, ["train/loss", "eval/accuracy"], "loss")
+    loss, accuracy = ax.get_lines()
+    assert list(loss.get_xdata()) == [0, 1, 2]
+    y = list(loss.get_ydata())
+    assert y[0] == pytest.approx(0.5) and math.isnan(y[1]) and y[2] == pytest.approx(0.3)
+    # eval rows come every few steps: the rows between them have no key and the line joins them
+    assert list(accuracy.get_xdata()) == [0, 2] and list(accuracy.get_ydata()) == [0.1, 0.4]
+    plt.close(fig)
+
+
+def test_out_naming_a_file_is_one_line(runs, tmp_path):
+    out = tmp_path / "plots.png"
+    out.write_bytes(b"not a folder")
+    proc = subprocess.run([sys.executable, "-m", "rl.plot", str(runs[0]), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"rl.plot: {out} is a file; the figures need a folder"
+    assert out.read_bytes() == b"not a folder"
