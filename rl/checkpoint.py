@@ -32,7 +32,7 @@ import shutil
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -197,8 +197,27 @@ def _fsync_dir(path: Path) -> None:
 # ---------------------------------------------------------------------------- load
 
 
+class DamagedCheckpoint(Exception):
+    """A checkpoint folder that cannot be loaded; the message names the file and what is wrong with it."""
+
+
 def read_trainer_state(path: Path) -> TrainerState:
-    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+    file = path / "trainer_state.json"
+    try:
+        saved = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{file.name} is missing") from None
+    except (OSError, ValueError) as e:  # ValueError: cut off, not JSON, not UTF-8
+        raise DamagedCheckpoint(f"{file.name} is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(saved, dict):
+        raise DamagedCheckpoint(f"{file.name} holds a JSON {type(saved).__name__}, not an object")
+    missing = [f.name for f in fields(TrainerState) if f.default is MISSING and f.name not in saved]
+    unknown = sorted(saved.keys() - {f.name for f in fields(TrainerState)})
+    if missing:
+        raise DamagedCheckpoint(f"{file.name} lacks {', '.join(missing)}")
+    if unknown:
+        raise DamagedCheckpoint(f"{file.name} holds keys this version does not know: {', '.join(unknown)}")
+    return TrainerState(**saved)
 
 
 def _state_dicts(model: torch.nn.Module, optimizer, critic: tuple[torch.nn.Module, Any] | None) -> dict[str, Any]:
@@ -286,11 +305,14 @@ def resume_candidates(output_dir: str | Path, resume: str, model_path: str) -> l
                                   f"complete checkpoint to resume from: pass another log.output_dir (or remove "
                                   f"that folder to start over there)")
             return []
-        written_for = read_trainer_state(complete[-1]).config["model"]["path"]
-        if written_for != model_path:
-            raise ConfigError(f"log.output_dir {str(out)!r} holds checkpoints of a run of model.path {written_for!r}, "
-                              f"not {model_path!r}: pass another log.output_dir, or "
-                              f"--checkpoint.resume={complete[-1]} to start from it on purpose")
+        newest = newest_readable_state(complete)
+        if newest is not None:
+            path, state = newest
+            written_for = state.config["model"]["path"]
+            if os.path.realpath(written_for) != os.path.realpath(model_path):  # `/x/model/` is `/x/model`
+                raise ConfigError(f"log.output_dir {str(out)!r} holds checkpoints of a run of model.path "
+                                  f"{written_for!r}, not {model_path!r}: pass another log.output_dir, or "
+                                  f"--checkpoint.resume={path} to start from it on purpose")
         return complete
     path = Path(resume)
     if not (path / "trainer_state.json").is_file() or not (path / "model_optim").is_dir():
@@ -303,6 +325,17 @@ def resume_candidates(output_dir: str | Path, resume: str, model_path: str) -> l
                           f"log.output_dir {str(out)!r} already holds a run ({rows} metric rows, {len(complete)} "
                           f"checkpoints): pass a new log.output_dir")
     return [path]
+
+
+def newest_readable_state(checkpoints: list[Path]) -> tuple[Path, TrainerState] | None:
+    """The newest of `checkpoints` whose trainer state reads, with that state; the unreadable ones are left to
+    load_newest, which skips them with a line each."""
+    for path in reversed(checkpoints):
+        try:
+            return path, read_trainer_state(path)
+        except DamagedCheckpoint:
+            continue
+    return None
 
 
 def set_aside_newer(output_dir: Path, rollout_id: int) -> None:
