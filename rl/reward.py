@@ -174,12 +174,22 @@ def load_user_fn(path: str) -> Callable[..., Any]:
 
 def call_user_fn(path: str, inp: RewardInput) -> float:
     fn = load_user_fn(path)  # sys.modules makes this a dict lookup after the first call
-    value = fn(prompt=inp.prompt, response=inp.response, label=inp.label, metadata=inp.metadata)
-    if not isinstance(value, numbers.Real):
-        raise TypeError(f"reward.user_fn {path} returned {type(value).__name__} {value!r}, expected a float")
+    returned = fn(prompt=inp.prompt, response=inp.response, label=inp.label, metadata=inp.metadata)
+    value = real_number(returned)
+    if value is None:
+        raise TypeError(f"reward.user_fn {path} returned {type(returned).__name__} {returned!r}, expected a float")
     if not math.isfinite(value):
-        raise ValueError(f"reward.user_fn {path} returned {value}, expected a finite float")
-    return float(value)
+        raise ValueError(f"reward.user_fn {path} returned {returned!r}, expected a finite float")
+    return value
+
+
+def real_number(value: Any) -> float | None:
+    """`value` as a float when it is a real number: a Python number, a numpy scalar (np.bool_ is no
+    numbers.Real), a 0-d array or tensor; else None. Duck-typed through `shape` and `.item()`, so a
+    worker needs neither numpy nor torch to take them."""
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+        value = value.item()
+    return float(value) if isinstance(value, numbers.Real) else None
 
 
 def score_one(inp: RewardInput, cfg: RewardConfig) -> dict[str, float]:

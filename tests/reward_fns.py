@@ -22,6 +22,11 @@ def by_kind(prompt, response, label, metadata):
     return exact(prompt, response, label, metadata)
 
 
+def value_of(prompt, response, label, metadata):
+    """Returns metadata["value"] as it is: any type a reward function might return."""
+    return metadata["value"]
+
+
 def raise_on_odd_label(prompt, response, label, metadata):
     """1.0 for an even label; raises for an odd one, so a known share of inputs fails."""
     if int(label) % 2:

@@ -2,12 +2,16 @@ import importlib.util
 import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
 import types
+from fractions import Fraction
 
+import numpy as np
 import pytest
+import torch
 
 from rl.config import ConfigError, RewardConfig
 from rl.health import RunStopped
@@ -118,6 +122,30 @@ def test_score_one_user_fn_replaces_math():
     assert score_one(make_input(r"\boxed{1}", "1"), cfg)["correct"] == 0.0  # no math extraction
     with pytest.raises(TypeError, match="returned NoneType"):
         score_one(make_input("a", "a", kind="none"), RewardConfig(user_fn="tests.reward_fns:by_kind"))
+
+
+@pytest.mark.parametrize("value, expected", [
+    (True, 1.0), (np.bool_(True), 1.0), (np.bool_(False), 0.0), (np.float32(0.5), 0.5), (np.int64(1), 1.0),
+    (np.array(0.25), 0.25), (torch.tensor(0.75), 0.75), (torch.tensor(True), 1.0), (Fraction(1, 4), 0.25),
+])
+def test_user_fn_may_return_any_real_number(value, expected):
+    cfg = RewardConfig(user_fn="tests.reward_fns:value_of")
+    inp = RewardInput(prompt="q", response="a", label="a", response_length=1, max_new_tokens=10,
+                      metadata={"value": value})
+    correct = score_one(inp, cfg)["correct"]
+    assert correct == expected and type(correct) is float
+
+
+@pytest.mark.parametrize("value, error", [
+    ("1.0", "returned str '1.0', expected a float"), (np.array([0.5]), "returned ndarray array([0.5])"),
+    (torch.tensor([0.5]), "returned Tensor tensor([0.5000])"), (np.str_("1"), "returned str_ np.str_('1')"),
+    (1 + 2j, "returned complex"), (torch.tensor(float("nan")), "returned tensor(nan), expected a finite float"),
+])
+def test_user_fn_returning_no_real_number_is_refused(value, error):
+    inp = RewardInput(prompt="q", response="a", label="a", response_length=1, max_new_tokens=10,
+                      metadata={"value": value})
+    with pytest.raises((TypeError, ValueError), match=re.escape(error)):
+        score_one(inp, RewardConfig(user_fn="tests.reward_fns:value_of"))
 
 
 def test_reward_input_pickles():
