@@ -198,7 +198,7 @@ def load_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype_name: str = "auto", overwrite: bool = False) -> Path:
     """Writes the checkpoint's policy to `out`; ConfigError for a checkpoint or an `out` it cannot use."""
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint, out = Path(checkpoint), Path(os.path.abspath(out))  # "." has no name to put a sibling beside
     if not (checkpoint / "model_optim").is_dir() or not (checkpoint / "hf" / "config.json").is_file():
         raise ConfigError(f"{checkpoint} is not a complete checkpoint folder "
                           f"(expected model_optim/ and hf/config.json; look under <output_dir>/checkpoints/)")
