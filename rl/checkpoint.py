@@ -16,9 +16,15 @@ named `rollout_<N>`, so a kill mid-save leaves every earlier checkpoint whole, a
 newest one is never deleted before a newer one is complete. Older checkpoints past
 `keep_last` are renamed out of the way (`.rollout_<N>.old.*`) and deleted by a background
 thread, so a slow filesystem never holds the other ranks at a barrier; leftovers of a kill
-(`.tmp` or `.old` folders) are never read and are removed by the next save. Loading tries
-the newest complete checkpoint and falls back to the one before it, with a warning naming
-both, when it cannot be read.
+(`.tmp` or `.old` folders) are never read and are removed by the next save.
+
+Loading tries the newest complete checkpoint and falls back to older ones, one warning line
+for each it skips: before any tensor is read, each is checked cheaply (its trainer state
+reads, the DCP metadata reads, every shard file the metadata names is there at full size),
+so a torn or half-copied checkpoint is refused before it half-loads; damage inside a shard
+is found by the load itself, and the next load overwrites whatever it left. When none can
+be read, the run stops with one line saying what to do. A missing or unreadable RNG file
+only restarts that rank's RNG states.
 """
 
 from __future__ import annotations
@@ -220,6 +226,38 @@ def read_trainer_state(path: Path) -> TrainerState:
     return TrainerState(**saved)
 
 
+def check_shards(folder: Path) -> None:
+    """Raises DamagedCheckpoint when the DCP metadata of `folder` cannot be read, or a shard file it names is
+    missing or shorter than the bytes it should hold (a torn write, a half-copied folder): found by file sizes,
+    before any tensor is read."""
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{folder.name}/.metadata is missing") from None
+    except Exception as e:  # unpickling a cut-off file fails in many ways
+        raise DamagedCheckpoint(f"{folder.name}/.metadata is unreadable ({type(e).__name__}: {e})") from None
+    ends: dict[str, int] = {}
+    for item in metadata.storage_data.values():
+        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    for name, end in sorted(ends.items()):
+        shard = folder / name
+        if not shard.is_file():
+            raise DamagedCheckpoint(f"{folder.name}/{name} is missing")
+        if shard.stat().st_size < end:
+            raise DamagedCheckpoint(f"{folder.name}/{name} holds {shard.stat().st_size} bytes, its metadata "
+                                    f"names {end}")
+
+
+def damage(path: Path) -> str:
+    """What makes checkpoint `path` unloadable, as far as is seen without reading a tensor ('' if nothing)."""
+    try:
+        read_trainer_state(path)
+        check_shards(path / "model_optim")
+    except DamagedCheckpoint as e:
+        return str(e)
+    return ""
+
+
 def _state_dicts(model: torch.nn.Module, optimizer, critic: tuple[torch.nn.Module, Any] | None) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     out = {"model": model_sd, "optim": optim_sd}
@@ -250,35 +288,64 @@ def load(path: Path, model: torch.nn.Module, optimizer, critic: tuple[torch.nn.M
 
 
 def restore_rng(path: Path, state: TrainerState) -> None:
-    """This rank's RNG states as they were at the save (when the rank count is unchanged)."""
-    rng = path / "rng" / f"rank_{dist.get_rank()}.pt"
-    if state.world_size == dist.get_world_size() and rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=False))
-    else:
+    """Every rank's RNG states as they were at the save, when the rank count is unchanged (a collective); a rank
+    whose file is missing or unreadable starts afresh, and rank 0 says which."""
+    if state.world_size != dist.get_world_size():
         print0(f"checkpoint: {path} was written by {state.world_size} ranks, resumed on {dist.get_world_size()}; "
                f"model, optimizer, schedule and data cursor are resharded, per-rank RNG states start afresh")
+        return
+    why_not = _set_rng_from(path / "rng" / f"rank_{dist.get_rank()}.pt")
+    failed = [reason for reason in parallel.all_gather_objects([why_not]) if reason]
+    if failed:
+        print0(f"checkpoint: {path}: {'; '.join(failed)}: the RNG states of those ranks start afresh")
+
+
+def _set_rng_from(file: Path) -> str:
+    """Restores the RNG states saved in `file`; returns why it could not ('' when done)."""
+    if not file.is_file():
+        return f"rng/{file.name} is missing"
+    try:
+        set_rng_state(torch.load(file, weights_only=False))
+    except Exception as e:  # a cut-off file fails to unpickle in many ways
+        return f"rng/{file.name} is unreadable ({_one_line(e)})"
+    return ""
 
 
 def load_newest(candidates: list[Path], model: torch.nn.Module, optimizer,
                 critic: tuple[torch.nn.Module, Any] | None = None) -> tuple[Path, TrainerState]:
-    """Loads the newest of `candidates` that every rank can read; falls back with a warning naming both."""
-    errors = []
-    for path in reversed(candidates):
-        try:
-            state = load(path, model, optimizer, critic)
-            failed = ""
-        except ConfigError:  # the checkpoint is fine, the run does not fit it: an older one would not either
-            raise
-        except (Exception, CheckpointException) as e:  # a truncated or half-deleted checkpoint: any read error
-            failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        if not parallel.all_reduce_max(float(bool(failed))):
-            if errors:
-                print0(f"warning: checkpoint {errors[-1][0]} could not be loaded ({errors[-1][1]}); "
-                       f"resumed from {path} instead")
-            return path, state
-        errors.append((path, failed or "another rank could not read it"))
-        print0(f"checkpoint: could not load {path}: {errors[-1][1]}")
-    raise RuntimeError("no checkpoint could be loaded: " + "; ".join(f"{p}: {e}" for p, e in errors))
+    """Loads the newest of `candidates` that every rank can read (a collective), with one warning line for each one
+    skipped; a ConfigError when none can be read.
+
+    A load that fails part-way (damage inside a shard) leaves some of that checkpoint's tensors in the model and
+    optimizer; the next load overwrites them all, since DCP fills every key of the state dict or raises."""
+    newest_first = candidates[::-1]
+    for i, path in enumerate(newest_first):
+        failed = damage(path)
+        if not _failed_anywhere(failed):  # every rank reaches dcp.load, a collective, or none does
+            try:
+                state = load(path, model, optimizer, critic)
+            except ConfigError:  # the checkpoint is fine, the run does not fit it: an older one would not either
+                raise
+            except (Exception, CheckpointException) as e:  # damage inside a shard, or a file gone since the check
+                failed = _one_line(e)
+            if not _failed_anywhere(failed):
+                return path, state
+        older = f"; trying {newest_first[i + 1]} instead" if i + 1 < len(newest_first) else ""
+        print0(f"warning: checkpoint {path} could not be loaded ({failed or 'another rank could not read it'}){older}")
+    names = ", ".join(p.name for p in newest_first)
+    raise ConfigError(f"no checkpoint in {candidates[-1].parent} could be loaded ({names}; the reasons are printed "
+                      f"above): start afresh in another log.output_dir, or put a readable checkpoint there")
+
+
+def _failed_anywhere(failed: str) -> bool:
+    return bool(parallel.all_reduce_max(float(bool(failed))))
+
+
+def _one_line(error: BaseException) -> str:
+    """The error that stopped a read, on one line; DCP wraps each rank's error in a CheckpointException."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    return f"{type(error).__name__}: {error}".splitlines()[0][:300]
 
 
 # ---------------------------------------------------------------------------- the run folder
