@@ -15,7 +15,8 @@ only a folder that holds it, and nothing of a run (checkpoints/, metrics.jsonl, 
 is ever replaced. `rl.export` writes into a missing or empty OUT, replaces an earlier
 export only with --overwrite, and refuses anything else; the run's own `final/` is
 replaced when it holds an earlier export (a resumed run exports again). A folder
-exported before `rl_export.json` existed is refused like any other: move it away.
+exported before `rl_export.json` existed is refused like any other (move it away), except
+as the run's own `final/` when it holds nothing but what an export writes.
 The new folder is written under a temporary sibling name and renamed into place, so
 a kill mid-export leaves the earlier export complete (at OUT, or for the instant
 between the two renames at `.OUT.old-*`), never a half folder.
@@ -35,11 +36,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from rl.checkpoint import copy_hf_files
+from rl.checkpoint import HF_FILES, copy_hf_files
 from rl.config import ConfigError
 
 SHARD_BYTES = 2 << 30
 MARKER = "rl_export.json"
+INDEX = "model.safetensors.index.json"
 RUN_FILES = ("checkpoints", "metrics.jsonl", ".lock")  # what a run folder holds and an export never does
 
 
@@ -58,9 +60,10 @@ def saved_names(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def check_out(out: Path, overwrite: bool, remedy: str) -> None:
+def check_out(out: Path, overwrite: bool, remedy: str, unmarked_export_ok: bool = False) -> None:
     """Raises ConfigError naming `out` and ending in `remedy`, unless `out` is missing, an empty folder or,
-    with `overwrite`, an earlier export."""
+    with `overwrite`, an earlier export (`unmarked_export_ok`: also one written before the marker existed,
+    recognised by holding nothing but the files an export writes)."""
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not out.is_dir():
@@ -68,10 +71,16 @@ def check_out(out: Path, overwrite: bool, remedy: str) -> None:
     run = [name for name in RUN_FILES if (out / name).exists()]
     if run:
         raise ConfigError(f"{out} holds a run ({', '.join(run)}); {remedy}")
-    if not (out / MARKER).is_file():
+    if not (out / MARKER).is_file() and not (unmarked_export_ok and only_export_files(out)):
         raise ConfigError(f"{out} is not empty and holds no earlier export (no {MARKER}); {remedy}")
     if not overwrite:
         raise ConfigError(f"{out} holds an earlier export; pass --overwrite to replace it")
+
+
+def only_export_files(folder: Path) -> bool:
+    """Whether `folder` holds files an export writes and nothing else (no folder, no other file)."""
+    return all(p.is_file() and (p.name in HF_FILES or p.name == INDEX or p.suffix == ".safetensors")
+               for p in folder.iterdir())
 
 
 def write_hf_folder(tensors: Iterable[tuple[str, torch.Tensor]], hf_sources: list[Path], out: Path,
@@ -97,9 +106,10 @@ def write_hf_folder(tensors: Iterable[tuple[str, torch.Tensor]], hf_sources: lis
 
 
 def move_into_place(new: Path, out: Path) -> None:
-    """Renames `new` to `out`. An earlier export there is renamed aside first and deleted last, so a kill
-    leaves a complete folder at `out` or, between the two renames, at its `.old-` sibling."""
-    if not (out / MARKER).is_file():
+    """Renames `new` to `out`. An earlier export there (the only thing `check_out` lets a non-empty `out`
+    hold) is renamed aside first and deleted last, so a kill leaves a complete folder at `out` or, between
+    the two renames, at its `.old-` sibling."""
+    if not out.is_dir() or not any(out.iterdir()):
         os.replace(new, out)  # rename(2) takes the place of a missing or empty folder and refuses any other
         return
     old = hidden_sibling(out, "old")
@@ -132,7 +142,7 @@ def write_weights(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path, sha
         total += nbytes
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (folder / INDEX).write_text(json.dumps(index, indent=2))
 
 
 def _write_shard(folder: Path, i: int, tensors: dict[str, torch.Tensor]) -> tuple[str, list[str], int]:
@@ -167,7 +177,8 @@ def export_policy(model: torch.nn.Module, hf_sources: list[Path], out: Path, dty
 
     # Every rank checks, before the gathers: a refusal on rank 0 alone would leave the others waiting in them.
     check_out(out, overwrite=True, remedy="the trained policy was not exported: move that folder away, then "
-                                          "export the last checkpoint with python -m rl.export")
+                                          "export the last checkpoint with python -m rl.export",
+              unmarked_export_ok=True)  # the run's own final/ of an earlier version
     dtype = export_dtype(dtype_name, json.loads((hf_sources[0] / "config.json").read_text()))
     keep = saved_names(model)
     tensors = ((n, t) for n, t in iter_full_weights(model, dtype, SHARD_BYTES) if n in keep)

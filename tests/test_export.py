@@ -112,6 +112,19 @@ def test_the_run_export_refuses_a_final_folder_it_did_not_write(checkpoint, tmp_
     out = tmp_path / "final"
     out.mkdir()
     (out / "model.safetensors").write_text("someone's")
+    (out / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="holds no earlier export .* the trained policy was not exported"):
         export_policy(tiny_model(), [checkpoint / "hf"], out, "auto", is_main=True)
-    assert snapshot(out) == {Path("model.safetensors"): b"someone's"}
+    assert snapshot(out) == {Path("model.safetensors"): b"someone's", Path("notes.txt"): b"mine"}
+
+
+def test_the_run_export_replaces_a_final_folder_exported_before_the_marker(checkpoint, tmp_path):
+    out = tmp_path / "final"  # a run that finished before exports were marked, resumed to train further
+    export_policy(tiny_model(seed=0), [checkpoint / "hf"], out, "float32", is_main=True)
+    (out / MARKER).unlink()
+    model = tiny_model(seed=1)
+    export_policy(model, [checkpoint / "hf"], out, "float32", is_main=True)
+    assert torch.equal(load_file(out / "model.safetensors")["lm_head.weight"], model.lm_head.weight)
+    (out / MARKER).unlink()  # rl.export itself still wants the marker: the folder might be anyone's model
+    proc = export(checkpoint, out, "--overwrite")
+    assert proc.returncode != 0 and "holds no earlier export" in proc.stderr, proc.stderr
