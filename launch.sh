@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Launch an rl run on one node, or on several under SLURM.
 #
-#   bash launch.sh [--install] [--nproc N] CONFIG [--section.key=value ...]
+#   bash launch.sh [--install] [--nproc N] [--max-restarts N] CONFIG [--section.key=value ...]
 #   sbatch --nodes 2 --gpus-per-node 8 launch.sh CONFIG [...]      # SLURM, one torchrun per node
 #
-# SIGTERM, SIGUSR1 or a first Ctrl-C to this script reaches every rank as SIGUSR1: the run checkpoints
-# at the end of its step and exits 0 (a second Ctrl-C kills it at once). Under SLURM the job asks for
-# SIGUSR1 ten minutes before its time limit (time to finish a step and save) and, once the ranks have
-# stopped that way, requeues itself; the requeued job resumes from the checkpoint.
+# SIGTERM, SIGUSR1 or a first Ctrl-C, to this script or to its whole process group (a terminal's Ctrl-C,
+# `kill -TERM -PGID`), at any moment, is a stop request: the ranks checkpoint at the end of their step
+# and exit 0 (before the first step there is nothing to save, and the run ends at once). A second Ctrl-C
+# kills the run. torchrun and the ranks ignore these signals themselves (the ranks run in sessions of
+# their own); this script hands the request on as a file the ranks read (RL_STOP_FILE) and a SIGUSR1.
+# Under SLURM the job asks for SIGUSR1 ten minutes before its time limit (time to finish a step and
+# save) and, once the ranks have stopped that way, requeues itself; the requeued job resumes from the
+# checkpoint.
 #
-# --install  installs rl (and a CPU torch where no GPU and no torch is present) and prepares the
-#            config's model if it is one of the offline models rl.prepare knows.
-# --nproc N  ranks per node (default: the GPU count, or 2 on a CPU-only machine).
+# --install         installs rl (and a CPU torch where no GPU and no torch is present) and prepares the
+#                   config's model if it is one of the offline models rl.prepare knows.
+# --nproc N         ranks per node (default: the GPU count, or 2 on a CPU-only machine).
+# --max-restarts N  how often torchrun starts the ranks again after one dies (default 3); each restart
+#                   resumes from the newest complete checkpoint. 0: a dead rank ends the run.
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
 #SBATCH --signal=B:USR1@600
@@ -20,19 +26,29 @@
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"
 
+# A stop request before the ranks exist is remembered and honoured before they are started.
+stopped=0
+trap 'stopped=1' TERM USR1 INT
+
 install=0
 nproc=""
+max_restarts=3
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --install) install=1; shift ;;
     --nproc) nproc="$2"; shift 2 ;;
     --nproc=*) nproc="${1#*=}"; shift ;;
+    --max-restarts) max_restarts="$2"; shift 2 ;;
+    --max-restarts=*) max_restarts="${1#*=}"; shift ;;
     *) break ;;
   esac
 done
-[[ $# -ge 1 ]] || { echo "usage: bash launch.sh [--install] [--nproc N] CONFIG [--section.key=value ...]" >&2; exit 2; }
+[[ $# -ge 1 ]] || { echo "usage: bash launch.sh [--install] [--nproc N] [--max-restarts N] CONFIG" \
+                         "[--section.key=value ...]" >&2; exit 2; }
 config="$1"; shift
 [[ -f "$config" ]] || { echo "launch.sh: config file not found: $config" >&2; exit 2; }
+[[ "$max_restarts" =~ ^[0-9]+$ ]] || { echo "launch.sh: --max-restarts must be a whole number, got '$max_restarts'" >&2
+                                       exit 2; }
 
 if [[ $install == 1 ]]; then
   if ! python -c "import torch" 2>/dev/null; then
@@ -44,22 +60,31 @@ if [[ $install == 1 ]]; then
 fi
 
 if [[ -z "$nproc" ]]; then
-  gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+  # (a stop request that interrupts this leaves no count: the run is not started then anyway)
+  gpus=$(python -c "import torch; print(torch.cuda.device_count())") || gpus=0
   if [[ "$gpus" -gt 0 ]]; then nproc=$gpus; else nproc=2; fi
 fi
 
-# Runs a command in the background, turns SIGTERM/SIGUSR1/SIGINT into SIGUSR1 for `children` of it
-# (the ranks under torchrun) or for `itself` (srun, which forwards it to every task), then waits for
-# it; `stopped` records that a signal came. torchrun runs with SIGUSR1 ignored: it has no handler and
-# would die of one that SLURM sends to the whole task (the ranks install their own).
-stopped=0
+# Runs a command in the background and waits for it, turning SIGTERM/SIGUSR1/SIGINT into a stop request
+# for `children` of it (the ranks under torchrun: the file RL_STOP_FILE, which they read at the end of
+# each step and at start-up, and a SIGUSR1) or for `itself` (srun, which forwards SIGUSR1 to every
+# task); `stopped` records that a request came. torchrun runs with SIGTERM, SIGINT and SIGUSR1 ignored
+# and told not to handle them (torchrun --signals-to-handle, as PET_SIGNALS_TO_HANDLE; torch >= 2.9): it would otherwise stop
+# its ranks at once on a signal sent to the whole process group or SLURM task (the ranks install
+# handlers of their own). A request that came before the command started is handed on at once.
 interrupts=0
 run_forwarding_stop() {
   local target=$1; shift
-  local forward
+  local forward stop_file=""
+  if [[ $stopped == 1 ]]; then
+    echo "launch.sh: stop requested before the run started; nothing to save" >&2
+    return 0
+  fi
   if [[ $target == children ]]; then
-    (trap '' USR1; exec "$@") &
-    forward='pkill -USR1 -P "$pid"'
+    stop_file=$(mktemp -u "${TMPDIR:-/tmp}/rl-stop.XXXXXXXX")
+    (trap '' USR1 TERM INT; export RL_STOP_FILE="$stop_file" PET_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT
+     exec "$@") &
+    forward='touch "$stop_file"; pkill -USR1 -P "$pid"'
   else
     "$@" &
     forward='kill -USR1 "$pid"'
@@ -70,11 +95,12 @@ run_forwarding_stop() {
         if [[ \$interrupts == 1 ]]; then
           echo 'launch.sh: stopping at the end of this step with a checkpoint; Ctrl-C again to kill the run now' >&2
           $forward 2>/dev/null || true
-        else kill -KILL \"\$pid\" 2>/dev/null || true; fi" INT
+        else pkill -KILL -P \"\$pid\" 2>/dev/null; kill -KILL \"\$pid\" 2>/dev/null || true; fi" INT
   while kill -0 "$pid" 2>/dev/null; do
     wait "$pid" || true  # returns early for a trapped signal while the job still runs
   done
-  trap - TERM USR1 INT
+  trap 'stopped=1' TERM USR1 INT
+  [[ -z "$stop_file" ]] || rm -f "$stop_file"
   wait "$pid"  # the job's own exit status (bash keeps it)
 }
 
@@ -86,7 +112,8 @@ if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" ]]; then
   script=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
   [[ -f "$script" ]] || script="$SLURM_SUBMIT_DIR/launch.sh"
   [[ -f "$script" ]] || { echo "launch.sh: cannot find launch.sh to start on each node (looked at $script)" >&2; exit 2; }
-  run_forwarding_stop itself srun --ntasks-per-node=1 bash "$script" --nproc "$nproc" "$config" "$@" || rc=$?
+  run_forwarding_stop itself srun --ntasks-per-node=1 bash "$script" --nproc "$nproc" --max-restarts "$max_restarts" \
+    "$config" "$@" || rc=$?
   if [[ $stopped == 1 && $rc == 0 ]]; then
     echo "launch.sh: stopped at a checkpoint ahead of the time limit; requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"
@@ -97,9 +124,10 @@ fi
 if [[ -n "${SLURM_STEP_ID:-}" ]]; then
   head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
   run_forwarding_stop children torchrun --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --nproc-per-node "$nproc" \
-    --rdzv-backend c10d --rdzv-endpoint "$head:${RDZV_PORT:-29500}" --rdzv-id "$SLURM_JOB_ID" \
+    --max-restarts "$max_restarts" --rdzv-backend c10d --rdzv-endpoint "$head:${RDZV_PORT:-29500}" --rdzv-id "$SLURM_JOB_ID" \
     -m rl.main --config "$config" "$@"
   exit $?
 fi
 
-run_forwarding_stop children torchrun --standalone --nproc-per-node "$nproc" -m rl.main --config "$config" "$@"
+run_forwarding_stop children torchrun --standalone --nproc-per-node "$nproc" --max-restarts "$max_restarts" \
+  -m rl.main --config "$config" "$@"

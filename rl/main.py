@@ -12,16 +12,14 @@ import dataclasses
 import json
 import os
 import resource
-import signal
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 from transformers import AutoConfig, AutoTokenizer
 
-from rl import checkpoint, parallel
+from rl import checkpoint, launch, parallel
 from rl.algo import advantages, needs_old_logprobs
 from rl.checks import check_model_and_tokenizer
 from rl.config import (AlgoConfig, Config, ConfigError, RolloutConfig, TrainConfig, check_paths, dump, load_config,
@@ -31,7 +29,7 @@ from rl.evaluate import evaluate, load_eval_prompts
 from rl.flops import peak_bf16_flops, train_flops
 from rl.export import export_policy
 from rl.health import Health, RunStopped
-from rl.metrics import graphs_compiled, make_logger, memory_phase, profiled, timed
+from rl.metrics import graphs_compiled, keep_rows_before, make_logger, memory_phase, profiled, timed
 from rl.parallel import print0
 from rl.policy import PolicyOffloader, build_optimizer, build_policy
 from rl.reward import RewardInput, RewardPool
@@ -139,7 +137,7 @@ def rollout_metrics(samples: list[Sample], n_samples_per_prompt: int) -> dict[st
 
 
 def main(argv: list[str]) -> None:
-    stop = StopSignals()  # a preemption notice during start-up stops the run after its first rollout
+    stop = launch.StopRequests(os.environ.get("RL_STOP_FILE"), os.environ.get("RANK", "0"))
     cfg = load_config(argv)  # config errors surface before any process group or model exists
     check_paths(cfg)
     dist = parallel.init_distributed()
@@ -148,7 +146,13 @@ def main(argv: list[str]) -> None:
         raise ConfigError("model.batch_invariant runs the native engine's Triton kernels in the trainer too: it needs "
                           "a CUDA device (on a CPU only under TRITON_INTERPRET=1, for tests)")
     out_dir = Path(cfg.log.output_dir)
-    lock, resume_from = claim_output_dir(cfg, dist)
+    restarts = launch.restart_count()
+    restart_stats = {"run/restarts": restarts}
+    if restarts:  # torchrun started every rank again after one died: resume from the newest checkpoint
+        restart_stats["run/restart_cause"] = launch.restart_cause(launch.previous_attempt_errors())
+        print0(f"rl: restart {restarts} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}, after: "
+               f"{restart_stats['run/restart_cause']}")
+    lock, resume_from = claim_output_dir(cfg, dist, restarted=restarts > 0)
     print0(f"rl: world_size={dist.world_size} device={dist.device.type}\n{dump(cfg)}")
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
@@ -218,8 +222,13 @@ def main(argv: list[str]) -> None:
     if finished:
         print0(f"rl: the run in {out_dir} already finished rollout {start - 1} (train.num_rollout="
                f"{cfg.train.num_rollout}); pass a larger --train.num_rollout to train further")
+    end = cfg.train.num_rollout
+    if not finished and stop_requested(stop):  # nothing trained yet: nothing to save
+        print0(f"rl: stopped before rollout {start} ({stop.reason() or 'a stop request on another rank'}): nothing "
+               f"new to save; run the same command to {'resume' if start else 'start'}")
+        end = start
     try:
-        for rollout_id in range(start, cfg.train.num_rollout):
+        for rollout_id in range(start, end):
             step_start, times = time.perf_counter(), {}
             # A. held-out eval of the weights this rollout generates with (rollout 0: before the first update)
             eval_stats = {}
@@ -308,7 +317,7 @@ def main(argv: list[str]) -> None:
             if cfg.log.sample_interval and rollout_id % cfg.log.sample_interval == 0 and dist.is_main:
                 mismatch = {i: m for stats in per_rank for i, m in stats["sample_mismatch"].items()}
                 dump_samples(samples, mismatch, out_dir / "samples" / f"rollout_{rollout_id}.jsonl")
-            row = {"rollout_id": rollout_id, "weight_version": weight_version,
+            row = {"rollout_id": rollout_id, "weight_version": weight_version, **restart_stats,
                    **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **rollout_stats,
                    **train_stats, **sync_stats, **memory, **times, **eval_stats,
                    "data/epoch": dataset.epoch, "data/prompts_filtered": dataset.num_filtered}
@@ -318,23 +327,24 @@ def main(argv: list[str]) -> None:
                 row |= health.metrics()
                 row["perf/step_s"] = time.perf_counter() - step_start
                 logger.log(row)
+            restart_stats.pop("run/restart_cause", None)  # said once, in the first row after the restart
 
             if rollout_id == start:  # start-up (loading, compiling, the first rollout) is over
                 parallel.set_collective_timeout(barrier_timeout_s, dist.mesh)
 
             # F. checkpoint: on the interval, after the last rollout, and when asked to stop
-            stopping = parallel.all_reduce_max(float(stop.received is not None)) > 0
+            stopping = stop_requested(stop)
             last = rollout_id == cfg.train.num_rollout - 1
             if last or stopping or (cfg.checkpoint.interval and (rollout_id + 1) % cfg.checkpoint.interval == 0):
                 save_checkpoint(cfg, rollout_id, weight_version, policy, optimizer, scheduler, dataset, health,
                                 hf_sources, dist, critic)
             if stopping and not last:  # a stop at the last rollout still ends the run: final eval and export
-                print0(f"rl: stopping after rollout {rollout_id} ({stop.received or 'signal on another rank'}); "
-                       f"run the same command to resume")
+                print0(f"rl: stopping after rollout {rollout_id} ({stop.reason() or 'a stop request on another rank'})"
+                       f"; run the same command to resume")
                 break
         else:
-            finished = True
-            if eval_prompts and start < cfg.train.num_rollout:  # the trained policy, in a row of its own
+            finished = end == cfg.train.num_rollout
+            if finished and eval_prompts and start < cfg.train.num_rollout:  # the trained policy, in a row of its own
                 logger.log({"rollout_id": cfg.train.num_rollout, "weight_version": weight_version,
                             **run_eval(engine, reward_pool, eval_prompts, cfg, sampling, weight_version, tokenizer,
                                        dist, cfg.train.num_rollout)})
@@ -360,8 +370,9 @@ def run_eval(engine, pool, prompts, cfg: Config, sampling: SamplingParams, weigh
              dist: parallel.Dist, rollout_id: int) -> dict[str, float]:
     stats = evaluate(engine, pool, prompts, cfg.eval, cfg.rollout, sampling, weight_version, tokenizer, dist,
                      Path(cfg.log.output_dir) / "samples" / f"eval_rollout_{rollout_id}.jsonl")
+    shown = {k: v for k, v in stats.items() if k != "eval/reward_errors" or v}  # named only when some failed
     print0(f"eval before rollout {rollout_id} (weight_version {weight_version}): "
-           + " | ".join(f"{k.removeprefix('eval/')}={v:.4g}" for k, v in stats.items()))
+           + " | ".join(f"{k.removeprefix('eval/')}={v:.4g}" for k, v in shown.items()))
     return stats
 
 
@@ -397,19 +408,26 @@ def train_throughput(config, samples: list[Sample], times: dict[str, float], dis
 
 
 STARTUP_TIMEOUT_S = 1800.0  # the process group's own timeout while models load and kernels compile
-RANK0_REPORT_S = 20.0  # how long the other ranks wait after an error for rank 0 to say it
-PEERS_RECORD_S = 10.0  # how long rank 0 then waits for the other ranks of its node to record the error
-FIRST_RECORD_S = 5.0  # how long the other ranks of a node wait for its first rank to record the error first
 
 
-def claim_output_dir(cfg: Config, dist: parallel.Dist):
+def claim_output_dir(cfg: Config, dist: parallel.Dist, restarted: bool):
     """Rank 0 locks the run folder and decides what to resume from; every rank gets the same answer
-    (or the same error). A fresh run writes config.json; a resumed one keeps the earlier config beside it."""
+    (or the same error). A fresh run writes config.json; a resumed one keeps the earlier config beside it.
+    `restarted`: torchrun restarted this job, so rows without a checkpoint are this job's own, written
+    before its first save; they move aside and the run starts over."""
     lock, candidates, error = None, [], ""
     if dist.is_main:
         try:
             lock = checkpoint.lock_output_dir(cfg.log.output_dir)
-            candidates = checkpoint.resume_candidates(cfg.log.output_dir, cfg.checkpoint.resume, cfg.model.path)
+            resume = cfg.checkpoint.resume
+            if restarted and checkpoint.complete_checkpoints(cfg.log.output_dir):
+                resume = "auto"  # the newest checkpoint is this job's own, whatever the first attempt started from
+            elif restarted:
+                moved, _, moved_to = keep_rows_before(Path(cfg.log.output_dir) / "metrics.jsonl", 0)
+                if moved:
+                    print0(f"metrics: {moved} row(s) of the attempt before this restart, which saved no checkpoint, "
+                           f"moved to {moved_to}; starting over")
+            candidates = checkpoint.resume_candidates(cfg.log.output_dir, resume, cfg.model.path)
             keep_config(Path(cfg.log.output_dir), cfg, resumed=bool(candidates))
         except ConfigError as e:
             error = str(e)
@@ -463,82 +481,10 @@ def save_checkpoint(cfg: Config, rollout_id: int, weight_version: int, policy, o
     print0(f"checkpoint: saved {path} in {time.perf_counter() - start:.1f} s")
 
 
-class StopSignals:
-    """SIGTERM and SIGUSR1 (a preemption notice) ask the loop to checkpoint and stop at the end of the step."""
-
-    def __init__(self):
-        self.received: str | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        self.received = signal.Signals(signum).name
-
-
-def record_error(message: str) -> None:
-    """Writes the one-line cause where torchrun's failure summary reads it (its error file), so the
-    summary names the cause instead of `error_file: <N/A>`."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
-                                                                     "timestamp": str(int(time.time()))}}}, f)
-
-
-def recorded(path: str) -> bool:
-    """Whether the error file at `path` holds record_error's line (its callstack is the message), not yet
-    the traceback that `record` writes first."""
-    try:
-        with open(path) as f:
-            message = json.load(f)["message"]
-        return message["extraInfo"]["py_callstack"] == message["message"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def local_error_files() -> list[str]:
-    """The error files of this node's ranks, by local rank (torchrun's are <attempt_dir>/<local_rank>/error.json);
-    none outside torchrun or with one rank a node."""
-    own, local_rank = os.environ.get("TORCHELASTIC_ERROR_FILE"), os.environ.get("LOCAL_RANK")
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if not own or local_world_size < 2 or os.path.basename(os.path.dirname(own)) != local_rank:
-        return []
-    attempt_dir = os.path.dirname(os.path.dirname(own))
-    return [os.path.join(attempt_dir, str(r), os.path.basename(own)) for r in range(local_world_size)]
-
-
-def await_recorded(paths: list[str], seconds: float) -> None:
-    """Waits, `seconds` at most, until every error file in `paths` holds its rank's recorded error. A rank that
-    never meets the error (one that another rank alone saw) costs the bound, no more."""
-    deadline = time.monotonic() + seconds
-    while not all(map(recorded, paths)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def cli(argv: list[str]) -> int:
-    """A bad config or input, or a fault the run cannot survive: one line on rank 0 and exit 2 (input) or
-    1 (run stopped). Anything else is a bug and keeps its traceback (recorded for torchrun's summary)."""
-    try:
-        record(main)(argv)
-    except (ConfigError, RunStopped, parallel.StalledRankError) as e:
-        message = f"rl: {'error' if isinstance(e, ConfigError) else 'stopped'}: {e}"
-        # Every rank meets the same error, and torchrun's summary names the earliest recorded one the root cause,
-        # so the node's other ranks record theirs after its first rank has. Torchrun stops the other ranks as soon
-        # as one exits: the first rank waits until they have recorded (or a rank stopped before it recorded shows
-        # as `error_file: <N/A>`), the others give rank 0 the time to print the line and end when they are stopped.
-        files = local_error_files()
-        if files and files[0] != os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            await_recorded(files[:1], FIRST_RECORD_S)
-        record_error(message)
-        if os.environ.get("RANK", "0") == "0":
-            print(message, file=sys.stderr, flush=True)
-            await_recorded(files[1:], PEERS_RECORD_S)
-        else:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            time.sleep(RANK0_REPORT_S)
-        return 2 if isinstance(e, ConfigError) else 1
-    return 0
+def stop_requested(stop: launch.StopRequests) -> bool:
+    """Whether any rank was asked to stop (a collective: every rank gets the same answer)."""
+    return parallel.all_reduce_max(float(stop.reason() is not None)) > 0
 
 
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    sys.exit(launch.cli(main, sys.argv[1:]))

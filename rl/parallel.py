@@ -90,13 +90,30 @@ def init_distributed(timeout_minutes: int = 30) -> Dist:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes),
-                                device_id=device if backend == "nccl" else None)
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        store = restarted_store(timeout)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                **({"store": store, "rank": int(os.environ["RANK"]),
+                                    "world_size": int(os.environ["WORLD_SIZE"])} if store else {}))
     world_size = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     # monitored_barrier exists for gloo only; a group of its own keeps it apart from NCCL's streams
     monitor = dist.new_group(backend="gloo") if world_size > 1 else None
     return Dist(dist.get_rank(), world_size, local_rank, device, mesh, monitor)
+
+
+def restarted_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The rendezvous store of a restarted attempt (torchrun --max-restarts), its keys apart from the earlier
+    attempts'. torchrun's agent keeps one store for the whole job, and without a prefix of its own an attempt's
+    process groups read the addresses the dead attempt's ranks left there and fail to connect. None for a
+    first attempt, which uses the store as torchrun set it up."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not restart:
+        return None
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=not agent_hosts_it and os.environ["RANK"] == "0", timeout=timeout)
+    return dist.PrefixStore(f"rl_attempt_{restart}", store)
 
 
 def set_collective_timeout(seconds: float, mesh: DeviceMesh | None = None) -> None:

@@ -71,8 +71,9 @@ def serve(conn: Connection, cfg: RewardConfig) -> None:
 
 
 def main(fd: int) -> None:
-    # Ctrl-C and a preemption notice (SLURM signals the whole task) are the trainer's to handle; it kills us.
-    for sig in (signal.SIGINT, signal.SIGUSR1):
+    # Ctrl-C, SIGTERM and a preemption notice reach whole process groups and jobs (a terminal, `kill -TERM -PGID`,
+    # scancel); they are the trainer's to handle, which may still need us (a final eval), and it kills us itself.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent()
     conn = Connection(fd)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rl import checkpoint, main  # noqa: E402
+from rl import checkpoint, launch, main  # noqa: E402
 
 
 
@@ -23,4 +23,4 @@ def save_then_die_on_rank_1(crash_at: int, dcp_save):
 
 if __name__ == "__main__":
     checkpoint.dcp.save = save_then_die_on_rank_1(int(sys.argv.pop(1)), checkpoint.dcp.save)
-    sys.exit(main.cli(sys.argv[1:]))
+    sys.exit(launch.cli(main.main, sys.argv[1:]))
