@@ -75,3 +75,13 @@ def chatty(prompt, response, label, metadata):
 def wrong_signature(text):
     """A reward function written for another trainer's calling convention: fails on every input."""
     return float(bool(text))
+
+
+def slow_on_eval(prompt, response, label, metadata):
+    """digit_fraction, but an eval row (metadata kind "eval") first appends a line to the file $EVAL_MARK and
+    takes 0.3 s: a window for a test to signal the run during an eval."""
+    if metadata.get("kind") == "eval":
+        with open(os.environ["EVAL_MARK"], "a") as f:
+            f.write("scored\n")
+        time.sleep(0.3)
+    return digit_fraction(prompt, response, label, metadata)
