@@ -51,7 +51,7 @@ def timed(times: dict[str, float], key: str):
 def graphs_compiled(counts: dict[str, float], key: str):
     """Adds the graphs torch.compile compiled during the block to `counts[key]`: with model.compile, the first
     micro-batch of a new kind (one row, a token count across a threshold of the compiled code, no grad)
-    compiles the decoder block again, and that train phase is seconds slower (benchmarks/NOTES.md)."""
+    compiles the decoder block again, and that train phase is seconds slower (benchmarks/RESULTS.md)."""
     stats = torch._dynamo.utils.counters["stats"]
     before = stats["unique_graphs"]
     try:

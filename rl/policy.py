@@ -200,7 +200,7 @@ def compile_blocks(model: torch.nn.Module) -> None:
     runs every later one eager, and all of a process's models share this one. A variant is compiled for
     each model size, grad mode (train passes, no-grad log-prob passes), one row or several, and side of a
     token-count threshold of the compiled code (on an H200 at 0.5B, 3 with grad and 2 without:
-    benchmarks/NOTES.md), so a policy with a critic of another size goes past 8. The limit is raised to
+    benchmarks/ARCHIVE.md), so a policy with a critic of another size goes past 8. The limit is raised to
     `RECOMPILE_LIMIT`; each variant still compiles only once (4-12 s on an H200)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     fuse_rope(model)
@@ -229,7 +229,7 @@ def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_ch
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool | None = None):
     """AdamW and its warm-up schedule. `fused` (default: on CUDA) takes torch's single-kernel AdamW, 2% of
-    the train step faster than the multi-tensor one at 1.5B on one H200 (benchmarks/NOTES.md)."""
+    the train step faster than the multi-tensor one at 1.5B on one H200 (benchmarks/ARCHIVE.md)."""
     if fused is None:
         fused = next(model.parameters()).device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),

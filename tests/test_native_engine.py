@@ -157,7 +157,7 @@ def test_prompt_longer_than_context_is_refused(model):
 
 
 def test_decode_splits_on_an_h200():
-    """132 SMs: the split counts behind the measured tables in benchmarks/NOTES.md ("Splits by batch
+    """132 SMs: the split counts behind the measured tables in benchmarks/ARCHIVE.md ("Splits by batch
     rows"): fewer for 128-wide heads than for 64-wide ones, 16 at most."""
     for rows, head_dim, want in [(256, 64, 2), (128, 64, 4), (64, 64, 8), (32, 64, 16), (1, 64, 16),
                                  (256, 128, 1), (128, 128, 2), (64, 128, 4), (32, 128, 8), (8, 128, 16)]:

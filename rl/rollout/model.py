@@ -26,7 +26,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 INVARIANT_SPLIT_TOKENS = 512
 INVARIANT_PAGE = 64  # the trainer's page size for its one-sequence-per-row "cache"
 # Decode steps on CUDA of at most this many rows run the qkv and MLP GEMMs in the layouts measured
-# fastest for them (DecoderModel.qkv_and_rope and .mlp; benchmarks/NOTES.md, "Decode GEMM layouts").
+# fastest for them (DecoderModel.qkv_and_rope and .mlp; benchmarks/ARCHIVE.md, "Decode GEMM layouts").
 SMALL_BATCH_ROWS = 256
 QKV_SPLITS = 2
 DOWN_SPLITS = 2

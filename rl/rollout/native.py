@@ -75,7 +75,7 @@ def decode_splits(rows: int, num_kv_heads: int, head_dim: int, num_sms: int) -> 
 
     A program over a 128-wide head reads twice the bytes per token of a 64-wide one and counts
     twice. The cap of 16 is for the long tail: few rows with long contexts want many splits, while
-    short contexts would do better with fewer (benchmarks/NOTES.md, "Splits by batch rows").
+    short contexts would do better with fewer (benchmarks/ARCHIVE.md, "Splits by batch rows").
     """
     units = rows * num_kv_heads * max(1, head_dim // 64)
     return min(16, 1 << max(0, (cdiv(4 * num_sms, units) - 1).bit_length()))
