@@ -176,7 +176,8 @@ class RepeatedError(Exception):
 
     def __init__(self, error: dict):
         self.exitcode = int(error.get("extraInfo", {}).get("rl_exitcode", 1))
-        super().__init__(re.sub(r"^rl: \w+: ", "", str(error.get("message", ""))))
+        message = re.sub(r"^rl: \w+: ", "", str(error.get("message", "")))
+        super().__init__(re.sub(r" \(restart \d+ not run: [^)]*\)$", "", message))
 
 
 def report(e: Exception) -> int:
