@@ -6,20 +6,21 @@ sampled tokens, because a flipped bf16 rounding in one layer is carried through 
 `model.batch_invariant = true` the engine and the trainer run one implementation whose result for
 a token does not depend on what else is in the batch:
 
-- every linear layer is `kernels.linear` (one tile shape for all problem sizes, no split-K);
+- every linear layer is `rl.kernels.linear_triton.linear` (one tile shape for all problem sizes, no split-K);
 - attention is the engine's decode kernel with fixed 512-token splits, run with one row per token
   over the sequence's own keys (`invariant_attention`), in the engine's prefill, its decode steps
   and here alike;
-- RMSNorm, SiLU * up and RoPE are the engine's Triton kernels with its rounded cos/sin tables (HF's
-  torch RoPE differs from the engine's by one bf16 ulp in places on the GPU), and residual adds are
-  plain bf16 adds (the engine's fused add rounds the same way).
+- RMSNorm, SiLU * up and RoPE are the engine's Triton kernels (rl/kernels/) with its rounded cos/sin
+  tables (HF's torch RoPE differs from the engine's by one bf16 ulp in places on the GPU), and residual
+  adds are plain bf16 adds (the engine's fused add rounds the same way).
 
 So the rollout logprobs and the trainer's logprobs of the same tokens agree to the last bit of the
 network (the final log-softmax differs only in float32 summation order). Backward passes use plain
-torch: each custom op differentiates the same function through its torch definition.
+torch: each custom op differentiates its torch reference from rl/kernels/ (or SDPA for attention).
 
 `make_batch_invariant(model, max_positions)` patches a `transformers` Llama / Qwen2 causal LM in
-place (before FSDP2 wraps it) and returns it. It assumes what `rl.train.collate` builds: one
+place (before FSDP2 wraps it) and returns it; the patched forward imports the Triton kernels as it
+first runs (Triton is needed only once the mode is on). It assumes what `rl.train.collate` builds: one
 sequence per row, right-padded, positions 0, 1, 2, ... Padded positions compute garbage that the
 loss mask drops.
 """
@@ -31,21 +32,21 @@ import types
 import torch
 import torch.nn.functional as F
 
-from rl.rollout.model import INVARIANT_PAGE, Shape, invariant_attention, rope_tables
-
-
-def _kernels():
-    from rl.rollout import kernels
-
-    return kernels
+from rl.kernels.attention import INVARIANT_PAGE
+from rl.kernels.rms_norm import rms_norm_reference
+from rl.kernels.rope import full_table, rope_reference, rope_tables
+from rl.kernels.silu import silu_mul_reference
+from rl.rollout.model import Shape
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        from rl.kernels.linear_triton import linear
+
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        out = _kernels().linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        out = linear(x.reshape(-1, x.shape[-1]), weight, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -68,17 +69,14 @@ def _recompute_grads(ctx, fn, grad: torch.Tensor) -> tuple[torch.Tensor | None, 
     return tuple(next(grads) if t.requires_grad else None for t in leaves)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
+        from rl.kernels.rms_norm_triton import add_rms_norm
+
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        out, _ = _kernels().add_rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), None, weight, eps)
+        out, _ = add_rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), None, weight, eps)
         return out.view(x.shape)
 
     @staticmethod
@@ -89,13 +87,15 @@ class _RMSNorm(torch.autograd.Function):
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor):
+        from rl.kernels.silu_triton import silu_mul
+
         ctx.save_for_backward(gate, up)
         gate_up = torch.cat([gate, up], dim=-1).reshape(-1, 2 * gate.shape[-1])
-        return _kernels().silu_mul(gate_up).view(gate.shape)
+        return silu_mul(gate_up).view(gate.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _recompute_grads(ctx, lambda g, u: F.silu(g) * u, grad)
+        return _recompute_grads(ctx, silu_mul_reference, grad)
 
 
 class _Rope(torch.autograd.Function):
@@ -103,14 +103,16 @@ class _Rope(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        from rl.kernels.rope_triton import rope_rounded
+
         ctx.save_for_backward(cos, sin)
-        return _kernels().rope(x, cos, sin)
+        return rope_rounded(x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        cos, sin = (t.float()[:, None, :] for t in ctx.saved_tensors)
-        g1, g2 = grad.float().chunk(2, dim=-1)  # the rotation's transpose: rotate back by the same angle
-        return torch.cat([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1).to(grad.dtype), None, None
+        cos, sin = (full_table(t).float()[:, None, :] for t in ctx.saved_tensors)
+        # The rotation's transpose (rotate back by the same angle), in float32.
+        return rope_reference(grad.float(), cos, sin, inverse=True).to(grad.dtype), None, None
 
 
 class _Attention(torch.autograd.Function):
@@ -118,6 +120,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        from rl.kernels.attention_triton import invariant_attention
+
         ctx.save_for_backward(q, k, v)
         ctx.scale = scale
         b, t, h, d = q.shape
@@ -128,8 +132,7 @@ class _Attention(torch.autograd.Function):
         v_cache = F.pad(v, (0, 0, 0, 0, 0, pad)).reshape(b * pages * INVARIANT_PAGE, kv_heads, d)
         tables = torch.arange(b * pages, dtype=torch.int32, device=q.device).view(b, pages).repeat_interleave(t, 0)
         context_lens = torch.arange(1, t + 1, dtype=torch.int32, device=q.device).repeat(b)
-        out = invariant_attention(_kernels(), q.reshape(b * t, h, d), k_cache, v_cache, tables, context_lens,
-                                  INVARIANT_PAGE, t)
+        out = invariant_attention(q.reshape(b * t, h, d), k_cache, v_cache, tables, context_lens, INVARIANT_PAGE, t)
         return out.view(b, t, h, d)
 
     @staticmethod

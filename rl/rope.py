@@ -1,10 +1,11 @@
 """RoPE as one custom op with its own backward, for the trainer's compiled decoder blocks (`model.compile`).
 
 `fuse_rope(model)` swaps the `apply_rotary_pos_emb` of the model's modeling module (HF models look the
-function up there on every call) for one that runs `rope` on q and k: on CUDA the Triton kernel of
-rl/rope_kernels.py, elsewhere the same torch formula as HF's. It only swaps a function that computes what
-`rope` computes (checked on random inputs first), so a model with another RoPE (partial rotary dims,
-interleaved pairs) keeps its own; calls with shapes the kernel does not take fall back to the original.
+function up there on every call) for one that runs `rope` on q and k: on CUDA the float32 Triton kernel
+`rl.kernels.rope_triton.rope_float32`, elsewhere HF's torch formula `rl.kernels.rope.rope_reference`. It
+only swaps a function that computes what `rope` computes (checked on random inputs first), so a model with
+another RoPE (partial rotary dims, interleaved pairs) keeps its own; calls with shapes the kernel does not
+take fall back to the original.
 """
 
 from __future__ import annotations
@@ -13,24 +14,15 @@ import sys
 
 import torch
 
+from rl.kernels.rope import rope_reference
+
 
 def kernels(x: torch.Tensor):
     """The Triton kernels for x's device, or None for the torch formula."""
     if not x.is_cuda:
         return None
-    import rl.rope_kernels
-    return rl.rope_kernels
-
-
-def reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin (HF's), or the transposed rotation, with cos and sin (rows, length,
-    head_dim) broadcast over x's heads (rows, heads, length, head_dim)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    if inverse:
-        y = x * sin
-        return x * cos + torch.cat((y[..., half:], -y[..., :half]), dim=-1)
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    import rl.kernels.rope_triton
+    return rl.kernels.rope_triton
 
 
 @torch.library.custom_op("rl::rope", mutates_args=())
@@ -39,8 +31,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -
     k = kernels(x)
     if k is None or x.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1 or \
             cos.shape[0] not in (1, x.shape[0]) or cos.shape[1:] != (x.shape[2], x.shape[3]):
-        return reference(x, cos, sin, inverse)
-    return k.apply(x, cos, sin, inverse)
+        return rope_reference(x, cos.unsqueeze(1), sin.unsqueeze(1), inverse)  # over x's heads
+    return k.rope_float32(x, cos, sin, inverse)
 
 
 @rope.register_fake
@@ -83,7 +75,8 @@ def computes_rope(fn) -> bool:
         got = fn(q, k, cos, sin)
     except Exception:
         return False
-    return all(torch.allclose(a, reference(x, cos, sin, False)) for a, x in zip(got, (q, k)))
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over the heads
+    return all(torch.allclose(a, rope_reference(x, cos, sin)) for a, x in zip(got, (q, k)))
 
 
 SWAPPED: list = []  # the modeling modules whose apply_rotary_pos_emb runs the op

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import rl.rollout.model as model_lib  # noqa: E402
+import rl.kernels.attention  # noqa: E402
 from rl.data import Sample  # noqa: E402
 from rl.invariant import make_batch_invariant  # noqa: E402
 from rl.rollout import SamplingParams  # noqa: E402
@@ -25,7 +25,7 @@ from rl.train import collate, token_logprobs  # noqa: E402
 from tests.test_engine import full_weights  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
-model_lib.INVARIANT_SPLIT_TOKENS = 64
+rl.kernels.attention.INVARIANT_SPLIT_TOKENS = 64
 MAX_CONTEXT = 192
 PROMPTS = [[1, 5, 9, 13] * 18, [1, 7], [1, 3, 3, 3, 3, 3, 8] * 9, [2]]  # 72, 2, 63 and 1 tokens
 

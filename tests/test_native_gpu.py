@@ -1,7 +1,7 @@
 """The native engine's Triton kernels against their torch definitions, and the CUDA engine against the CPU one.
 
 Without a GPU the kernel tests run on the CPU through Triton's interpreter: tests/conftest.py imports
-Triton for it, and this module imports its own copy of the kernels under it. The interpreter runs
+Triton for it, and this module imports its own copy of the kernel modules (rl/kernels/) under it. The interpreter runs
 every program in Python, so there the decode-attention grid is cut to a Latin square and the sampler
 draws fewer rows; its `tl.dot` multiplies bfloat16 tiles wrongly (Triton 3.9), so the bfloat16 cases
 of the kernels built on it run on a GPU only, as do the tests of the whole CUDA engine.
@@ -9,12 +9,14 @@ of the kernels built on it run on a GPU only, as do the tests of the whole CUDA 
 
 import functools
 import importlib.util
+import sys
 
 import pytest
 import torch
 
+from rl.kernels.attention import paged_attention_reference
 from rl.rollout import SamplingParams
-from rl.rollout.model import DecoderModel, paged_attention_reference, split_qkv
+from rl.rollout.model import DecoderModel, split_qkv
 from rl.rollout.native import NativeEngine
 from tests.test_engine import PROMPTS, full_weights
 from tests.tiny import tiny_config, tiny_model
@@ -58,17 +60,29 @@ def interpreter():
 @functools.cache
 def kernel_module(name: str):
     """The module of Triton kernels `name`; on the CPU a private copy, imported under the interpreter (Triton
-    picks compiled or interpreted when `@triton.jit` decorates a function) whatever imported it before."""
+    picks compiled or interpreted when `@triton.jit` decorates a function) whatever imported it before, with
+    private copies of the rl.kernels modules it imports (a kernel calls another module's jitted helpers)."""
     if ON_GPU:
         return importlib.import_module(name)
-    spec = importlib.util.find_spec(name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    package = importlib.import_module("rl.kernels")
+    shared = {n: m for n, m in sys.modules.items() if n.startswith("rl.kernels.")}
+    attributes = dict(vars(package))
+    for n in shared:
+        del sys.modules[n]
+    try:
+        return importlib.import_module(name)
+    finally:  # the session's modules back in place, the copies held only by the returned module
+        for n in [n for n in sys.modules if n.startswith("rl.kernels.")]:
+            del sys.modules[n]
+        sys.modules.update(shared)
+        for n in set(vars(package)) - set(attributes):
+            delattr(package, n)
+        vars(package).update(attributes)
 
 
-def kernels():
-    return kernel_module("rl.rollout.kernels")
+def kernels(op: str):
+    """The Triton kernels of one operation, rl/kernels/<op>_triton.py."""
+    return kernel_module(f"rl.kernels.{op}_triton")
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -96,7 +110,8 @@ def test_add_rms_norm(dtype, with_residual):
     res = torch.randn(37, 128, device=DEVICE, dtype=dtype) if with_residual else None
     w = torch.randn(128, device=DEVICE, dtype=dtype)
     want, want_res = model.add_rms_norm(x, res, w)
-    got, got_res = kernels().add_rms_norm(x, None if res is None else res.clone(), w, model.shape.rms_norm_eps)
+    got, got_res = kernels("rms_norm").add_rms_norm(x, None if res is None else res.clone(), w,
+                                                    model.shape.rms_norm_eps)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(got_res, want_res) < tol and rel_err(got, want) < tol
 
@@ -113,7 +128,7 @@ def test_add_rms_norm_reduces_partial_sums(dtype, parts):
     for p in partials[1:]:
         x = x + p
     want, want_res = model.add_rms_norm(x.to(dtype), res, w)
-    got, got_res = kernels().add_rms_norm(partials, res.clone(), w, model.shape.rms_norm_eps)
+    got, got_res = kernels("rms_norm").add_rms_norm(partials, res.clone(), w, model.shape.rms_norm_eps)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert got.dtype == dtype and rel_err(got_res, want_res) < tol and rel_err(got, want) < tol
     if DEVICE.type == "cuda":  # (the interpreter rounds to bfloat16 its own way)
@@ -125,11 +140,11 @@ def test_add_rms_norm_reduces_partial_sums(dtype, parts):
 def test_linear_split_k(parts):
     x = torch.randn(64, 2 * 4864, device=DEVICE, dtype=torch.bfloat16)[:, ::2]  # any strided view
     w = torch.randn(896, 4864, device=DEVICE, dtype=torch.bfloat16)
-    partials = kernels().linear_split_k(x, w, parts)
+    partials = kernels("linear").linear_split_k(x, w, parts)
     assert partials.shape == (parts, 64, 896) and partials.dtype == torch.float32
     want = x.float() @ w.float().T
     assert rel_err(partials.sum(0), want) < 1e-5
-    assert rel_err(kernels().linear_split_k(x.T.contiguous().T, w, parts).sum(0), want) < 1e-5  # column-major x
+    assert rel_err(kernels("linear").linear_split_k(x.T.contiguous().T, w, parts).sum(0), want) < 1e-5  # column-major x
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -144,8 +159,8 @@ def test_rope_and_store(dtype):
     caches = [cache, cache.clone()]
     want_qkv, got_qkv = qkv.clone(), qkv.clone()
     model.rope_and_store(want_qkv, positions, slots, caches[0][0], caches[0][1])
-    kernels().rope_and_store(got_qkv, positions, slots, model.cos, model.sin, caches[1][0], caches[1][1],
-                             s.num_heads, s.num_kv_heads, s.head_dim)
+    kernels("rope").rope_and_store(got_qkv, positions, slots, model.cos, model.sin, caches[1][0], caches[1][1],
+                                   s.num_heads, s.num_kv_heads, s.head_dim)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(got_qkv, want_qkv) < tol
     assert rel_err(caches[1], caches[0]) < tol
@@ -166,10 +181,10 @@ def test_rope_and_store_from_partial_sums(dtype, with_bias):
     slots = torch.randperm(64, device=DEVICE)[:tokens]
     caches = [torch.zeros(2, 64, s.num_kv_heads, s.head_dim, device=DEVICE, dtype=dtype) for _ in range(2)]
     args = (model.cos, model.sin)
-    want_q = kernels().rope_and_store(qkv, positions, slots, *args, caches[0][0], caches[0][1], s.num_heads,
-                                      s.num_kv_heads, s.head_dim)
-    got_q = kernels().rope_and_store(partials, positions, slots, *args, caches[1][0], caches[1][1], s.num_heads,
-                                     s.num_kv_heads, s.head_dim, bias=bias)
+    want_q = kernels("rope").rope_and_store(qkv, positions, slots, *args, caches[0][0], caches[0][1], s.num_heads,
+                                            s.num_kv_heads, s.head_dim)
+    got_q = kernels("rope").rope_and_store(partials, positions, slots, *args, caches[1][0], caches[1][1], s.num_heads,
+                                           s.num_kv_heads, s.head_dim, bias=bias)
     assert got_q.shape == (tokens, s.num_heads * s.head_dim) and got_q.dtype == dtype
     if dtype == torch.float32 or DEVICE.type == "cuda":  # (the interpreter rounds to bfloat16 its own way)
         assert torch.equal(got_q, want_q) and torch.equal(caches[1], caches[0])
@@ -187,19 +202,19 @@ def test_rope_rounds_as_rope_and_store(dtype):
     positions = torch.randint(0, 200, (tokens,), device=DEVICE)
     cache = torch.zeros(2, tokens, s.num_kv_heads, s.head_dim, device=DEVICE, dtype=dtype)
     q, k, _ = (t.clone() for t in split_qkv(qkv, s))
-    kernels().rope_and_store(qkv, positions, torch.arange(tokens, device=DEVICE), model.cos, model.sin, cache[0],
-                             cache[1], s.num_heads, s.num_kv_heads, s.head_dim)
+    kernels("rope").rope_and_store(qkv, positions, torch.arange(tokens, device=DEVICE), model.cos, model.sin, cache[0],
+                                   cache[1], s.num_heads, s.num_kv_heads, s.head_dim)
     cos, sin = model.cos[positions], model.sin[positions]
-    assert torch.equal(kernels().rope(q, cos, sin), split_qkv(qkv, s)[0])
-    assert torch.equal(kernels().rope(k, cos, sin), cache[0])
+    assert torch.equal(kernels("rope").rope_rounded(q, cos, sin), split_qkv(qkv, s)[0])
+    assert torch.equal(kernels("rope").rope_rounded(k, cos, sin), cache[0])
 
 
 def test_silu_mul():
     gate_up = torch.randn(9, 2 * 1500, device=DEVICE, dtype=torch.bfloat16)
     want = torch.nn.functional.silu(gate_up[:, :1500]) * gate_up[:, 1500:]
-    assert rel_err(kernels().silu_mul(gate_up), want) < 1e-2
-    transposed = kernels().silu_mul(gate_up.T.contiguous(), transposed=True)  # (2I, T) in, (I, T) out
-    assert transposed.shape == (1500, 9) and torch.equal(transposed.T, kernels().silu_mul(gate_up))
+    assert rel_err(kernels("silu").silu_mul(gate_up), want) < 1e-2
+    transposed = kernels("silu").silu_mul(gate_up.T.contiguous(), transposed=True)  # (2I, T) in, (I, T) out
+    assert transposed.shape == (1500, 9) and torch.equal(transposed.T, kernels("silu").silu_mul(gate_up))
 
 
 HEAD_SHAPES = [(14, 2, 64), (12, 2, 128), (4, 4, 64)]  # (heads, kv_heads, head_dim)
@@ -222,8 +237,8 @@ def test_decode_attention(dtype, heads, kv_heads, head_dim, num_splits, page, bl
     qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
     q = qkv[:, : heads * head_dim].view(batch, heads, head_dim)  # strided like the engine's view
     want = paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, page)
-    got = kernels().decode_attention(q, k_cache, v_cache, block_tables, context_lens, page, head_dim ** -0.5,
-                                     num_splits, block_n=block_n)
+    got = kernels("attention").decode_attention(q, k_cache, v_cache, block_tables, context_lens, page, head_dim ** -0.5,
+                                                num_splits, block_n=block_n)
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
@@ -239,8 +254,9 @@ def test_fixed_split_attention_does_not_depend_on_the_launch(dtype):
     q = torch.randn(6, heads, head_dim, device=DEVICE, dtype=dtype)
 
     def run(rows, splits):
-        return kernels().decode_attention(q[rows], k_cache, v_cache, block_tables[rows], context_lens[rows], page,
-                                          head_dim ** -0.5, splits, split_tokens=128)
+        return kernels("attention").decode_attention(q[rows], k_cache, v_cache, block_tables[rows],
+                                                     context_lens[rows], page, head_dim ** -0.5, splits,
+                                                     split_tokens=128)
 
     full = run(slice(None), 8)
     assert torch.equal(run(slice(None), 12), full)
@@ -257,13 +273,13 @@ def test_linear_is_batch_invariant(dtype):
     x = torch.randn(700, 192, device=DEVICE, dtype=dtype)
     w = torch.randn(300, 192, device=DEVICE, dtype=dtype) / 14
     b = torch.randn(300, device=DEVICE, dtype=dtype)
-    full = kernels().linear(x, w, b)
+    full = kernels("linear").linear(x, w, b)
     for rows in (slice(0, 1), slice(0, 7), slice(0, 64), slice(100, 356), slice(333, 700)):
-        assert same(kernels().linear(x[rows], w, b), full[rows])
-    assert same(kernels().linear(x, w[100:228], b[100:228]), full[:, 100:228])
+        assert same(kernels("linear").linear(x[rows], w, b), full[rows])
+    assert same(kernels("linear").linear(x, w[100:228], b[100:228]), full[:, 100:228])
     want = torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert rel_err(full, want) < (1e-5 if dtype == torch.float32 else 1e-2)
-    assert rel_err(kernels().linear(x, w), want - b.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(kernels("linear").linear(x, w), want - b.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 # Draws per sampler test: the interpreter draws a few rows a second; the frequency bounds widen to match.
@@ -276,13 +292,13 @@ def test_sampler_matches_softmax_and_logprobs():
     logits = torch.randn(1, vocab, device=DEVICE).mul(2).expand(rows, vocab).contiguous().to(torch.bfloat16)
     inv_t = torch.full((1,), 1 / 0.7, device=DEVICE)
     seed = torch.zeros(1, dtype=torch.long, device=DEVICE)
-    tokens, logprobs = kernels().sample(logits, inv_t, seed)
+    tokens, logprobs = kernels("sampling").sample(logits, inv_t, seed)
     full = torch.log_softmax(logits.float() / 0.7, -1)
     assert torch.allclose(logprobs, full.gather(-1, tokens[:, None]).squeeze(-1), atol=1e-5)
     freq = torch.bincount(tokens, minlength=vocab).float() / rows
     assert (freq - full[0].exp()).abs().max().item() < 0.03 * (4096 / rows) ** 0.5  # ~4 sigma
     assert seed.item() == 1
-    again, _ = kernels().sample(logits, inv_t, seed)
+    again, _ = kernels("sampling").sample(logits, inv_t, seed)
     assert not torch.equal(again, tokens)  # the bumped seed draws new noise
 
 
@@ -295,7 +311,7 @@ def test_sampler_over_slices_never_picks_masked_tokens():
     row[live] = torch.tensor([0.5, -0.3, 1.0, 0.0])
     logits = row.expand(rows, vocab).contiguous().to(DEVICE)
     seed = torch.full((1,), 7, dtype=torch.long, device=DEVICE)
-    tokens, logprobs = kernels().sample(logits, torch.ones(1, device=DEVICE), seed)
+    tokens, logprobs = kernels("sampling").sample(logits, torch.ones(1, device=DEVICE), seed)
     assert torch.isin(tokens.cpu(), live).all()
     want = torch.log_softmax(row[live], -1)
     got = torch.bincount(tokens.cpu(), minlength=vocab)[live].float() / rows
@@ -327,10 +343,10 @@ def test_advance_matches_torch_bookkeeping():
     want, before = copy.deepcopy(state), copy.deepcopy(state)
     NativeEngine._advance(SimpleNamespace(rows=want, on_gpu=False, page_size=page),
                           bucket, tokens[:bucket], logprobs[:bucket])
-    kernels().advance(tokens[:bucket], logprobs[:bucket], state.done[:bucket], state.n_gen[:bucket],
-                      state.out_tokens[:bucket], state.out_logprobs[:bucket], state.input_ids[:bucket],
-                      state.positions[:bucket], state.context_lens[:bucket], state.slots[:bucket],
-                      state.block_tables[:bucket], state.stop_ids, state.max_new_tokens, page)
+    kernels("advance").advance(tokens[:bucket], logprobs[:bucket], state.done[:bucket], state.n_gen[:bucket],
+                               state.out_tokens[:bucket], state.out_logprobs[:bucket], state.input_ids[:bucket],
+                               state.positions[:bucket], state.context_lens[:bucket], state.slots[:bucket],
+                               state.block_tables[:bucket], state.stop_ids, state.max_new_tokens, page)
     for name in ("done", "n_gen", "out_tokens", "out_logprobs", "input_ids", "positions", "context_lens", "slots"):
         assert torch.equal(getattr(state, name), getattr(want, name)), name
     assert (want.done[:bucket] & ~before.done[:bucket]).any()  # the stop rules fired on some rows

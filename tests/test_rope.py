@@ -1,4 +1,5 @@
-"""RoPE as one op (rl/rope.py) and its Triton kernel (rl/rope_kernels.py) against HF's apply_rotary_pos_emb.
+"""RoPE as one op (rl/rope.py) and its float32 Triton kernel (rl/kernels/rope_triton.py) against HF's
+apply_rotary_pos_emb.
 
 On a machine without a GPU the kernel runs through Triton's interpreter (imported for it by tests/conftest.py),
 on a private copy of the module, as tests/test_logprob_kernels.py does (and like it, skips without Triton).
@@ -25,7 +26,7 @@ HF = getattr(modeling_qwen2.apply_rotary_pos_emb, "original", modeling_qwen2.app
 @pytest.fixture
 def kernels(monkeypatch, hf_rope):
     """The op runs the Triton kernel (interpreted on a CPU)."""
-    module = kernel_module("rl.rope_kernels")
+    module = kernel_module("rl.kernels.rope_triton")
     monkeypatch.setattr(rl.rope, "kernels", lambda x: module)
     return module
 
@@ -56,14 +57,14 @@ def test_kernel_is_hf_rope_and_its_transpose(kernels, dtype, dim, cos_rows):
     q, k, cos, sin = qk_cos_sin(dtype, dim=dim, cos_rows=cos_rows)
     want_q, want_k = HF(q.double(), k.double(), cos.double(), sin.double())
     for x, want in ((q, want_q), (k, want_k)):
-        got = kernels.apply(x, cos, sin)
+        got = kernels.rope_float32(x, cos, sin)
         assert got.stride() == x.stride() and got.dtype == dtype
         tol = 1e-6 if dtype == torch.float32 else 1e-2  # bfloat16: one rounding of the float32 result
         assert torch.allclose(got.double(), want, rtol=tol, atol=tol)
     # the inverse is the transpose: <rope(x), g> == <x, rope^T(g)>
     g = torch.randn_like(q)
-    lhs = (kernels.apply(q.double(), cos.double(), sin.double()) * g.double()).sum()
-    rhs = (q.double() * kernels.apply(g.double(), cos.double(), sin.double(), inverse=True)).sum()
+    lhs = (kernels.rope_float32(q.double(), cos.double(), sin.double()) * g.double()).sum()
+    rhs = (q.double() * kernels.rope_float32(g.double(), cos.double(), sin.double(), inverse=True)).sum()
     assert torch.allclose(lhs, rhs)
 
 
@@ -117,10 +118,11 @@ def test_only_standard_rope_is_swapped(monkeypatch, hf_rope):
 
 def test_kernel_compiles_for_hopper(tmp_path):
     kernels = """
-import rl.rope_kernels as k
-ints = ["length", "heads", "half", "xb", "xh", "xt", "ob", "oh", "ot", "cb", "ct"]
+import rl.kernels.rope_triton as k
+ints = ["length", "heads", "half", "table_half", "xb", "xh", "xt", "ob", "oh", "ot", "cb", "ct"]
 signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
-             "INVERSE": "constexpr", "BLOCK_H": "constexpr", "BLOCK_D": "constexpr"}
-kernels = [(k._rope_kernel, signature, {"INVERSE": inverse, "BLOCK_H": 16, "BLOCK_D": 32}) for inverse in (False, True)]
+             "INVERSE": "constexpr", "ROUNDED": "constexpr", "BLOCK_H": "constexpr", "BLOCK_D": "constexpr"}
+kernels = [(k._rope_kernel, signature, {"INVERSE": inverse, "ROUNDED": rounded, "BLOCK_H": 16, "BLOCK_D": 32})
+           for inverse, rounded in ((False, False), (True, False), (False, True))]
 """
-    assert compile_for_hopper(tmp_path, kernels) == ["_rope_kernel", "_rope_kernel"]
+    assert compile_for_hopper(tmp_path, kernels) == ["_rope_kernel"] * 3

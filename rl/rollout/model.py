@@ -6,8 +6,8 @@ so a decoder block runs four GEMMs instead of seven. Tokens move as one flat (T,
 prefill packs right-padded prompts and attends causally through SDPA (right padding needs no mask:
 a real token never looks past itself), decode feeds one token per sequence and reads each context
 through its block table. RoPE tables come from the HF model's own rotary class, so every
-rope_type/rope_scaling the config names is honoured exactly. On CUDA the small ops and decode
-attention run as Triton kernels (rl/rollout/kernels.py); the torch code here is their definition.
+rope_type/rope_scaling the config names is honoured exactly. Each op runs its torch reference from
+rl/kernels/ on the CPU and its Triton kernel from there on CUDA and in batch-invariant mode.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from rl.kernels import attention
+from rl.kernels.attention import paged_attention_reference
+from rl.kernels.rms_norm import rms_norm_reference
+from rl.kernels.rope import full_table, rope_reference, rope_tables
+from rl.kernels.silu import silu_mul_reference
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-# Batch-invariant mode: every context is cut into attention splits of this many tokens, wherever
-# the tokens sit in a batch (engine prefill, engine decode, the trainer's forward).
-INVARIANT_SPLIT_TOKENS = 512
-INVARIANT_PAGE = 64  # the trainer's page size for its one-sequence-per-row "cache"
 # Decode steps on CUDA of at most this many rows run the qkv and MLP GEMMs in the layouts measured
 # fastest for them (DecoderModel.qkv_and_rope and .mlp; benchmarks/ARCHIVE.md, "Decode GEMM layouts").
 SMALL_BATCH_ROWS = 256
@@ -119,12 +121,10 @@ class DecoderModel:
         self.batch_invariant = batch_invariant
         self.fused = self.device.type == "cuda" or batch_invariant
         self.linear = F.linear
-        if self.fused:
-            from rl.rollout import kernels
+        if batch_invariant:
+            from rl.kernels.linear_triton import linear
 
-            self.kernels = kernels
-            if batch_invariant:
-                self.linear = kernels.linear
+            self.linear = linear
         reference = _hf_reference(hf_config)
         self.hf_shapes = {n: tuple(p.shape) for n, p in reference.named_parameters(remove_duplicate=False)}
         self.hf_buffers = {n for n, _ in reference.named_buffers(remove_duplicate=False)}
@@ -140,12 +140,12 @@ class DecoderModel:
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
-            return self.kernels.add_rms_norm(x, residual, weight, self.shape.rms_norm_eps)
+            from rl.kernels.rms_norm_triton import add_rms_norm
+
+            return add_rms_norm(x, residual, weight, self.shape.rms_norm_eps)
         if residual is not None:
             x = x + residual
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps)
-        return weight * normed.to(x.dtype), x
+        return rms_norm_reference(x, weight, self.shape.rms_norm_eps), x
 
     def rope_and_store(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor | None = None
@@ -154,23 +154,25 @@ class DecoderModel:
         the fused path `qkv` may be split-K partial sums, summed with `bias`, and q alone comes back."""
         s = self.shape
         if self.fused:
-            q = self.kernels.rope_and_store(qkv, positions, slots, self.cos, self.sin, k_cache, v_cache,
-                                            s.num_heads, s.num_kv_heads, s.head_dim, bias=bias)
+            from rl.kernels.rope_triton import rope_and_store
+
+            q = rope_and_store(qkv, positions, slots, self.cos, self.sin, k_cache, v_cache, s.num_heads,
+                               s.num_kv_heads, s.head_dim, bias=bias)
             return q if qkv.dim() == 3 else qkv
         q, k, v = split_qkv(qkv, s)
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # (T, 1, D/2)
+        cos, sin = (full_table(t[positions])[:, None, :] for t in (self.cos, self.sin))  # (T, 1, D)
         for x in (q, k):  # in the activation dtype, as the HF forward rotates
-            x1, x2 = x[..., : s.head_dim // 2], x[..., s.head_dim // 2 :]
-            x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+            x.copy_(rope_reference(x, cos, sin))
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
         return qkv
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return self.kernels.silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+            from rl.kernels.silu_triton import silu_mul
+
+            return silu_mul(gate_up)
+        return silu_mul_reference(*gate_up.chunk(2, dim=-1))
 
     # ------------------------------------------------------------------ forward
 
@@ -206,7 +208,9 @@ class DecoderModel:
         dimension into QKV_SPLITS float32 partial sums that the RoPE kernel adds up with the bias: at
         a few hundred rows the GEMM's K loop, not its bytes, sets its time."""
         if self.decode_layouts(h, decode) and QKV_SPLITS > 1 and self.shape.hidden_size % QKV_SPLITS == 0:
-            parts = self.kernels.linear_split_k(h, weight, QKV_SPLITS)
+            from rl.kernels.linear_triton import linear_split_k
+
+            parts = linear_split_k(h, weight, QKV_SPLITS)
             return self.rope_and_store(parts, positions, slots, k_cache, v_cache, bias)
         return self.rope_and_store(self.linear(h, weight, bias), positions, slots, k_cache, v_cache)
 
@@ -218,10 +222,13 @@ class DecoderModel:
         a reduction kernel of its own."""
         if not self.decode_layouts(h, decode):
             return self.linear(self.silu_mul(self.linear(h, gate_up)), down)
-        act = self.kernels.silu_mul(F.linear(gate_up, h), transposed=True).t()  # (I, T) seen as (T, I)
+        from rl.kernels.linear_triton import linear_split_k
+        from rl.kernels.silu_triton import silu_mul
+
+        act = silu_mul(F.linear(gate_up, h), transposed=True).t()  # (I, T) seen as (T, I)
         if DOWN_SPLITS == 1 or self.shape.intermediate_size % DOWN_SPLITS:
             return F.linear(act, down)
-        return self.kernels.linear_split_k(act, down, DOWN_SPLITS)
+        return linear_split_k(act, down, DOWN_SPLITS)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h, _ = self.add_rms_norm(x, residual, self.weights["norm"])
@@ -239,8 +246,10 @@ class DecoderModel:
 
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
             if self.batch_invariant:
-                return invariant_attention(self.kernels, split_qkv(qkv, s)[0], kv[0, layer], kv[1, layer], tables,
-                                           context_lens, page_size, length)
+                from rl.kernels.attention_triton import invariant_attention
+
+                return invariant_attention(split_qkv(qkv, s)[0], kv[0, layer], kv[1, layer], tables, context_lens,
+                                           page_size, length)
             q, k, v = (t.reshape(n, length, -1, s.head_dim).transpose(1, 2) for t in split_qkv(qkv, s))
             group = s.num_heads // s.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -260,9 +269,11 @@ class DecoderModel:
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
             q = qkv[:, : s.num_heads * s.head_dim].view(-1, s.num_heads, s.head_dim)  # qkv, or q alone
             if self.fused:
-                return self.kernels.decode_attention(
+                from rl.kernels.attention_triton import decode_attention
+
+                return decode_attention(
                     q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size, s.head_dim ** -0.5,
-                    num_splits, split_tokens=INVARIANT_SPLIT_TOKENS if self.batch_invariant else 0)
+                    num_splits, split_tokens=attention.INVARIANT_SPLIT_TOKENS if self.batch_invariant else 0)
             return paged_attention_reference(q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size)
 
         return self.logits(*self.layers(tokens, positions, slots, kv, attend, decode=True))
@@ -276,54 +287,7 @@ def split_qkv(qkv: torch.Tensor, s: Shape) -> tuple[torch.Tensor, torch.Tensor, 
             qkv[:, q + kv :].view(t, s.num_kv_heads, s.head_dim))
 
 
-def invariant_num_splits(max_context: int) -> int:
-    return -(-max_context // INVARIANT_SPLIT_TOKENS)
-
-
-def invariant_attention(kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, max_context: int,
-                        rows_per_call: int = 8192) -> torch.Tensor:
-    """Batch-invariant attention of query rows q (R, H, D), each over its own first context_lens
-    cached tokens: the decode kernel with fixed-length splits, so a token's output is the same bits
-    whether it is decoded in a batch of 256, prefilled with its prompt or recomputed by the trainer.
-    Rows go `rows_per_call` at a time to bound the float32 partial outputs."""
-    splits = invariant_num_splits(max_context)
-    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    for r in range(0, q.shape[0], rows_per_call):
-        out[r : r + rows_per_call] = kernels.decode_attention(
-            q[r : r + rows_per_call], k_cache, v_cache, block_tables[r : r + rows_per_call],
-            context_lens[r : r + rows_per_call], page_size, q.shape[-1] ** -0.5, splits,
-            split_tokens=INVARIANT_SPLIT_TOKENS)
-    return out
-
-
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Decode attention in plain torch: q (B, H, D) over each sequence's first context_lens cached tokens."""
-    batch, heads, dim = q.shape
-    t = torch.arange(int(context_lens.max()), device=q.device)
-    valid = t[None, :] < context_lens[:, None].long()  # (B, T)
-    # Positions past a sequence's end read slot 0 (the zeroed scratch page), never uninitialised memory.
-    slots = torch.where(valid, block_tables[:, t // page_size].long() * page_size + t % page_size, 0)
-    group = heads // k_cache.shape[1]
-    k = k_cache[slots].repeat_interleave(group, dim=2).transpose(1, 2)  # (B, H, T, D)
-    v = v_cache[slots].repeat_interleave(group, dim=2).transpose(1, 2)
-    mask = valid[:, None, None, :]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=dim ** -0.5)
-    return out.reshape(batch, heads * dim)
-
-
 def _hf_reference(hf_config) -> torch.nn.Module:
     """The HF model on the meta device: the names and shapes the trainer pushes, and its rotary class."""
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
-
-
-def rope_tables(reference: torch.nn.Module, max_positions: int, device: torch.device, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (max_positions, D/2), computed in float32 by the HF rotary module on the CPU and
-    rounded to the activation dtype as the HF forward rounds them."""
-    rotary = type(reference.model.rotary_emb)(config=reference.config)
-    cos, sin = rotary(torch.zeros(1), torch.arange(max_positions)[None])
-    half = cos.shape[-1] // 2
-    return cos[0, :, :half].to(device, dtype).contiguous(), sin[0, :, :half].to(device, dtype).contiguous()

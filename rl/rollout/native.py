@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from rl.rollout import Completion, SamplingParams, vmem
-from rl.rollout.model import DecoderModel, internal_shapes, invariant_num_splits
+from rl.kernels.attention import invariant_num_splits
+from rl.rollout.model import DecoderModel, internal_shapes
 from rl.rollout.scheduler import PagePool, Request, Scheduler, cdiv
 
 TAGS = ("weights", "kv_cache")
@@ -399,12 +400,13 @@ class NativeEngine:
         p, r = self.params, self.rows
         if not self.on_gpu:
             return sample_tokens(logits, p.temperature, p.top_p, p.top_k, self.generator)
-        kernels = self.model.kernels
+        from rl.kernels.sampling_triton import sample
+
         if p.top_k <= 0 and p.top_p >= 1.0:
-            return kernels.sample(logits, r.inv_temperature, self.seed)
+            return sample(logits, r.inv_temperature, self.seed)
         unit = torch.ones_like(r.inv_temperature)  # the truncated logits are tempered already
         return pick_tokens(logits.float() * r.inv_temperature, p.top_k, r.top_p if p.top_p < 1.0 else None,
-                           lambda filtered: kernels.sample(filtered, unit, self.seed)[0])
+                           lambda filtered: sample(filtered, unit, self.seed)[0])
 
     def _num_splits(self, bucket: int) -> int:
         if self.model.batch_invariant:  # fixed-length splits: enough of them for the longest context
@@ -427,10 +429,11 @@ class NativeEngine:
         """Records the sampled tokens of rows [0, bucket), applies the stop rules, moves live rows on."""
         r = self.rows
         if self.on_gpu:  # the same bookkeeping in one launch
-            self.model.kernels.advance(tokens, logprobs, r.done[:bucket], r.n_gen[:bucket], r.out_tokens[:bucket],
-                                       r.out_logprobs[:bucket], r.input_ids[:bucket], r.positions[:bucket],
-                                       r.context_lens[:bucket], r.slots[:bucket], r.block_tables[:bucket],
-                                       r.stop_ids, r.max_new_tokens, self.page_size)
+            from rl.kernels.advance_triton import advance
+
+            advance(tokens, logprobs, r.done[:bucket], r.n_gen[:bucket], r.out_tokens[:bucket],
+                    r.out_logprobs[:bucket], r.input_ids[:bucket], r.positions[:bucket], r.context_lens[:bucket],
+                    r.slots[:bucket], r.block_tables[:bucket], r.stop_ids, r.max_new_tokens, self.page_size)
             return
         active = ~r.done[:bucket]
         n_gen = r.n_gen[:bucket]

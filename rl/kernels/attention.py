@@ -1,0 +1,37 @@
+"""Paged decode attention in torch, the reference of rl/kernels/attention_triton.py, and the fixed split
+length of batch-invariant mode.
+
+In batch-invariant mode every context is cut into attention splits of `INVARIANT_SPLIT_TOKENS` tokens
+wherever its tokens sit in a batch (engine prefill, engine decode, the trainer's forward), so a token's
+attention output does not depend on the rest of the batch. Read at call time: tests shorten the splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INVARIANT_SPLIT_TOKENS = 512
+INVARIANT_PAGE = 64  # the trainer's page size for its one-sequence-per-row "cache"
+
+
+def invariant_num_splits(max_context: int) -> int:
+    return -(-max_context // INVARIANT_SPLIT_TOKENS)
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Decode attention in plain torch: q (B, H, D) over each sequence's first context_lens cached tokens."""
+    batch, heads, dim = q.shape
+    t = torch.arange(int(context_lens.max()), device=q.device)
+    valid = t[None, :] < context_lens[:, None].long()  # (B, T)
+    # Positions past a sequence's end read slot 0 (the zeroed scratch page), never uninitialised memory.
+    slots = torch.where(valid, block_tables[:, t // page_size].long() * page_size + t % page_size, 0)
+    group = heads // k_cache.shape[1]
+    k = k_cache[slots].repeat_interleave(group, dim=2).transpose(1, 2)  # (B, H, T, D)
+    v = v_cache[slots].repeat_interleave(group, dim=2).transpose(1, 2)
+    mask = valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=dim ** -0.5)
+    return out.reshape(batch, heads * dim)
+
+

@@ -1,0 +1,163 @@
+"""Triton kernels of paged decode attention, for the engine's decode steps and, with fixed-length splits,
+for every token of the batch-invariant mode (engine prefill and the trainer's forward alike).
+
+Its torch reference is `rl.kernels.attention.paged_attention_reference`. The kernels follow the split-KV
+design: stage 1 runs one program per (sequence, kv head, split of the context), reads keys and values
+through the sequence's block table, and writes a partial output with its log-sum-exp; stage 2 merges the
+splits. All the query heads of a GQA group share one program, so each key/value byte is read once per
+sequence. Lengths come from device memory, so the launch has a fixed shape and can live inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl.kernels import attention
+from rl.kernels.linear_triton import dot_precision
+
+
+@triton.jit
+def _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
+    """Tokens [start, end) of a sequence's context that one split reads; splits start on block bounds.
+
+    SPLIT_TOKENS > 0 fixes every split's length, so where a context is cut depends on its length
+    alone and not on how many splits the launch has (batch-invariant mode); splits past the end
+    read nothing and weigh nothing in the merge."""
+    ctx = tl.load(context_lens_ptr + seq)
+    if SPLIT_TOKENS > 0:
+        per_split = SPLIT_TOKENS
+    else:
+        per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    return start, tl.minimum(start + per_split, ctx)
+
+
+@triton.jit
+def _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, m, l, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """Folds one block of cached keys and values (at `offs`, rows masked by `tmask`) into the running
+    max `m`, sum `l` and output `acc` of an online softmax over the query rows of `q`, in log2 units."""
+    k = tl.load(k_cache_ptr + offs, mask=tmask[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (rows, block)
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + offs, mask=tmask[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _split_result(m, l, acc):
+    """A split's normalised output and its log-sum-exp (log2 units; -inf for rows that saw no key)."""
+    has = l > 0
+    out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr,
+                         part_lse_ptr, scale_log2, q_row_stride, bt_row_stride, num_splits,
+                         GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         SPLIT_TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    start, end = _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N, SPLIT_TOKENS)
+
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + h
+    hmask = h < GROUP
+    q = tl.load(q_ptr + seq * q_row_stride + head[:, None] * HEAD_DIM + d[None, :], mask=hmask[:, None], other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        if PAGE % BLOCK_N == 0:  # the block lies inside one page (splits start on block bounds): one lookup
+            page = tl.load(block_tables_ptr + seq * bt_row_stride + t0 // PAGE).to(tl.int64)
+            first = (page * PAGE + t0 % PAGE) * NUM_KV_HEADS + kv_head
+            offs = (first + tl.arange(0, BLOCK_N) * NUM_KV_HEADS)[:, None] * HEAD_DIM + d[None, :]
+        else:
+            page = tl.load(block_tables_ptr + seq * bt_row_stride + t // PAGE, mask=tmask, other=0).to(tl.int64)
+            offs = ((page * PAGE + t % PAGE) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
+        m, l, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, m, l, acc, scale_log2, DOT_PRECISION)
+    out, lse = _split_result(m, l, acc)
+    part = (seq * (NUM_KV_HEADS * GROUP) + head) * num_splits + split
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=hmask[:, None])
+    tl.store(part_lse_ptr + part, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+    """One program per sequence merges every head's splits, weighting each by its share of the mass."""
+    seq = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_HEADS)
+    d = tl.arange(0, HEAD_DIM)
+    hmask = h < NUM_HEADS
+    rows = seq * NUM_HEADS + h
+    m = tl.full([BLOCK_HEADS], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(part_lse_ptr + rows * num_splits + s, mask=hmask, other=float("-inf")))
+    m = tl.where(m > float("-inf"), m, 0.0)
+    acc = tl.zeros([BLOCK_HEADS, HEAD_DIM], tl.float32)
+    den = tl.zeros([BLOCK_HEADS], tl.float32)
+    for s in range(num_splits):  # an empty split has lse -inf: weight 0
+        w = tl.exp2(tl.load(part_lse_ptr + rows * num_splits + s, mask=hmask, other=float("-inf")) - m)
+        den += w
+        part = tl.load(part_out_ptr + (rows * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                       mask=hmask[:, None], other=0.0)
+        acc += w[:, None] * part
+    out = acc / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, page_size: int, scale: float, num_splits: int,
+                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2, split_tokens: int = 0
+                     ) -> torch.Tensor:
+    """q (B, H, D) with unit stride over heads and dims; caches (slots, KV, D); returns (B, H * D).
+
+    `split_tokens` > 0 cuts every context into splits of that many tokens (a multiple of `block_n`;
+    `num_splits` must cover the longest context): each row's result then depends on its own
+    context alone, whatever the batch (see `invariant_attention`)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    part_out = q.new_empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32)
+    part_lse = q.new_empty(batch, num_heads, num_splits, dtype=torch.float32)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale * 1.4426950408889634,
+        q.stride(0), block_tables.stride(0), num_splits, GROUP=group, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, PAGE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        SPLIT_TOKENS=split_tokens, DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+    out = q.new_empty(batch, num_heads * head_dim)
+    _decode_merge_kernel[(batch,)](part_out, part_lse, out, num_splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+                                   BLOCK_HEADS=triton.next_power_of_2(num_heads), num_warps=4)
+    return out
+
+
+
+def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, page_size: int, max_context: int, rows_per_call: int = 8192
+                        ) -> torch.Tensor:
+    """Batch-invariant attention of query rows q (R, H, D), each over its own first context_lens
+    cached tokens: the decode kernel with fixed-length splits, so a token's output is the same bits
+    whether it is decoded in a batch of 256, prefilled with its prompt or recomputed by the trainer.
+    Rows go `rows_per_call` at a time to bound the float32 partial outputs."""
+    splits = attention.invariant_num_splits(max_context)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for r in range(0, q.shape[0], rows_per_call):
+        out[r : r + rows_per_call] = decode_attention(
+            q[r : r + rows_per_call], k_cache, v_cache, block_tables[r : r + rows_per_call],
+            context_lens[r : r + rows_per_call], page_size, q.shape[-1] ** -0.5, splits,
+            split_tokens=attention.INVARIANT_SPLIT_TOKENS)
+    return out

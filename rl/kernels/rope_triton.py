@@ -1,0 +1,164 @@
+"""Triton kernels of RoPE: the engine's fused RoPE + KV-cache write, and RoPE on its own for the trainer.
+
+All of them compute `rl.kernels.rope.rope_reference` on the two halves of each head,
+
+    out1 = x1 c1 - x2 s1,   out2 = x2 c2 + x1 s2       (x1, x2: the halves of a head; c, s: of cos, sin)
+
+one program per token over all its heads, in one of two roundings, kept apart on purpose:
+
+- rounded (`rope_and_store`, `rope_rounded`): every product and sum rounded to the activation dtype, as
+  HF's eager forward computes it (`_rotate`). The engine rotates so, and the batch-invariant trainer's
+  forward (rl/invariant.py) must give the engine's bits, so it calls `rope_rounded`.
+- float32 (`rope_float32`): the rotation in float32, rounded once, as Inductor computes HF's formula in
+  the trainer's compiled decoder blocks, and with `inverse` its transpose, which is the backward:
+
+      dx1 = g1 c1 + g2 s2,    dx2 = g2 c2 - g1 s1
+
+  Inductor's own kernel for it ran at ~0.3 TB/s on an H200 (0.37 ms forward, 0.31 ms backward for q of a
+  32k-token micro-batch at the 0.5B shape; the memory floor is ~0.03 ms). The op `rl.rope.rope` calls it.
+
+The engine's tables are half tables (D/2 columns, c1 = c2); the trainer's op gets HF's full-width ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl.kernels.linear_triton import load_gemm_result
+
+NUM_WARPS = 4  # of the standalone kernel
+
+
+@triton.jit
+def _rotate(x1, x2, c, s, DT: tl.constexpr):
+    """RoPE on the two halves with every product and sum rounded to the activation dtype, as the HF
+    forward computes it (q * cos + rotate_half(q) * sin in that dtype), so engine and trainer agree."""
+    a = (x1 * c).to(DT).to(tl.float32) - (x2 * s).to(DT).to(tl.float32)
+    b = (x2 * c).to(DT).to(tl.float32) + (x1 * s).to(DT).to(tl.float32)
+    return a.to(DT), b.to(DT)
+
+
+@triton.jit
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr,
+                       row_stride, part_stride, q_out_stride,
+                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    dt: tl.constexpr = k_cache_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + tok)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    i = tl.arange(0, half)
+    c = tl.load(cos_ptr + pos * half + i).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * half + i).to(tl.float32)[None, :]
+    base = qkv_ptr + tok * row_stride
+
+    h = tl.arange(0, BLOCK_H)[:, None]
+    col = h * HEAD_DIM + i[None, :]
+    mask = h < NUM_HEADS
+    q1, q2 = _rotate(load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt),
+                     load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt), c, s, dt)
+    tl.store(q_out_ptr + tok * q_out_stride + col, q1, mask=mask)
+    tl.store(q_out_ptr + tok * q_out_stride + col + half, q2, mask=mask)
+
+    kh = tl.arange(0, BLOCK_KV)[:, None]
+    mask = kh < NUM_KV_HEADS
+    col = NUM_HEADS * HEAD_DIM + kh * HEAD_DIM + i[None, :]
+    k1, k2 = _rotate(load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt),
+                     load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt), c, s, dt)
+    if PARTS == 1:  # the rotated k stays in qkv too, where prefill's attention reads it
+        tl.store(base + col, k1, mask=mask)
+        tl.store(base + col + half, k2, mask=mask)
+    cache = slot * (NUM_KV_HEADS * HEAD_DIM) + kh * HEAD_DIM + i[None, :]
+    tl.store(k_cache_ptr + cache, k1, mask=mask)
+    tl.store(k_cache_ptr + cache + half, k2, mask=mask)
+    col = (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kh * HEAD_DIM + i[None, :]
+    v1 = load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt)
+    v2 = load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt)
+    tl.store(v_cache_ptr + cache, v1.to(dt), mask=mask)
+    tl.store(v_cache_ptr + cache + half, v2.to(dt), mask=mask)
+
+
+def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                   num_kv_heads: int, head_dim: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotates q and k of `qkv` (T, (H + 2 KV) * D), writes k, v to their cache slots, returns the
+    rotated q (T, H * D). `qkv` is rotated in place and q is a view of it; or `qkv` is (parts, T, W)
+    float32 split-K partial sums (`linear_split_k`), summed here with `bias`, and q is a new tensor."""
+    parts = qkv.shape[0] if qkv.dim() == 3 else 1
+    tokens = qkv.shape[-2]
+    q = qkv[:, : num_heads * head_dim] if parts == 1 else qkv.new_empty(tokens, num_heads * head_dim,
+                                                                         dtype=k_cache.dtype)
+    _rope_store_kernel[(tokens,)](qkv, cos, sin, positions, slots, k_cache, v_cache, q, k_cache if bias is None else bias,
+                                  qkv.stride(-2), tokens * qkv.shape[-1], q.stride(0), NUM_HEADS=num_heads,
+                                  NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                                  BLOCK_H=triton.next_power_of_2(num_heads),
+                                  BLOCK_KV=triton.next_power_of_2(num_kv_heads), PARTS=parts,
+                                  HAS_BIAS=bias is not None and parts > 1, num_warps=2)
+    return q
+
+
+
+@triton.jit
+def _rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, length, heads, half, table_half,
+                 xb, xh, xt, ob, oh, ot, cb, ct,
+                 INVERSE: tl.constexpr, ROUNDED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    b = (token // length).to(tl.int64)
+    t = (token % length).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < heads) & (d < half)
+    x = x_ptr + b * xb + t * xt + h * xh + d
+    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + half, mask=mask, other=0.0).to(tl.float32)
+    lane_mask = d < half
+    c = b * cb + t * ct + d
+    c1 = tl.load(cos_ptr + c, mask=lane_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + c + table_half, mask=lane_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + c, mask=lane_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + c + table_half, mask=lane_mask, other=0.0).to(tl.float32)
+    if ROUNDED:  # half tables: c2 = c1, s2 = s1
+        o1, o2 = _rotate(x1, x2, c1, s1, out_ptr.dtype.element_ty)
+    elif INVERSE:
+        o1 = x1 * c1 + x2 * s2
+        o2 = x2 * c2 - x1 * s1
+    else:
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+    out = out_ptr + b * ob + t * ot + h * oh + d
+    tl.store(out, o1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + half, o2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table_half: int, inverse: bool, rounded: bool
+            ) -> torch.Tensor:
+    """`_rope_kernel` over x (rows, heads, length, head_dim; head_dim contiguous) and cos, sin (rows or 1,
+    length, width; the same strides) whose second half starts `table_half` columns in. The output has x's
+    strides."""
+    rows, heads, length, dim = x.shape
+    assert x.stride(3) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride() and dim % 2 == 0
+    out = torch.empty_like(x)
+    half = dim // 2
+    _rope_kernel[(rows * length,)](
+        x, out, cos, sin, length, heads, half, table_half, x.stride(0), x.stride(1), x.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
+        INVERSE=inverse, ROUNDED=rounded, BLOCK_H=triton.next_power_of_2(heads),
+        BLOCK_D=triton.next_power_of_2(half), num_warps=NUM_WARPS)
+    return out
+
+
+def rope_float32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """RoPE of x (rows, heads, length, head_dim; head_dim contiguous) by full-width cos and sin (rows or 1,
+    length, head_dim; the same strides) in float32, rounded once, or its transpose with `inverse`. The
+    output has x's strides."""
+    return _launch(x, cos, sin, x.shape[-1] // 2, inverse, rounded=False)
+
+
+def rope_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of x (T, heads, D) by the half-table rows cos, sin (T, D/2), rounded as `rope_and_store` rounds."""
+    x = x.contiguous()
+    cos, sin = cos.contiguous()[:, None, :], sin.contiguous()[:, None, :]
+    return _launch(x[:, :, None, :], cos, sin, 0, inverse=False, rounded=True)[:, :, 0, :]
