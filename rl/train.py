@@ -81,7 +81,7 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
     target = torch.cat([mb.input_ids[:, 1:], mb.input_ids.new_zeros(b, 1)], dim=1).reshape(-1)
     kernels = None
     if FUSED_LOGPROBS and logits.is_cuda:
-        import rl.logprob_kernels as kernels
+        import rl.kernels.logprobs_triton as kernels
     logprobs, entropy = TokenLogprobs.apply(logits.reshape(-1, vocab), target, temperature,
                                             max(1, LOGPROB_CHUNK_BYTES // (4 * vocab)), kernels)
     return logprobs.view(b, t)[:, :-1], entropy.view(b, t)[:, :-1]

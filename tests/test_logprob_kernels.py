@@ -1,4 +1,4 @@
-"""The trainer's fused log-prob kernels (rl/logprob_kernels.py) against autograd through log_softmax.
+"""The trainer's fused log-prob kernels (rl/kernels/logprobs_triton.py) against autograd through log_softmax.
 
 On a machine without a GPU they run through Triton's interpreter (imported for it by tests/conftest.py), on a
 private copy of the module imported under it, as tests/test_native_gpu.py does with the engine's kernels.
@@ -22,7 +22,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
 def kernels():
-    module = kernel_module("rl.logprob_kernels")
+    module = kernel_module("rl.kernels.logprobs_triton")
     if not ON_GPU:
         module.BLOCK_V = 64  # several loop steps over the small vocabulary, the last one short
     return module
@@ -95,7 +95,7 @@ for fn, signature, constants in kernels:
 """
 
 LOGPROB_KERNELS = """
-import rl.logprob_kernels as k
+import rl.kernels.logprobs_triton as k
 
 common = {"logits_ptr": "*bf16", "target_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "vocab": "i32",
           "row_stride": "i32", "inv_t": "fp32", "BLOCK": "constexpr"}

@@ -11,5 +11,6 @@ Triton kernels, imported on first use: on CUDA, in batch-invariant mode, and by 
 machine without a GPU run them through Triton's interpreter (chosen when a kernel is decorated, at
 import). Where the torch form belongs to the caller's own algorithm it stays there and the kernel
 module names it: `F.linear` for `linear_triton`, the engine's sampler and step bookkeeping
-(rl/rollout/native.py) for `sampling_triton` and `advance_triton`.
+(rl/rollout/native.py) for `sampling_triton` and `advance_triton`, `rl.train.TokenLogprobs` for
+`logprobs_triton`.
 """
