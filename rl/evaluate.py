@@ -13,16 +13,13 @@ It needs no weight sync: it runs on the weights the engine already holds.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import time
 from pathlib import Path
 
-from rl import parallel
-from rl.config import DataConfig, EvalConfig, RolloutConfig
-from rl.data import EVAL_KEYS, Prompt, Sample, Status, expand_groups, load_prompts
-from rl.reward import RewardInput, RewardPool
-from rl.rollout import SamplingParams, derive_seed, generate_rollout
+from rl.collect import Collector, dump_eval
+from rl.config import DataConfig, EvalConfig
+from rl.data import EVAL_KEYS, Prompt, Status, expand_groups, load_prompts
+from rl.rollout import SamplingParams
 
 
 def load_eval_prompts(ev: EvalConfig, data: DataConfig, tokenizer, training: list[Prompt]) -> tuple[list[Prompt], int]:
@@ -41,63 +38,31 @@ def pass_at_k(correct: list[list[float]]) -> float:
     return sum(max(scores) >= 1.0 for scores in correct) / max(len(correct), 1)
 
 
-def share(items: list, index: int, parts: int) -> list:
-    """Contiguous share `index` of `parts`, ceil(len / parts) items each, the last ones fewer or none
-    (every item goes to exactly one share)."""
-    step = math.ceil(len(items) / parts)
-    return items[index * step : (index + 1) * step]
-
-
-def generate_and_score(engine, pool: RewardPool | None, prompts: list[Prompt], n: int, params: SamplingParams,
-                       weight_version: int, tokenizer, tp: int, dist: parallel.Dist) -> tuple[list[Sample], int]:
-    """Every prompt's `n` samples, scored (`Sample.reward` holds the `correct` term), on every rank, in prompt order,
-    and how many of them scored 0.0 because the reward raised or timed out (summed over engines)."""
-    groups = expand_groups(prompts, n, 0, 0)
-    engine_index = dist.rank // tp
-    mine = share(groups, engine_index, dist.world_size // tp)
-    params = dataclasses.replace(params, seed=derive_seed(params.seed, engine_index))  # engines draw apart
-    local = generate_rollout(engine, mine, params, weight_version, tokenizer) if mine else []
-    failed = 0
-    if pool is not None and local:
-        result = pool.score([RewardInput(s.prompt, s.response, s.label, s.response_length, params.max_new_tokens,
-                                         s.metadata) for s in local])
-        for sample, correct in zip(local, result.terms["correct"], strict=True):
-            sample.reward = correct
-        failed = result.num_errors + result.num_timeouts
-    # Only an engine's first rank scores, so the other ranks add 0.
-    return parallel.gather_engine_outputs(local, tp), sum(parallel.all_gather_objects([failed]))
-
-
-def evaluate(engine, pool: RewardPool | None, prompts: list[Prompt], ev: EvalConfig, ro: RolloutConfig,
-             sampling: SamplingParams, weight_version: int, tokenizer, dist: parallel.Dist,
-             dump_to: Path | None) -> dict[str, float]:
+def evaluate(collector: Collector, prompts: list[Prompt], ev: EvalConfig, sampling: SamplingParams,
+             weight_version: int, barrier_timeout_s: float, dump_to: Path | None) -> dict[str, float]:
     """eval/accuracy (greedy pass@1), eval/pass@k (k = eval.n_samples at eval.temperature), lengths, time, and
     eval/reward_errors: samples of either pass whose reward raised or timed out, and so count as wrong."""
     start = time.perf_counter()
-    tp = ro.tensor_parallel_size
-    greedy = dataclasses.replace(sampling, temperature=1.0, top_k=1, top_p=1.0, seed=ev.seed)
-    samples, reward_errors = generate_and_score(engine, pool, prompts, 1, greedy, weight_version, tokenizer, tp, dist)
+    greedy = dataclasses.replace(sampling, temperature=1.0, top_k=1, top_p=1.0)
+    passes = [(True, collector.generate_and_score(expand_groups(prompts, 1, 0, 0), greedy, weight_version,
+                                                  (ev.seed,), barrier_timeout_s, term="correct"))]
+    samples = passes[0][1].samples
     stats = {"eval/accuracy": sum(s.reward for s in samples) / len(samples),
              "eval/response_length_mean": sum(s.response_length for s in samples) / len(samples),
              "eval/truncated_frac": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
              "eval/num_prompts": len(samples)}
-    drawn: list[Sample] = []
     if ev.n_samples > 1:
-        sampled = dataclasses.replace(sampling, temperature=ev.temperature, seed=ev.seed + 1)
-        drawn, drawn_errors = generate_and_score(engine, pool, prompts, ev.n_samples, sampled, weight_version,
-                                                 tokenizer, tp, dist)
-        reward_errors += drawn_errors
+        sampled = dataclasses.replace(sampling, temperature=ev.temperature)
+        passes.append((False, collector.generate_and_score(expand_groups(prompts, ev.n_samples, 0, 0), sampled,
+                                                           weight_version, (ev.seed + 1,), barrier_timeout_s,
+                                                           term="correct")))
+        drawn = passes[1][1].samples
         per_prompt = [[s.reward for s in drawn[i : i + ev.n_samples]] for i in range(0, len(drawn), ev.n_samples)]
         stats[f"eval/pass@{ev.n_samples}"] = pass_at_k(per_prompt)
-    if dump_to is not None and dist.is_main:
-        dump_to.parent.mkdir(parents=True, exist_ok=True)
-        with dump_to.open("w") as f:
-            for greedy_pass, batch in ((True, samples), (False, drawn)):
-                for s in batch:
-                    f.write(json.dumps({"prompt": s.prompt, "response": s.response, "label": str(s.label),
-                                        "correct": s.reward, "greedy": greedy_pass, "status": s.status.value,
-                                        "response_length": s.response_length,
-                                        "weight_version": s.weight_version}) + "\n")
-    stats["eval/reward_errors"] = reward_errors
+    if dump_to is not None and collector.dist.is_main:
+        dump_eval([(greedy_pass, scored.samples) for greedy_pass, scored in passes], dump_to)
+    # Only an engine's first rank scores: the reward metrics hold each engine's count once.
+    stats["eval/reward_errors"] = sum(m["reward/num_errors"] + m["reward/num_timeouts"]
+                                      for _, scored in passes for m in scored.reward_stats)
     stats["perf/eval_s"] = time.perf_counter() - start
     return stats

@@ -104,6 +104,26 @@ def memory_phase(phase: str, device: torch.device) -> dict[str, float]:
     return stats
 
 
+class StepRecord:
+    """One step's phase timings (`perf/*_s`) and device memory after each phase (`memory/*`), filled by the
+    phases themselves so the loop reads as its phases."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
+        self.start = time.perf_counter()
+
+    def timed(self, key: str):
+        return timed(self.times, key)
+
+    def memory_after(self, phase: str) -> None:
+        self.memory |= memory_phase(phase, self.device)
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.memory, **self.times, "perf/step_s": time.perf_counter() - self.start}
+
+
 def finite_or_none(value: Any) -> Any:
     """JSON has no NaN or Infinity: non-finite floats become null."""
     if isinstance(value, float) and not math.isfinite(value):

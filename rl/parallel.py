@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import heapq
+import math
 import os
 import re
 import signal
@@ -195,10 +196,11 @@ def all_reduce_max(value: float) -> float:
     return float(t.item())
 
 
-def shard_groups(groups: list, engine_index: int, num_engines: int) -> list:
-    """Contiguous whole groups for one engine (all n samples of a prompt stay together)."""
-    per_engine = len(groups) // num_engines
-    return groups[engine_index * per_engine : (engine_index + 1) * per_engine]
+def engine_share(items: list, index: int, parts: int) -> list:
+    """Contiguous share `index` of `parts`, ceil(len / parts) items each, the last ones fewer or none (every
+    item goes to exactly one share; whole groups of samples, so a prompt's n samples stay on one engine)."""
+    step = math.ceil(len(items) / parts)
+    return items[index * step : (index + 1) * step]
 
 
 def balanced_partition(costs: list[float], parts: int) -> list[list[int]]:

@@ -273,7 +273,7 @@ def test_old_checkpoints_are_renamed_at_once_and_deleted_in_the_background(tmp_p
 
 def test_a_resume_applies_this_runs_optimizer_settings():
     from rl.config import TrainConfig
-    from rl.main import apply_optimizer_config
+    from rl.learner import apply_optimizer_config
     from rl.policy import build_optimizer
 
     model = torch.nn.Linear(2, 2)

@@ -8,8 +8,9 @@ import torch
 
 from rl.config import ConfigError, DataConfig, EvalConfig, RewardConfig, RolloutConfig
 from rl.data import Prompt, PromptDataset
-from rl.evaluate import evaluate, load_eval_prompts, pass_at_k, share
-from rl.parallel import Dist
+from rl.collect import Collector
+from rl.evaluate import evaluate, load_eval_prompts, pass_at_k
+from rl.parallel import Dist, engine_share
 from rl.reward import RewardPool
 from rl.rollout import Completion, SamplingParams
 from tests.test_faults import run, strict_rows
@@ -24,7 +25,7 @@ def test_pass_at_k_against_a_hand_count():
 
 def test_shares_cover_every_prompt_once():
     items = list(range(10))
-    assert [share(items, i, 4) for i in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert [engine_share(items, i, 4) for i in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
 
 
 def test_eval_prompts_never_appear_in_training(tmp_path):
@@ -79,8 +80,8 @@ def test_eval_counts_reward_errors(tmp_path):
     one_rank = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
     ev, sampling = EvalConfig(source="eval.jsonl", n_samples=3), SamplingParams(max_new_tokens=4, seed=0)
     with RewardPool(RewardConfig(user_fn="tests.reward_fns:raise_on_odd_label", num_workers=2)) as pool:
-        stats = evaluate(EchoEngine(), pool, prompts, ev, RolloutConfig(), sampling, 0, tiny_tokenizer(),
-                         one_rank, None)
+        collector = Collector(EchoEngine(), pool, tiny_tokenizer(), RolloutConfig(), one_rank)
+        stats = evaluate(collector, prompts, ev, sampling, 0, 60.0, None)
     # labels 1 and 3 raise: 2 of 5 greedy samples and 2 * 3 of the 15 drawn ones
     assert stats["eval/reward_errors"] == 2 + 6
     assert stats["eval/accuracy"] == 3 / 5 and stats["eval/pass@3"] == 3 / 5

@@ -169,7 +169,7 @@ def test_health_bands_warn_and_count(capsys):
 
 def test_zero_std_group_frac_counts_groups_of_equal_rewards_including_groups_of_one():
     from rl.data import Sample
-    from rl.main import rollout_metrics
+    from rl.collect import rollout_metrics
 
     def samples(rewards):
         out = []

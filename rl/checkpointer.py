@@ -1,0 +1,126 @@
+"""The run's folder and its checkpoints, over the run's stateful parts: the learner (policy, optimizer,
+schedules, critic), the data cursor and the health counters; every rank's RNG states ride along.
+
+`RunCheckpointer(cfg, dist, restarted)` claims the folder first, before anything expensive: it locks it,
+decides what to resume from (refusing to write over a run silently), and keeps the config (a resumed run
+with changed keys keeps the earlier one beside it). `attach` hands it the stateful parts once they exist;
+`resume()` restores them and says where the loop goes on, `maybe_save()` saves on the interval, after the
+last rollout and when the run is asked to stop. The format on disk is rl/checkpoint.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from rl import checkpoint, parallel
+from rl.config import Config, ConfigError, dump
+from rl.data import PromptDataset
+from rl.health import Health
+from rl.learner import Learner
+from rl.metrics import keep_rows_before
+from rl.parallel import print0
+
+
+class RunCheckpointer:
+    def __init__(self, cfg: Config, dist: parallel.Dist, restarted: bool):
+        self.cfg, self.dist = cfg, dist
+        self.hf_sources = [Path(cfg.model.path), Path(cfg.model.tokenizer or cfg.model.path)]
+        self.lock, self.candidates = claim_output_dir(cfg, dist, restarted)
+        self.loaded: tuple[Path, checkpoint.TrainerState] | None = None
+        self.learner: Learner | None = None
+        self.dataset: PromptDataset | None = None
+        self.health: Health | None = None
+
+    def attach(self, learner: Learner, dataset: PromptDataset, health: Health) -> None:
+        self.learner, self.dataset, self.health = learner, dataset, health
+
+    def resume(self) -> tuple[int, int]:
+        """Restores every part from the newest readable checkpoint; returns (the next rollout, weight_version):
+        (0, 1) for a fresh run, whose first push is version 1."""
+        if not self.candidates:
+            return 0, 1
+        start = time.perf_counter()
+        path, state = checkpoint.load_newest(self.candidates, self.learner.policy, self.learner.optimizer,
+                                             self.learner.critic_state)
+        self.learner.load_state_dict({"scheduler": state.scheduler, "critic_scheduler": state.critic_scheduler},
+                                     state.config)
+        self.dataset.load_state_dict(state.data)
+        self.health.load_state_dict(state.health)
+        self.loaded = path, state
+        print0(f"checkpoint: resumed from {path} in {time.perf_counter() - start:.1f} s: rollout "
+               f"{state.rollout_id + 1} next, weight_version {state.weight_version}")
+        return state.rollout_id + 1, state.weight_version
+
+    def restore_rng(self) -> None:
+        """Every rank's RNG states as saved; call it once nothing more of the start-up draws from them (after the
+        engine build, which seeds the global generators)."""
+        if self.loaded:
+            checkpoint.restore_rng(*self.loaded)
+
+    def maybe_save(self, rollout_id: int, weight_version: int, force: bool) -> None:
+        """Saves on `checkpoint.interval`, or whenever `force` (the last rollout, a stop request)."""
+        interval = self.cfg.checkpoint.interval
+        if force or (interval and (rollout_id + 1) % interval == 0):
+            self.save(rollout_id, weight_version)
+
+    def save(self, rollout_id: int, weight_version: int) -> None:
+        start = time.perf_counter()
+        learner = self.learner.state_dict()
+        state = checkpoint.TrainerState(rollout_id=rollout_id, weight_version=weight_version,
+                                        data=self.dataset.state_dict(), scheduler=learner["scheduler"],
+                                        health=self.health.state_dict(), config=self.cfg.to_dict(),
+                                        world_size=self.dist.world_size,
+                                        critic_scheduler=learner["critic_scheduler"])
+        path = checkpoint.save(self.cfg.log.output_dir, state, self.learner.policy, self.learner.optimizer,
+                               self.hf_sources, self.cfg.checkpoint.keep_last, self.learner.critic_state)
+        print0(f"checkpoint: saved {path} in {time.perf_counter() - start:.1f} s")
+
+    def close(self) -> None:
+        checkpoint.wait_for_removals()
+        if self.lock is not None:
+            self.lock.close()
+
+
+def claim_output_dir(cfg: Config, dist: parallel.Dist, restarted: bool):
+    """Rank 0 locks the run folder and decides what to resume from; every rank gets the same answer
+    (or the same error). A fresh run writes config.json; a resumed one keeps the earlier config beside it.
+    `restarted`: torchrun restarted this job, so rows without a checkpoint are this job's own, written
+    before its first save; they move aside and the run starts over."""
+    lock, candidates, error = None, [], ""
+    if dist.is_main:
+        try:
+            lock = checkpoint.lock_output_dir(cfg.log.output_dir)
+            resume = cfg.checkpoint.resume
+            if restarted and checkpoint.complete_checkpoints(cfg.log.output_dir):
+                resume = "auto"  # the newest checkpoint is this job's own, whatever the first attempt started from
+            elif restarted:
+                moved, _, moved_to = keep_rows_before(Path(cfg.log.output_dir) / "metrics.jsonl", 0)
+                if moved:
+                    print0(f"metrics: {moved} row(s) of the attempt before this restart, which saved no checkpoint, "
+                           f"moved to {moved_to}; starting over")
+            candidates = checkpoint.resume_candidates(cfg.log.output_dir, resume, cfg.model.path)
+            keep_config(Path(cfg.log.output_dir), cfg, resumed=bool(candidates))
+        except ConfigError as e:
+            error = str(e)
+        except Exception as e:  # e.g. a filesystem without flock: every rank must hear of it, not wait
+            error = f"log.output_dir {cfg.log.output_dir!r}: {type(e).__name__}: {e}"
+    error, candidates = parallel.all_gather_objects([(error, [str(p) for p in candidates])])[0]
+    if error:
+        raise ConfigError(error)
+    return lock, [Path(p) for p in candidates]
+
+
+def keep_config(out_dir: Path, cfg: Config, resumed: bool) -> None:
+    path = out_dir / "config.json"
+    text = dump(cfg)
+    if resumed and path.is_file() and path.read_text() != text:
+        earlier = json.loads(path.read_text())
+        changed = sorted(f"{section}.{key}" for section, values in cfg.to_dict().items()
+                         for key, value in values.items() if earlier.get(section, {}).get(key) != value)
+        kept = out_dir / f"config.{time.strftime('%Y%m%d-%H%M%S')}.json"
+        os.replace(path, kept)
+        print0(f"config: resuming with changed keys {', '.join(changed)}; the earlier config is kept as {kept}")
+    path.write_text(text)
