@@ -119,10 +119,10 @@ def test_only_standard_rope_is_swapped(monkeypatch, hf_rope):
 def test_kernel_compiles_for_hopper(tmp_path):
     kernels = """
 import rl.kernels.rope_triton as k
-ints = ["length", "heads", "half", "table_half", "xb", "xh", "xt", "ob", "oh", "ot", "cb", "ct"]
+ints = ["length", "heads", "half", "xb", "xh", "xt", "ob", "oh", "ot", "cb", "ct"]
 signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
-             "INVERSE": "constexpr", "ROUNDED": "constexpr", "BLOCK_H": "constexpr", "BLOCK_D": "constexpr"}
-kernels = [(k._rope_kernel, signature, {"INVERSE": inverse, "ROUNDED": rounded, "BLOCK_H": 16, "BLOCK_D": 32})
-           for inverse, rounded in ((False, False), (True, False), (False, True))]
+             "INVERSE": "constexpr", "BLOCK_H": "constexpr", "BLOCK_D": "constexpr"}
+kernels = [(k._rope_float32_kernel, signature, {"INVERSE": inverse, "BLOCK_H": 16, "BLOCK_D": 32})
+           for inverse in (False, True)]
 """
-    assert compile_for_hopper(tmp_path, kernels) == ["_rope_kernel"] * 3
+    assert compile_for_hopper(tmp_path, kernels) == ["_rope_float32_kernel", "_rope_float32_kernel"]

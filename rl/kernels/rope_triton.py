@@ -28,7 +28,7 @@ import triton.language as tl
 
 from rl.kernels.linear_triton import load_gemm_result
 
-NUM_WARPS = 4  # of the standalone kernel
+NUM_WARPS = 4  # of the float32 kernel
 
 
 @triton.jit
@@ -100,11 +100,37 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
     return q
 
 
+@triton.jit
+def _rope_rounded_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    i = tl.arange(0, half)
+    c = tl.load(cos_ptr + tok * half + i).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + tok * half + i).to(tl.float32)[None, :]
+    h = tl.arange(0, BLOCK_H)[:, None]
+    mask = h < HEADS
+    offs = tok * HEADS * HEAD_DIM + h * HEAD_DIM + i[None, :]
+    x1, x2 = _rotate(tl.load(x_ptr + offs, mask=mask).to(tl.float32),
+                     tl.load(x_ptr + offs + half, mask=mask).to(tl.float32), c, s, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, x1, mask=mask)
+    tl.store(out_ptr + offs + half, x2, mask=mask)
+
+
+def rope_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of x (T, heads, D) by the rows cos, sin (T, D/2), rounded as `rope_and_store` rounds."""
+    tokens, heads, head_dim = x.shape
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _rope_rounded_kernel[(tokens,)](x, cos.contiguous(), sin.contiguous(), out, HEADS=heads, HEAD_DIM=head_dim,
+                                    BLOCK_H=triton.next_power_of_2(heads), num_warps=2)
+    return out
+
 
 @triton.jit
-def _rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, length, heads, half, table_half,
-                 xb, xh, xt, ob, oh, ot, cb, ct,
-                 INVERSE: tl.constexpr, ROUNDED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_float32_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, length, heads, half,
+                         xb, xh, xt, ob, oh, ot, cb, ct,
+                         INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0)
     b = (token // length).to(tl.int64)
     t = (token % length).to(tl.int64)
@@ -117,12 +143,10 @@ def _rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, length, heads, half, table_ha
     lane_mask = d < half
     c = b * cb + t * ct + d
     c1 = tl.load(cos_ptr + c, mask=lane_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + c + table_half, mask=lane_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + c + half, mask=lane_mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + c, mask=lane_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + c + table_half, mask=lane_mask, other=0.0).to(tl.float32)
-    if ROUNDED:  # half tables: c2 = c1, s2 = s1
-        o1, o2 = _rotate(x1, x2, c1, s1, out_ptr.dtype.element_ty)
-    elif INVERSE:
+    s2 = tl.load(sin_ptr + c + half, mask=lane_mask, other=0.0).to(tl.float32)
+    if INVERSE:
         o1 = x1 * c1 + x2 * s2
         o2 = x2 * c2 - x1 * s1
     else:
@@ -133,32 +157,17 @@ def _rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, length, heads, half, table_ha
     tl.store(out + half, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table_half: int, inverse: bool, rounded: bool
-            ) -> torch.Tensor:
-    """`_rope_kernel` over x (rows, heads, length, head_dim; head_dim contiguous) and cos, sin (rows or 1,
-    length, width; the same strides) whose second half starts `table_half` columns in. The output has x's
-    strides."""
-    rows, heads, length, dim = x.shape
-    assert x.stride(3) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride() and dim % 2 == 0
-    out = torch.empty_like(x)
-    half = dim // 2
-    _rope_kernel[(rows * length,)](
-        x, out, cos, sin, length, heads, half, table_half, x.stride(0), x.stride(1), x.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
-        INVERSE=inverse, ROUNDED=rounded, BLOCK_H=triton.next_power_of_2(heads),
-        BLOCK_D=triton.next_power_of_2(half), num_warps=NUM_WARPS)
-    return out
-
-
 def rope_float32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """RoPE of x (rows, heads, length, head_dim; head_dim contiguous) by full-width cos and sin (rows or 1,
     length, head_dim; the same strides) in float32, rounded once, or its transpose with `inverse`. The
     output has x's strides."""
-    return _launch(x, cos, sin, x.shape[-1] // 2, inverse, rounded=False)
-
-
-def rope_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of x (T, heads, D) by the half-table rows cos, sin (T, D/2), rounded as `rope_and_store` rounds."""
-    x = x.contiguous()
-    cos, sin = cos.contiguous()[:, None, :], sin.contiguous()[:, None, :]
-    return _launch(x[:, :, None, :], cos, sin, 0, inverse=False, rounded=True)[:, :, 0, :]
+    rows, heads, length, dim = x.shape
+    assert x.stride(3) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride() and dim % 2 == 0
+    out = torch.empty_like(x)
+    half = dim // 2
+    _rope_float32_kernel[(rows * length,)](
+        x, out, cos, sin, length, heads, half, x.stride(0), x.stride(1), x.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
+        INVERSE=inverse, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(half),
+        num_warps=NUM_WARPS)
+    return out
