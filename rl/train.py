@@ -87,7 +87,7 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
     return logprobs.view(b, t)[:, :-1], entropy.view(b, t)[:, :-1]
 
 
-FUSED_LOGPROBS = True  # on CUDA, rl/logprob_kernels.py: one read of the bf16 logits forward, one backward
+FUSED_LOGPROBS = True  # on CUDA, rl/kernels/logprobs_triton.py: one read of the bf16 logits forward, one backward
 
 
 LOGPROB_CHUNK_BYTES = 1 << 29  # float32 logits materialised at once: ~880 rows of a 152k vocabulary
@@ -96,7 +96,7 @@ LOGPROB_CHUNK_BYTES = 1 << 29  # float32 logits materialised at once: ~880 rows 
 class TokenLogprobs(torch.autograd.Function):
     """log p(target) and the entropy of softmax(logits / T), in float32.
 
-    With `kernels` (rl/logprob_kernels.py, on CUDA) Triton kernels read the logits once each way. Without,
+    With `kernels` (rl/kernels/logprobs_triton.py, on CUDA) Triton kernels read the logits once each way. Without,
     torch ops run over row chunks in float32, and only one chunk of float32 logits exists at a time:
     forward keeps the per-row log-normaliser, and backward rebuilds each chunk's softmax from it
     (d log p_y / d z_i = (1[i = y] - p_i) / T) instead of autograd holding (rows, vocab) float32
