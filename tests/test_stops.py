@@ -90,16 +90,22 @@ class Run:
         return code
 
     def processes_left(self) -> list[int]:
-        """Processes still running for this run (torchrun, ranks, reward workers: all name its output dir
-        or descend from one that does)."""
-        found = []
+        """Processes still running for this run: torchrun and the ranks (their command lines name its output
+        dir) and whatever descends from them (reward workers)."""
+        parent, named = {}, []
         for entry in Path("/proc").iterdir():
             try:
-                if entry.name.isdigit() and str(self.out) in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(entry.name))
-            except OSError:
+                if not entry.name.isdigit():
+                    continue
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if str(self.out) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    named.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
                 pass
-        return found
+        found = set(named)
+        while grown := {pid for pid, ppid in parent.items() if ppid in found} - found:
+            found |= grown
+        return sorted(found)
 
 
 def checkpoints(out: Path) -> list[str]:
@@ -172,8 +178,8 @@ def test_a_group_sigterm_during_the_final_eval_finishes_the_run(inputs, tmp_path
 def test_a_rank_killed_mid_run_restarts_the_job_which_finishes(inputs, tmp_path):
     run = Run(inputs, tmp_path / "run", "--train.num_rollout=24", "--checkpoint.interval=5")
     run.wait_for(lambda: len(run.rows()) >= 12, "twelve rollouts")
-    rank1 = [pid for pid in run.processes_left()
-             if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()]
+    rank1 = [pid for pid in run.processes_left() if b"rl.main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+             and b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()]  # not its reward workers
     assert len(rank1) == 1
     os.kill(rank1[0], signal.SIGKILL)
     assert run.finish() == 0, run.text()[-3000:]
