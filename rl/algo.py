@@ -7,7 +7,7 @@ value (`AlgoConfig`). Shapes: per-sample tensors are (N,); per-token ones are (B
 
 Advantage estimators (`algo.advantage_estimator`), all per sample except GAE:
 - grpo: reward minus its group mean, divided by the *unbiased* group std + 1e-6 when
-  `grpo_std_normalization` is on (seed step 30); a group of one is only centred.
+  `grpo_std_normalization` is on (the advantage step of the seed's RL step); a group of one is only centred.
 - dr_grpo: reward minus its group mean (Dr. GRPO: no std, which favours easy/hard groups).
 - rloo: reward minus the mean of the *other* samples of its group = G/(G-1) x centred.
 - reinforce_plus_plus: the reward whitened over the global batch (REINFORCE++).
@@ -111,7 +111,7 @@ def policy_loss(kind: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, a
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and clip indicator, both (B, T), for `algo.policy_loss`:
 
-    - ppo (seed step 40): max(-r A, -clip(r, 1 - eps_clip, 1 + eps_clip_high) A) with r the token
+    - ppo (the seed's clipped policy loss): max(-r A, -clip(r, 1 - eps_clip, 1 + eps_clip_high) A) with r the token
       ratio; with `eps_clip_c` (dual clip, > 1) a negative-advantage token's loss is capped at
       -eps_clip_c A, so a huge ratio cannot push it without bound.
     - gspo: the same clip on the sequence ratio s = exp(mean over the sequence's tokens of log r)
@@ -214,7 +214,7 @@ def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask
 def needs_old_logprobs(train: TrainConfig, algo: AlgoConfig) -> bool:
     """Whether the policy's old logprobs need a forward pass of their own before the first update.
 
-    Seed step 38: with one optimizer step per rollout, the policy has not moved when the loss is
+    The old-logprob reuse rule: with one optimizer step per rollout, the policy has not moved when the loss is
     computed, so current.detach() is the old logprob. Rollout logprobs as the old ones need no pass;
     KL folded into the reward needs the old logprobs before the advantages exist."""
     if algo.use_rollout_logprobs:

@@ -386,15 +386,27 @@ def _require(ok: bool, message: str) -> None:
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
-    ro, tr, algo, rw, data = cfg.rollout, cfg.train, cfg.algo, cfg.reward, cfg.data
+    """Every key of `cfg` against its allowed values and the others (`world_size`: also the split over ranks);
+    the first problem raises ConfigError naming its keys."""
     _require(bool(cfg.model.path), "model.path is required (a local HF model folder)")
-    _require(bool(data.source), "data.source is required (file.jsonl, file.parquet or reasoning_gym:<task>)")
+    _require(bool(cfg.data.source), "data.source is required (file.jsonl, file.parquet or reasoning_gym:<task>)")
+    validate_engine(cfg.model, cfg.rollout)
+    validate_rollout(cfg.rollout, cfg.data)
+    validate_train(cfg.train, cfg.rollout)
+    validate_algo(cfg.algo, cfg.model, cfg.rollout)
+    validate_reward_and_health(cfg.reward, cfg.train, cfg.weights)
+    validate_run(cfg)
+    if world_size is not None:
+        validate_layout(cfg.rollout, cfg.train, world_size)
+
+
+def validate_engine(model: ModelConfig, ro: RolloutConfig) -> None:
     _require(ro.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {ro.engine!r}")
-    _require(not (cfg.model.batch_invariant and cfg.model.compile),
+    _require(not (model.batch_invariant and model.compile),
              "model.compile and model.batch_invariant: the batch-invariant forward runs its own kernels; turn one off")
-    _require(not cfg.model.batch_invariant or ro.engine == "native",
+    _require(not model.batch_invariant or ro.engine == "native",
              "model.batch_invariant needs rollout.engine='native': the trainer reuses the native engine's kernels")
-    _require(not cfg.model.batch_invariant or ro.dtype == "auto",
+    _require(not model.batch_invariant or ro.dtype == "auto",
              f"model.batch_invariant needs rollout.dtype='auto' (the trainer's compute dtype), got {ro.dtype!r}")
     _require(ro.engine != "vllm" or ro.temperature == 1.0 or (ro.top_p >= 1.0 and ro.top_k == -1),
              f"rollout.engine='vllm' with rollout.top_p={ro.top_p} / rollout.top_k={ro.top_k} needs "
@@ -416,6 +428,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              f"rollout.tensor_parallel_size={ro.tensor_parallel_size} needs rollout.engine='vllm'; the native engine is TP=1")
     _require(ro.kv_cache_tokens >= 0, f"rollout.kv_cache_tokens must be >= 0, got {ro.kv_cache_tokens}")
     _require(ro.steps_per_poll >= 1, f"rollout.steps_per_poll must be >= 1, got {ro.steps_per_poll}")
+
+
+def validate_rollout(ro: RolloutConfig, data: DataConfig) -> None:
     for key in ("rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "max_batch_size"):
         _require(getattr(ro, key) >= 1, f"rollout.{key} must be >= 1, got {getattr(ro, key)}")
     _require(ro.over_sampling_batch_size >= 1, "rollout.over_sampling_batch_size must be >= 1")
@@ -432,6 +447,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              f"data.max_prompt_len + rollout.max_new_tokens ({data.max_prompt_len + ro.max_new_tokens}) "
              f"exceeds rollout.max_context_len ({ro.max_context_len})")
     _require("{prompt}" in data.prompt_template, "data.prompt_template must contain '{prompt}'")
+
+
+def validate_train(tr: TrainConfig, ro: RolloutConfig) -> None:
     samples = ro.rollout_batch_size * ro.n_samples_per_prompt
     _require(samples % tr.num_steps_per_rollout == 0,
              f"rollout_batch_size * n_samples_per_prompt ({samples}) is not divisible by "
@@ -443,7 +461,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(tr.micro_batch_tokens >= 0, "train.micro_batch_tokens must be >= 0 (0: cut by micro_batch_size)")
     _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
     _require(tr.num_rollout >= 1, "train.num_rollout must be >= 1")
-    validate_algo(algo, cfg.model, ro)
+
+
+def validate_reward_and_health(rw: RewardConfig, tr: TrainConfig, weights: WeightsConfig) -> None:
     _require(rw.num_workers >= 1, "reward.num_workers must be >= 1")
     _require(rw.timeout_s > 0, "reward.timeout_s must be > 0")
     _require(rw.user_fn == "" or ":" in rw.user_fn, f"reward.user_fn must look like 'pkg.module:function', got {rw.user_fn!r}")
@@ -452,7 +472,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(rw.max_failed_steps >= 1, f"reward.max_failed_steps must be >= 1, got {rw.max_failed_steps}")
     _require(tr.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {tr.max_bad_steps}")
     _require(tr.collective_timeout_s > 0, f"train.collective_timeout_s must be > 0, got {tr.collective_timeout_s}")
-    _require(cfg.weights.bucket_mb > 0, "weights.bucket_mb must be > 0")
+    _require(weights.bucket_mb > 0, "weights.bucket_mb must be > 0")
+
+
+def validate_run(cfg: Config) -> None:
+    """The critic, eval, log and checkpoint keys."""
+    data, algo = cfg.data, cfg.algo
     cr = cfg.critic
     _require(cr.lr > 0 and cr.value_clip >= 0 and cr.clip_grad >= 0 and cr.lr_warmup_steps >= 0,
              f"critic.lr must be > 0 and critic.value_clip, clip_grad, lr_warmup_steps >= 0; got {cr}")
@@ -474,17 +499,20 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(bool(ck.resume), "checkpoint.resume must be 'auto', 'never' or a checkpoint folder")
     _require(ck.export_dtype in ("auto", "float32", "bfloat16", "float16"),
              f"checkpoint.export_dtype must be auto, float32, bfloat16 or float16, got {ck.export_dtype!r}")
-    if world_size is not None:
-        tp = ro.tensor_parallel_size
-        _require(world_size % tp == 0,
-                 f"rollout.tensor_parallel_size ({tp}) must divide the world size ({world_size})")
-        engines = world_size // tp
-        _require(ro.over_sampling_batch_size % engines == 0,
-                 f"rollout.over_sampling_batch_size ({ro.over_sampling_batch_size}, default rollout_batch_size) must be "
-                 f"divisible by the number of engines ({engines} = world size {world_size} / tensor_parallel_size {tp}): "
-                 f"whole prompt groups go to one engine")
-        _require(tr.global_batch_size % world_size == 0,
-                 f"train.global_batch_size ({tr.global_batch_size}) must be divisible by the data-parallel size ({world_size})")
+
+
+def validate_layout(ro: RolloutConfig, tr: TrainConfig, world_size: int) -> None:
+    """The split of prompts over engines and of the global batch over ranks."""
+    tp = ro.tensor_parallel_size
+    _require(world_size % tp == 0,
+             f"rollout.tensor_parallel_size ({tp}) must divide the world size ({world_size})")
+    engines = world_size // tp
+    _require(ro.over_sampling_batch_size % engines == 0,
+             f"rollout.over_sampling_batch_size ({ro.over_sampling_batch_size}, default rollout_batch_size) must be "
+             f"divisible by the number of engines ({engines} = world size {world_size} / tensor_parallel_size {tp}): "
+             f"whole prompt groups go to one engine")
+    _require(tr.global_batch_size % world_size == 0,
+             f"train.global_batch_size ({tr.global_batch_size}) must be divisible by the data-parallel size ({world_size})")
 
 
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
