@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from rl import parallel
 from rl.config import ConfigError
-from rl.metrics import read_rows
+from rl.metrics import read_metric_rows
 from rl.parallel import print0
 
 CHECKPOINTS = "checkpoints"
@@ -358,7 +358,7 @@ def resume_candidates(output_dir: str | Path, resume: str, model_path: str) -> l
     continue from, or with `resume = "never"`, the run stops and says what to pass."""
     out = Path(output_dir)
     complete = complete_checkpoints(out)
-    rows = len(read_rows(out / "metrics.jsonl")[0])
+    rows = len(read_metric_rows(out / "metrics.jsonl")[0])
     if resume == "never":
         if complete or rows:
             raise ConfigError(f"log.output_dir {str(out)!r} already holds a run ({rows} metric rows, "

@@ -20,7 +20,7 @@ import torch
 from rl import parallel
 from rl.algo import aggregate, gae, masked_sum, value_loss
 from rl.config import AlgoConfig, CriticConfig, ModelConfig, TrainConfig
-from rl.policy import PolicyOffloader, build_optimizer, build_policy
+from rl.policy import HostOffloader, build_optimizer, build_policy
 from rl.train import MicroBatch, causal_forward, optimizer_step, per_sample_rows
 
 
@@ -55,7 +55,7 @@ class Critic:
         self.model = build_policy(build, mesh, device, train.seed, max_context_len, value_head=True)
         self.optimizer, self.scheduler = build_optimizer(self.model, critic_train_config(train, cfg))
         self.cfg, self.device = cfg, device
-        self.parking = PolicyOffloader(self.model, self.optimizer) if train.offload else None
+        self.parking = HostOffloader(self.model, self.optimizer) if train.offload else None
 
     def onload(self) -> None:
         if self.parking:
@@ -107,10 +107,12 @@ def critic_train_config(train: TrainConfig, cfg: CriticConfig) -> TrainConfig:
     return dataclasses.replace(train, lr=cfg.lr, lr_warmup_steps=cfg.lr_warmup_steps, weight_decay=cfg.weight_decay)
 
 
-def gae_advantages(micro_batches: list[MicroBatch], values: dict[int, torch.Tensor], rewards: dict[int, float],
-                   kl: dict[int, torch.Tensor] | None, algo: AlgoConfig) -> dict[int, torch.Tensor]:
-    """Per-token GAE advantages of this rank's samples, whitened over the global batch (the mean and variance
-    of every trained token on every rank), written into the micro-batches; returns Sample.index -> returns."""
+def write_gae_advantages(micro_batches: list[MicroBatch], values: dict[int, torch.Tensor],
+                         rewards: dict[int, float], kl: dict[int, torch.Tensor] | None,
+                         algo: AlgoConfig) -> dict[int, torch.Tensor]:
+    """Writes each micro-batch's `mb.advantages`: the per-token GAE advantages of this rank's samples, whitened
+    over the global batch (the mean and variance of every trained token on every rank). Returns what the
+    critic trains towards: Sample.index -> its returns row (T-1,)."""
     returns: dict[int, torch.Tensor] = {}
     raw = []
     for mb in micro_batches:

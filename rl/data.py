@@ -159,7 +159,7 @@ def _prompt_problem(raw: Any) -> str:
     return f"must be text or a non-empty list of chat messages, got {type(raw).__name__} {raw!r}"[:300]
 
 
-def read_rows(cfg: DataConfig, keys: SourceKeys = TRAINING_KEYS) -> tuple[list[dict[str, Any]], str, str]:
+def read_source_rows(cfg: DataConfig, keys: SourceKeys = TRAINING_KEYS) -> tuple[list[dict[str, Any]], str, str]:
     """Returns (rows, prompt_key, answer_key) for the configured source; errors name `keys`."""
     if cfg.source.startswith("reasoning_gym:"):
         return _generate_reasoning_gym(cfg.source.split(":", 1)[1], cfg, keys), "prompt", "answer"
@@ -220,7 +220,7 @@ def tokenize_prompts(rows, prompt_key, answer_key, cfg: DataConfig, tokenizer) -
 
 def load_prompts(cfg: DataConfig, tokenizer, keys: SourceKeys = TRAINING_KEYS) -> tuple[list[Prompt], int]:
     """The source's templated, tokenized prompts (at least one) and how many max_prompt_len dropped."""
-    rows, prompt_key, answer_key = read_rows(cfg, keys)
+    rows, prompt_key, answer_key = read_source_rows(cfg, keys)
     prompts, dropped = tokenize_prompts(rows, prompt_key, answer_key, cfg, tokenizer)
     if not prompts:
         raise ConfigError(f"{keys.source} yields no prompts (all filtered by data.max_prompt_len?)")

@@ -22,15 +22,15 @@ import torch
 from rl import parallel
 from rl.algo import advantages, needs_old_logprobs
 from rl.config import AlgoConfig, Config, TrainConfig
-from rl.critic import Critic, critic_metrics, gae_advantages
+from rl.critic import Critic, critic_metrics, write_gae_advantages
 from rl.data import Sample
 from rl.flops import peak_bf16_flops, train_flops
 from rl.metrics import StepRecord, graphs_compiled, profiled
 from rl.parallel import print0
-from rl.policy import PolicyOffloader, build_optimizer, build_policy
+from rl.policy import HostOffloader, build_optimizer, build_policy
 from rl.reference import Reference
 from rl.rollout import engine_dtype
-from rl.train import (MicroBatch, build_schedule, compute_old_logprobs, kl_rows, response_kl_sums, train_metrics,
+from rl.train import (MicroBatch, build_schedule, kl_rows, logprobs_by_sample, response_kl_sums, train_metrics,
                       train_on_rollout)
 from rl.weights import sync_weights
 
@@ -60,7 +60,7 @@ class Learner:
         if cfg.algo.advantage_estimator == "gae":
             self.critic = Critic(cfg.model, cfg.critic, cfg.train, dist.mesh, dist.device, cfg.rollout.max_context_len)
             print0(f"critic: {cfg.critic.path or cfg.model.path} with a value head, lr {cfg.critic.lr}")
-        self.offloader = PolicyOffloader(self.policy, self.optimizer) if cfg.train.offload else None
+        self.offloader = HostOffloader(self.policy, self.optimizer) if cfg.train.offload else None
         self.engine_dtype = engine_dtype(cfg.rollout.dtype, dist.device)
 
     # ------------------------------------------------------------------------ state
@@ -107,7 +107,8 @@ class Learner:
                 with record.timed("perf/critic_s"):
                     self.critic.onload()
                     values = self.critic.values(micro_batches)
-                returns = gae_advantages(micro_batches, values, {s.index: s.reward for s in samples}, kl, cfg.algo)
+                returns = write_gae_advantages(micro_batches, values, {s.index: s.reward for s in samples}, kl,
+                                               cfg.algo)
             local = train_on_rollout(self.policy, self.optimizer, self.scheduler, steps, step_tokens, dist.world_size,
                                      cfg.train, cfg.algo, cfg.rollout.temperature, step_seqs, old, ref)
             if self.critic:
@@ -133,7 +134,7 @@ class Learner:
             with record.timed("perf/ref_logprobs_s"):
                 ref = self.reference.logprobs(micro_batches, cfg.rollout.temperature)
         if cfg.algo.kl_in_reward:  # the advantages wait for the KL of each response
-            old = compute_old_logprobs(self.policy, micro_batches, cfg.rollout.temperature)
+            old = logprobs_by_sample(self.policy, micro_batches, cfg.rollout.temperature)
             kl = kl_rows(cfg.algo.kl_estimator, old, ref)
             kl_sums = {i: s for part in parallel.all_gather_objects([response_kl_sums(kl, micro_batches)])
                        for i, s in part.items()}

@@ -131,7 +131,7 @@ def finite_or_none(value: Any) -> Any:
     return value
 
 
-def read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
+def read_metric_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
     """The rows of a metrics file and how many lines could not be read (a cut-off last line)."""
     rows, bad = [], 0
     if path.is_file():
@@ -148,7 +148,7 @@ def read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
 def keep_rows_before(path: Path, rollout_id: float) -> tuple[int, int, Path | None]:
     """Rewrites `path` with only its readable rows of rollouts before `rollout_id`; the others move to
     a file beside it. Returns (rows moved, unreadable lines dropped, the file they moved to)."""
-    rows, bad = read_rows(path)
+    rows, bad = read_metric_rows(path)
     kept = [r for r in rows if r.get("rollout_id", -1) < rollout_id]
     moved_to = None
     if len(kept) != len(rows):

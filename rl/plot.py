@@ -41,7 +41,7 @@ class PlotError(ValueError):
     """A run that cannot be drawn; the message is the one line the user sees."""
 
 
-def read_rows(path: Path) -> list[dict]:
+def read_plottable_rows(path: Path) -> list[dict]:
     """Rows of a metrics file; a line that does not parse (a run killed mid-write) is skipped."""
     rows = []
     for line in path.read_text().splitlines():
@@ -147,7 +147,7 @@ def plot_runs(run_dirs: list[Path], out_dirs: list[Path]) -> list[str]:
     runs = {}
     for run_dir in run_dirs:
         path = run_dir / "metrics.jsonl"
-        rows = read_rows(path) if path.is_file() else []
+        rows = read_plottable_rows(path) if path.is_file() else []
         if not rows:
             raise PlotError(f"rl.plot: no metrics rows in {path}")
         name = run_dir.resolve().name

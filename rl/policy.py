@@ -240,8 +240,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool | None
     return optimizer, scheduler
 
 
-class PolicyOffloader:
-    """Moves the policy's FSDP2 shards and optimizer state between the GPU and host memory around rollout.
+class HostOffloader:
+    """Moves one model's FSDP2 shards and optimizer state (the policy's, the critic's; the frozen reference has
+    no optimizer) between the GPU and host memory around rollout.
 
     Host copies live in pinned buffers allocated on the first offload and reused after, so both
     directions run at copy-engine speed (pageable `model.to("cpu")` moved 1.5B's 18 GB of training

@@ -14,8 +14,8 @@ import dataclasses
 import torch
 
 from rl.config import ModelConfig
-from rl.policy import PolicyOffloader, build_policy
-from rl.train import MicroBatch, compute_old_logprobs
+from rl.policy import HostOffloader, build_policy
+from rl.train import MicroBatch, logprobs_by_sample
 
 
 class Reference:
@@ -25,13 +25,13 @@ class Reference:
         self.model.requires_grad_(False)
         self.model.eval()
         self.device = device
-        self.parking = PolicyOffloader(self.model)
+        self.parking = HostOffloader(self.model)
         self.parking.offload()
 
     def logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> dict[int, torch.Tensor]:
         """Sample.index -> the reference's logprobs row; every rank calls it with as many micro-batches."""
         self.parking.onload(self.device)
         try:
-            return compute_old_logprobs(self.model, micro_batches, temperature)
+            return logprobs_by_sample(self.model, micro_batches, temperature)
         finally:
             self.parking.offload()

@@ -263,7 +263,7 @@ def per_sample_rows(model, micro_batches: list[MicroBatch], forward) -> dict[int
     return out
 
 
-def compute_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float) -> dict[int, torch.Tensor]:
+def logprobs_by_sample(model, micro_batches: list[MicroBatch], temperature: float) -> dict[int, torch.Tensor]:
     """Sample.index -> logprobs row (T-1,) of `model` (the policy before the update, or the reference)."""
     return per_sample_rows(model, micro_batches, lambda m, mb: token_logprobs(m, mb, temperature)[0])
 
@@ -311,7 +311,7 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
     all_micro_batches = [mb for step in steps for mb in step]
     per_sample: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
     if not old and needs_old_logprobs(train, algo):  # seed step 38: policy moves between steps
-        old = compute_old_logprobs(model, all_micro_batches, temperature)
+        old = logprobs_by_sample(model, all_micro_batches, temperature)
     old = old or {}
     if old:
         for mb in all_micro_batches:

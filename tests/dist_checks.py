@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
-from rl.policy import PolicyOffloader, build_optimizer, shard_policy  # noqa: E402
+from rl.policy import HostOffloader, build_optimizer, shard_policy  # noqa: E402
 from rl.rollout import SamplingParams  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
 from rl.train import collate, token_logprobs, train_on_rollout  # noqa: E402
@@ -70,7 +70,7 @@ def main(out_dir: str) -> None:
 
     # Offload round trip with uneven shards (vocab 259 over the ranks): exact. Only GPU runs offload.
     if torch.cuda.is_available():
-        snapshot, offloader = training_state(model, optimizer), PolicyOffloader(model, optimizer)
+        snapshot, offloader = training_state(model, optimizer), HostOffloader(model, optimizer)
         offloader.offload()
         on_host = all(p._local_tensor.device.type == "cpu" for p in model.parameters())
         offloader.onload(d.device)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from rl.config import ConfigError, DataConfig
-from rl.data import Prompt, PromptDataset, Sample, expand_groups, read_rows, render_prompt
+from rl.data import Prompt, PromptDataset, Sample, expand_groups, read_source_rows, render_prompt
 from tests.tiny import tiny_tokenizer, write_arithmetic_jsonl
 
 
@@ -86,15 +86,15 @@ def test_jsonl_source_templates_and_filters(tmp_path):
 
 def test_bad_sources_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
-        read_rows(DataConfig(source=str(tmp_path / "nope.jsonl")))
+        read_source_rows(DataConfig(source=str(tmp_path / "nope.jsonl")))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "answer": "1"}\n{not json}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: invalid JSON"):
-        read_rows(DataConfig(source=str(bad)))
+        read_source_rows(DataConfig(source=str(bad)))
     missing = tmp_path / "missing.jsonl"
     missing.write_text('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b"}\n')  # blank lines still count
     with pytest.raises(ConfigError, match=r"missing.jsonl:3: missing key 'answer' \(data.answer_key\)"):
-        read_rows(DataConfig(source=str(missing)))
+        read_source_rows(DataConfig(source=str(missing)))
     for line, problem in [
         ('{"prompt": 5, "answer": "1"}', r"'prompt' \(data.prompt_key\) must be text or a non-empty list"),
         ('{"prompt": "  ", "answer": "1"}', r"'prompt' \(data.prompt_key\) is empty"),
@@ -104,27 +104,27 @@ def test_bad_sources_name_the_problem(tmp_path):
         bad_row = tmp_path / "bad_row.jsonl"
         bad_row.write_text('{"prompt": "ok", "answer": "1"}\n' + line + "\n")
         with pytest.raises(ConfigError, match=r"bad_row.jsonl:2: " + problem):
-            read_rows(DataConfig(source=str(bad_row)))
+            read_source_rows(DataConfig(source=str(bad_row)))
     with pytest.raises(ConfigError, match="reasoning_gym:no_such_task"):
-        read_rows(DataConfig(source="reasoning_gym:no_such_task"))
+        read_source_rows(DataConfig(source="reasoning_gym:no_such_task"))
 
 
 def test_invalid_utf8_names_the_key_file_and_line(tmp_path):
     bad = tmp_path / "latin1.jsonl"
     bad.write_bytes('{"prompt": "a", "answer": "1"}\n\n{"prompt": "caf\u00e9", "answer": "2"}\n'.encode("latin-1"))
     with pytest.raises(ConfigError) as info:
-        read_rows(DataConfig(source=str(bad)))
+        read_source_rows(DataConfig(source=str(bad)))
     assert str(info.value) == f"data.source: {bad}:3: invalid UTF-8 (byte 0xe9 at column 16)"
     corrupt = tmp_path / "corrupt.parquet"
     corrupt.write_bytes(b"PAR1 and then not parquet")
     with pytest.raises(ConfigError, match=f"data.source: {corrupt}: not a readable parquet file"):
-        read_rows(DataConfig(source=str(corrupt)))
+        read_source_rows(DataConfig(source=str(corrupt)))
 
 
 def test_reasoning_gym_source():
     cfg = DataConfig(source="reasoning_gym:basic_arithmetic", num_examples=5,
                      task_config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
-    rows, pk, ak = read_rows(cfg)
+    rows, pk, ak = read_source_rows(cfg)
     assert len(rows) == 5 and rows[0][pk] and rows[0][ak] is not None
 
 

@@ -8,13 +8,13 @@ import torch
 
 from rl import parallel
 from rl.config import TrainConfig
-from rl.policy import PolicyOffloader, build_optimizer, shard_policy
+from rl.policy import HostOffloader, build_optimizer, shard_policy
 from tests.tiny import local_tensor, tiny_model, training_state
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="offload moves state off a CUDA device")
 
 
-class UnpinnedOffloader(PolicyOffloader):
+class UnpinnedOffloader(HostOffloader):
     ARENA_BYTES = 4096
 
     @staticmethod
@@ -53,7 +53,7 @@ def test_offload_round_trip_is_exact_and_frees_the_gpu():
         train_step(m, o, seed=1)
     model, optimizer = models[0], optims[0]
     before = training_state(model, optimizer)
-    offloader = PolicyOffloader(model, optimizer)
+    offloader = HostOffloader(model, optimizer)
     for _ in range(2):  # the second round reuses the pinned buffers of the first
         allocated = torch.cuda.memory_allocated()
         offloader.offload()

@@ -9,7 +9,7 @@ import matplotlib.image
 import matplotlib.pyplot as plt
 import pytest
 
-from rl.plot import PlotError, line_panel, plot_runs, read_rows
+from rl.plot import PlotError, line_panel, plot_runs, read_plottable_rows
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["length.png", "memory.png", "reward.png", "throughput.png", "time.png", "train.png"]
@@ -85,7 +85,7 @@ def test_a_run_without_rows_is_one_line_naming_the_file(runs, tmp_path):
 
 
 def test_a_null_breaks_the_line(runs):
-    rows = {"run_a": read_rows(runs[0] / "metrics.jsonl")}  # train/loss is null at rollout 1
+    rows = {"run_a": read_plottable_rows(runs[0] / "metrics.jsonl")}  # train/loss is null at rollout 1
     fig, ax = plt.subplots()
     assert line_panel(ax, rows, ["train/loss", "eval/accuracy"], "loss")
     loss, accuracy = ax.get_lines()
