@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
+import io
 import json
+import textwrap
+import tokenize
 import tomllib
 import types
 import typing
@@ -196,8 +200,9 @@ class EvalConfig:
     interval: int = 10  # rollouts between evals; one runs before the first update and one after the last
     n_samples: int = 1  # > 1: also pass@n_samples, sampled at `temperature`
     temperature: float = 1.0
-    seed: int = 1_000_000  # a generated task's seed; reasoning-gym draws item i from seed + i, so keep
-    # [seed, seed + num_examples) clear of [data.seed, data.seed + data.num_examples)
+    # a generated task's seed; reasoning-gym draws item i from seed + i, so keep [seed, seed + num_examples)
+    # clear of [data.seed, data.seed + data.num_examples)
+    seed: int = 1_000_000
     task_config: dict[str, Any] | None = None  # a generated task's kwargs (default: data.task_config)
 
 
@@ -334,6 +339,61 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
             raise ConfigError(f"'{name}' must be a table of keys")
         built[name] = _build_section(name, hints[name], values)
     return resolve(Config(**built))
+
+
+# ---------------------------------------------------------------------------- --help
+
+
+def key_docs(cls: type) -> dict[str, str]:
+    """Each field's comment in the source of its dataclass: the comment lines just above the field, then the
+    one at the end of its line, joined. Read from the source, so the help cannot drift from the code."""
+    docs, pending = {}, []
+    lines = inspect.getsource(cls).splitlines()
+    comments = {tok.start[0]: tok.string.lstrip("#").strip() for tok in
+                tokenize.generate_tokens(io.StringIO("\n".join(lines) + "\n").readline) if tok.type == tokenize.COMMENT}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for number, line in enumerate(lines, start=1):
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(comments[number])
+            continue
+        name = stripped.split(":", 1)[0]
+        if name in names:
+            docs[name] = " ".join(pending + ([comments[number]] if number in comments else []))
+        pending = []
+    return docs
+
+
+def help_text(section: str = "") -> str:
+    """Every key of every section (or of `section`): its type, its default and what it does."""
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    if section and section not in sections:
+        raise ConfigError(f"--help={section}: unknown section (known: {', '.join(sections)})")
+    out = ["Keys, set in the TOML file or as --section.key=VALUE (a TOML value: --log.wandb=true); derived "
+           "values (None) follow from others:"]
+    hints = typing.get_type_hints(Config)
+    for name in [section] if section else sections:
+        cls = hints[name]
+        docs, types_ = key_docs(cls), typing.get_type_hints(cls)
+        out.append(f"\n[{name}]")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kind = getattr(types_[f.name], "__name__", None) or str(types_[f.name]).replace("typing.", "")
+            out.append(f"  {name}.{f.name} = {'None' if default is None else json.dumps(default)}  ({kind})")
+            if docs.get(f.name):
+                out.append(textwrap.fill(docs[f.name], width=110, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    return "\n".join(out)
+
+
+def help_request(args: list[str]) -> str | None:
+    """The section asked for by `--help`, `--help=SECTION`, `--help SECTION` or `-h` ("" for all), or None."""
+    for i, arg in enumerate(args):
+        if arg in ("--help", "-h"):
+            following = args[i + 1] if i + 1 < len(args) else ""
+            return "" if following.startswith("-") else following
+        if arg.startswith("--help="):
+            return arg.removeprefix("--help=")
+    return None
 
 
 # ---------------------------------------------------------------------------- derived values

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rl.config import ConfigError
+from rl.config import ConfigError, help_request, help_text
 from rl.health import RunStopped
 from rl.parallel import StalledRankError
 
@@ -163,6 +163,10 @@ def cli(main: Callable[[list[str]], None], argv: list[str]) -> int:
     1 (run stopped). Anything else is a bug and keeps its traceback (recorded for torchrun's summary)."""
     repeated = final_error(previous_attempt_errors())
     try:
+        if (section := help_request(argv)) is not None:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"usage: torchrun ... -m rl.main --config FILE [--section.key=VALUE ...]\n\n{help_text(section)}")
+            return 0
         if repeated:
             raise RepeatedError(repeated)
         record(main)(argv)

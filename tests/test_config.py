@@ -1,9 +1,18 @@
+import dataclasses
 import json
+import os
+import subprocess
+import sys
 import tomllib
+import typing
+from pathlib import Path
 
 import pytest
 
-from rl.config import ConfigError, check_paths, config_from_dict, load_config, parse_overrides, resolve
+from rl.config import (Config, ConfigError, check_paths, config_from_dict, load_config, parse_overrides,
+                       resolve)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BASE = {"model": {"path": "m"}, "data": {"source": "d.jsonl"}}
 
@@ -130,3 +139,28 @@ def test_model_and_tokenizer_folders_are_checked_first(tmp_path):
                          algo={"advantage_estimator": "gae"}))
     check_paths(make(model={"path": str(model), "tokenizer": str(tok), "ref_path": str(model)}, critic={"path": str(model)},
                      algo={"advantage_estimator": "gae", "kl_coef": 0.1}))
+
+
+def test_help_lists_every_key_of_every_section_with_its_default_and_comment():
+    from rl.config import help_request, help_text
+
+    text = help_text()
+    sections = typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
+        for key in dataclasses.fields(sections[section.name]):
+            assert f"  {section.name}.{key.name} = " in text, f"{section.name}.{key.name}"
+    assert '  rollout.max_new_tokens = 1024  (int)\n      the seed\'s rollout_max_response_len' in text
+    assert "false keeps them gathered" in text  # a comment block above its key
+    evals = help_text("eval")
+    assert "[seed, seed + num_examples)" in evals and "[model]" not in evals
+    with pytest.raises(ConfigError, match=r"--help=nope: unknown section \(known: model, data, "):
+        help_text("nope")
+    assert [help_request(a) for a in (["--help"], ["--help=eval"], ["--help", "eval"], ["-h", "--config", "x"],
+                                      ["--config", "x.toml"])] == ["", "eval", "eval", "", None]
+
+
+def test_help_on_the_command_line_exits_0():
+    proc = subprocess.run([sys.executable, "-m", "rl.main", "--help=train"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert "  train.lr = 1e-06  (float)" in proc.stdout and "[rollout]" not in proc.stdout
