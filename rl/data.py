@@ -59,14 +59,6 @@ class Sample:
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
 
-    @property
-    def prompt_tokens(self) -> list[int]:
-        return self.tokens[: self.prompt_length]
-
-    @property
-    def response_tokens(self) -> list[int]:
-        return self.tokens[self.prompt_length :]
-
     def append_response_tokens(self, tokens: list[int], log_probs: list[float], trainable: bool = True) -> None:
         if len(tokens) != len(log_probs):
             raise ValueError(f"sample {self.index}: {len(tokens)} tokens but {len(log_probs)} logprobs")

@@ -38,7 +38,7 @@ TREND_WINDOW = 10  # rollouts of history the trend checks compare with
 
 
 class Health:
-    def __init__(self, max_bad_steps: int, max_failed_steps: int, vocab_size: int, state: dict[str, Any] | None = None):
+    def __init__(self, max_bad_steps: int, max_failed_steps: int, vocab_size: int):
         self.max_bad_steps, self.max_failed_steps = max_bad_steps, max_failed_steps
         self.uniform_entropy = math.log(vocab_size)
         self.bad_steps = 0  # optimizer steps skipped in a row
@@ -53,8 +53,6 @@ class Health:
         # that compiles a new kind of micro-batch (`perf/train_graphs_compiled`) is seconds slower: neither's
         # speed is judged.
         self.warmed_up = False
-        if state:
-            self.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
         return {"bad_steps": self.bad_steps, "failed_steps": self.failed_steps, "zero_grad_steps": self.zero_grad_steps,

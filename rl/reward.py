@@ -221,11 +221,6 @@ class RewardResult:
     num_errors: int = 0
     num_timeouts: int = 0
 
-    @property
-    def all_failed(self) -> bool:
-        """Every input raised, timed out or lost its worker: the rewards are all 0.0 and mean nothing."""
-        return len(self.rewards) > 0 and self.num_errors + self.num_timeouts == len(self.rewards)
-
 
 @dataclass(eq=False)  # identity, so `self.workers.index` finds this very worker
 class Worker:
@@ -467,10 +462,3 @@ def reduce_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         values = [m[key] for m in per_rank]
         out[key] = sum(values) if key.endswith(COUNTS) else sum(values) / len(values)
     return out
-
-
-def all_failed(stats: dict[str, float]) -> bool:
-    """On `metrics` or `reduce_metrics` output: inputs were scored and every one failed (as
-    `RewardResult.all_failed`), so the step's rewards are all 0.0 and carry no signal."""
-    failed = stats["reward/num_errors"] + stats["reward/num_timeouts"]
-    return stats["reward/num_inputs"] > 0 and failed == stats["reward/num_inputs"]

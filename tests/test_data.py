@@ -66,7 +66,7 @@ def test_append_response_tokens():
     s = Sample(prompt="x", tokens=[1, 2])
     s.append_response_tokens([101, 202, 7], [-0.42, -1.10, -0.08])
     assert s.tokens == [1, 2, 101, 202, 7] and s.response_length == 3
-    assert s.loss_mask == [1, 1, 1] and s.prompt_tokens == [1, 2] and s.response_tokens == [101, 202, 7]
+    assert s.loss_mask == [1, 1, 1] and s.tokens[: s.prompt_length] == [1, 2] and s.tokens[s.prompt_length :] == [101, 202, 7]
     with pytest.raises(ValueError, match="logprobs"):
         s.append_response_tokens([1], [])
 

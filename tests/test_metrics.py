@@ -122,7 +122,8 @@ def test_the_first_train_phase_of_a_process_is_not_judged_on_speed(capsys):
     assert "perf/train_mfu" not in out and "rollout/truncated_frac = 0.75" in out  # the other bands still hold
     health.after_train(row(**{"perf/train_mfu": 0.04}), steps=1)
     assert "perf/train_mfu = 0.04, expected >= 0.2" in capsys.readouterr().out
-    resumed = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100, state=health.state_dict())
+    resumed = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    resumed.load_state_dict(health.state_dict())
     resumed.after_train(row(**{"perf/train_mfu": 0.04}), steps=1)
     assert "perf/train_mfu" not in capsys.readouterr().out
 
@@ -163,7 +164,8 @@ def test_health_bands_warn_and_count(capsys):
     assert "health warning: train/entropy = 4.605" in out and "health warning: train/entropy = 1e-05" in out
     assert out.count("health warning: train/grad_norm") == 1
     assert health.metrics()["health/warnings"] == 3
-    restored = Health(3, 2, 100, state=json.loads(json.dumps(health.state_dict())))  # as a checkpoint keeps it
+    restored = Health(3, 2, 100)
+    restored.load_state_dict(json.loads(json.dumps(health.state_dict())))  # as a checkpoint keeps it
     assert restored.metrics() == health.metrics()
 
 

@@ -20,7 +20,6 @@ from rl.reward import (
     RewardInput,
     RewardPool,
     RewardResult,
-    all_failed,
     extract_answer,
     format_score,
     length_penalty,
@@ -301,13 +300,21 @@ def worker_running(pid: int) -> bool:
         return False
 
 
+def all_failed(stats: dict[str, float]) -> bool:
+    """On `metrics` or `reduce_metrics` output: inputs were scored and every one failed, so the step's rewards
+    are all 0.0 and carry no signal."""
+    failed = stats["reward/num_errors"] + stats["reward/num_timeouts"]
+    return stats["reward/num_inputs"] > 0 and failed == stats["reward/num_inputs"]
+
+
 def test_all_failed():
     def result(n, errors, timeouts):
-        return RewardResult(rewards=[0.0] * n, terms={}, num_errors=errors, num_timeouts=timeouts)
+        terms = {key: [0.0] * n for key in ("correct", "format", "length")}
+        return all_failed(metrics(RewardResult([0.0] * n, terms, num_errors=errors, num_timeouts=timeouts)))
 
-    assert result(4, 3, 1).all_failed and result(2, 2, 0).all_failed and result(2, 0, 2).all_failed
-    assert not result(4, 3, 0).all_failed
-    assert not result(0, 0, 0).all_failed  # nothing scored is not a failed step
+    assert result(4, 3, 1) and result(2, 2, 0) and result(2, 0, 2)
+    assert not result(4, 3, 0)
+    assert not result(0, 0, 0)  # nothing scored is not a failed step
 
     def stats(n, errors, timeouts):
         return {"reward/num_inputs": n, "reward/num_errors": errors, "reward/num_timeouts": timeouts}
