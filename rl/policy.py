@@ -37,7 +37,9 @@ def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_co
     (hidden -> 1) projection, so its "logits" are one value per position (every value starts at 0)."""
     hf_config = AutoConfig.from_pretrained(cfg.path)
     if cfg.random_init:
-        model = load_hf_model(cfg, seed)
+        torch.manual_seed(seed)  # the same weights on every rank
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                 attn_implementation=cfg.attn_implementation)
     else:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
@@ -58,18 +60,6 @@ def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_co
         with torch.no_grad():
             model.lm_head.weight.zero_()
     return model
-
-
-def load_hf_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
-    """fp32 model on the CPU: pretrained weights, or random ones (identical on every rank) from the config.
-    Holds the whole model: `build_policy` loads pretrained weights shard by shard instead."""
-    if cfg.random_init:
-        hf_config = AutoConfig.from_pretrained(cfg.path)
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
-                                                attn_implementation=cfg.attn_implementation)
-    return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32,
-                                                attn_implementation=cfg.attn_implementation)
 
 
 def init_non_persistent_buffers(model: torch.nn.Module) -> None:

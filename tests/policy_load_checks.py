@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from rl import parallel  # noqa: E402
 from rl.config import ConfigError, ModelConfig  # noqa: E402
 from rl.invariant import make_batch_invariant  # noqa: E402
-from rl.policy import build_policy, load_hf_model, shard_policy, weight_files  # noqa: E402
+from rl.policy import build_policy, shard_policy, weight_files  # noqa: E402
 from rl.weights import iter_full_weights  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 9, 13, 20, 40, 7, 2, 250, 258], [3, 3, 100, 101, 102, 17, 9, 1, 0, 4]])
@@ -71,7 +71,8 @@ def check_batch_invariant(path: Path, d: parallel.Dist) -> dict:
     """The meta-device build patched for batch invariance computes what the old in-memory path computed."""
     cfg = ModelConfig(path=str(path), batch_invariant=True)
     new = build_policy(cfg, d.mesh, d.device, seed=0, max_context_len=64)
-    old = shard_policy(make_batch_invariant(load_hf_model(cfg, 0), 64), d.mesh, d.device, False)
+    whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=cfg.attn_implementation)
+    old = shard_policy(make_batch_invariant(whole, 64), d.mesh, d.device, False)
     tokens = TOKENS[:1, :4]  # Triton's interpreter is slow: one short row
     return {"logits_max_diff": float((logits(new, d.device, tokens) - logits(old, d.device, tokens)).abs().max())}
 

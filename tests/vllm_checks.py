@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -14,9 +15,8 @@ from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, RolloutConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
 from rl.rollout import SamplingParams, build_engine, generate_rollout  # noqa: E402
-from rl.policy import build_optimizer, load_hf_model, shard_policy  # noqa: E402
+from rl.policy import build_optimizer, shard_policy  # noqa: E402
 from rl.train import collate, token_logprobs, train_on_rollout  # noqa: E402
-from rl.config import ModelConfig  # noqa: E402
 from rl.weights import sync_weights  # noqa: E402
 from tests.tiny import tiny_tokenizer  # noqa: E402
 
@@ -38,7 +38,8 @@ def max_logprob_gap(model, samples, device):
 
 def main(out_dir: str, model_dir: str, tp: int) -> None:
     d = parallel.init_distributed()
-    policy = shard_policy(load_hf_model(ModelConfig(path=model_dir), seed=0), d.mesh, d.device, False)
+    whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    policy = shard_policy(whole, d.mesh, d.device, False)
     cfg = RolloutConfig(engine="vllm", tensor_parallel_size=tp, kv_cache_memory_bytes=32 * 2**20,
                         max_context_len=256, max_batch_size=32)
     engine = build_engine(cfg, model_dir, policy.config, d.device, d.rank)
@@ -65,7 +66,8 @@ def main(out_dir: str, model_dir: str, tp: int) -> None:
     optimizer, scheduler = build_optimizer(policy, train_cfg)
     mb = collate(samples, d.device)
     train_on_rollout(policy, optimizer, scheduler, [[mb]], [int(mb.loss_mask.sum()) * d.world_size],
-                     d.world_size, train_cfg, AlgoConfig(eps_clip_high=0.2), 1.0)
+                     d.world_size, train_cfg, AlgoConfig(eps_clip_high=0.2), 1.0,
+                     [int((mb.loss_mask.sum(-1) > 0).sum()) * d.world_size])
 
     engine.sleep(2)
     engine.wake_up(["weights"])
