@@ -288,8 +288,8 @@ SUM_KEYS = ("loss_sum", "clipped_tokens", "entropy_sum", "tokens", "mismatch_abs
 
 
 def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]], step_tokens: list[int],
-                     dp_size: int, train: TrainConfig, algo: AlgoConfig, temperature: float,
-                     step_seqs: list[int] | None = None, old: dict[int, torch.Tensor] | None = None,
+                     dp_size: int, train: TrainConfig, algo: AlgoConfig, temperature: float, step_seqs: list[int],
+                     old: dict[int, torch.Tensor] | None = None,
                      ref: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
     """Runs one optimizer step per entry of `steps` (this rank's micro-batches of each global batch).
 
@@ -299,10 +299,6 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
     KL (algo.kl_coef > 0). Returns this rank's sums (loss, clipped tokens, entropy, rollout/trainer
     mismatch, KL, importance weights) and the grad norms, for the caller to reduce across ranks.
     """
-    if step_seqs is None:
-        if algo.loss_agg != "token_mean":
-            raise ValueError(f"algo.loss_agg={algo.loss_agg!r} divides by sequences: pass step_seqs")
-        step_seqs = [0] * len(steps)
     model.train()
     reuse = can_reuse_old_logprobs(train, algo)
     # Sums stay on the device until the end: a host sync per micro-batch would stall FSDP's prefetches.

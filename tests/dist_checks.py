@@ -61,8 +61,9 @@ def main(out_dir: str) -> None:
     optimizer, scheduler = build_optimizer(model, train_cfg)
     before = full_params(model)
     tokens = int(mb.loss_mask.sum()) * d.world_size
+    seqs = int((mb.loss_mask.sum(-1) > 0).sum()) * d.world_size
     stats = train_on_rollout(model, optimizer, scheduler, [[mb]], [tokens], d.world_size, train_cfg,
-                             AlgoConfig(eps_clip_high=0.2), 1.0)
+                             AlgoConfig(eps_clip_high=0.2), 1.0, [seqs])
     after = full_params(model)
     results["changed"] = max(float((after[n] - before[n]).abs().max()) for n in before)
     results["grad_norm"] = stats["grad_norm"]

@@ -116,9 +116,9 @@ def ppo_step_by_hand(d, out: dict) -> None:
     train_cfg = TrainConfig(global_batch_size=2, micro_batch_size=1, clip_grad=0.0)  # 2 micro-batches on 1 rank
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - gradient
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    steps, step_tokens, _, _ = build_schedule(hand_samples(), train_cfg, d.rank, d.world_size, d.device)
+    steps, step_tokens, step_seqs, _ = build_schedule(hand_samples(), train_cfg, d.rank, d.world_size, d.device)
     stats = train_on_rollout(model, optimizer, scheduler, steps, step_tokens, d.world_size, train_cfg,
-                             AlgoConfig(eps_clip=0.2, eps_clip_high=0.2, use_rollout_logprobs=True), 1.0)
+                             AlgoConfig(eps_clip=0.2, eps_clip_high=0.2, use_rollout_logprobs=True), 1.0, step_seqs)
     out["hand_metrics"] = train_metrics(parallel.all_gather_objects([stats]), len(steps))
     out["hand_bias"] = full(model.bias).tolist()
 

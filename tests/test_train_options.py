@@ -136,8 +136,9 @@ def test_parameters_kept_gathered_across_micro_batches_give_the_same_steps(monke
             optimizer, scheduler = build_optimizer(model, train)
             steps = [[collate(batch[i:i + 2], d.device) for i in (k, k + 2)] for k in (0, 4)]
             tokens = [sum(int(mb.loss_mask.sum()) for mb in step) for step in steps]
+            seqs = [sum(int((mb.loss_mask.sum(-1) > 0).sum()) for mb in step) for step in steps]
             out = train_on_rollout(model, optimizer, scheduler, steps, tokens, 1, train,
-                                   AlgoConfig(eps_clip_high=0.2), 1.0)
+                                   AlgoConfig(eps_clip_high=0.2), 1.0, seqs)
             assert all(isinstance(p, DTensor) for p in model.parameters())
             runs.append((out["grad_norm"], {n: p.full_tensor().clone() for n, p in model.named_parameters()}))
         (norm_resharded, weights_resharded), (norm_gathered, weights_gathered) = runs
