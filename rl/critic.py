@@ -21,7 +21,7 @@ from rl import parallel
 from rl.algo import aggregate, gae, masked_sum, value_loss
 from rl.config import AlgoConfig, CriticConfig, ModelConfig, TrainConfig
 from rl.policy import HostOffloader, build_optimizer, build_policy
-from rl.train import MicroBatch, causal_forward, optimizer_step, per_sample_rows
+from rl.train import MicroBatch, causal_forward, optimizer_steps, per_sample_rows
 
 
 def values_of(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -75,31 +75,28 @@ class Critic:
         sums = {k: torch.zeros((), device=self.device) for k in ("vf_loss_sum", "vf_clipped", "value_sum",
                                                                   "value_sq_sum", "return_sum", "return_sq_sum",
                                                                   "residual_sq_sum", "tokens")}
-        grad_norms, skipped = [], 0
-        for micro_batches, global_tokens in zip(steps, step_tokens, strict=True):
-            step_loss = torch.zeros((), device=self.device)
-            for mb in micro_batches:
-                v = values_of(self.model, mb)
-                old = torch.stack([old_values[i] for i in mb.indices])
-                ret = torch.stack([returns[i] for i in mb.indices])
-                token_loss, clipped = value_loss(v, old, ret, self.cfg.value_clip)
-                loss = aggregate(token_loss, mb.loss_mask, "token_mean", global_tokens, 0, 1.0)
-                (loss * dp_size).backward()  # FSDP averages over ranks: the result is the global token mean
-                step_loss += loss.detach()
-                sums["vf_loss_sum"] += loss.detach()
-                sums["vf_clipped"] += masked_sum(clipped, mb.loss_mask)
-                sums["value_sum"] += masked_sum(old, mb.loss_mask)
-                sums["value_sq_sum"] += masked_sum(old * old, mb.loss_mask)
-                sums["return_sum"] += masked_sum(ret, mb.loss_mask)
-                sums["return_sq_sum"] += masked_sum(ret * ret, mb.loss_mask)
-                sums["residual_sq_sum"] += masked_sum((ret - old) ** 2, mb.loss_mask)
-                sums["tokens"] += mb.loss_mask.sum()
-            grad_norm, bad = optimizer_step(self.model, self.optimizer, self.scheduler, step_loss, self.cfg.clip_grad)
-            grad_norms.append(grad_norm)
-            skipped += int(bad)
+
+        def loss(step_index: int, mb: MicroBatch, global_tokens: int) -> torch.Tensor:
+            v = values_of(self.model, mb)
+            old = torch.stack([old_values[i] for i in mb.indices])
+            ret = torch.stack([returns[i] for i in mb.indices])
+            token_loss, clipped = value_loss(v, old, ret, self.cfg.value_clip)
+            mb_loss = aggregate(token_loss, mb.loss_mask, "token_mean", global_tokens, 0, 1.0)
+            sums["vf_loss_sum"] += mb_loss.detach()
+            sums["vf_clipped"] += masked_sum(clipped, mb.loss_mask)
+            sums["value_sum"] += masked_sum(old, mb.loss_mask)
+            sums["value_sq_sum"] += masked_sum(old * old, mb.loss_mask)
+            sums["return_sum"] += masked_sum(ret, mb.loss_mask)
+            sums["return_sq_sum"] += masked_sum(ret * ret, mb.loss_mask)
+            sums["residual_sq_sum"] += masked_sum((ret - old) ** 2, mb.loss_mask)
+            sums["tokens"] += mb.loss_mask.sum()
+            return mb_loss
+
+        grad_norms, skipped = optimizer_steps(self.model, self.optimizer, self.scheduler, steps, step_tokens, dp_size,
+                                              self.cfg.clip_grad, loss)
         out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["skipped_steps"] = skipped
+        out["skipped_steps"] = sum(skipped)
         return out
 
 

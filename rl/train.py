@@ -4,14 +4,17 @@
 shares and micro-batches (seed step 31). The loss is aggregated over the whole global
 batch of a step (every rank divides by the same global token or sequence count,
 `rl.algo.aggregate`), so results do not depend on how samples were split into
-micro-batches or ranks.
+micro-batches or ranks. `optimizer_steps` runs those steps for any loss: the policy's
+here, the critic's value loss in rl/critic.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -255,6 +258,29 @@ def optimizer_step(model, optimizer, scheduler, step_loss: torch.Tensor, max_nor
     return grad_norm, skipped
 
 
+def optimizer_steps(model, optimizer, scheduler, steps: list[list[MicroBatch]], step_totals: list, dp_size: int,
+                    max_norm: float, loss: Callable[[int, MicroBatch, Any], torch.Tensor]
+                    ) -> tuple[list[float], list[bool]]:
+    """One optimizer step per global batch: every micro-batch of this rank runs forward and backward, then
+    `optimizer_step` clips and steps, or skips a non-finite step. `loss(k, mb, step_totals[k])` is micro-batch
+    `mb`'s share of global batch k's loss; `step_totals[k]`: the global batch's counts over all ranks that the
+    loss divides by. Returns the steps' grad norms and whether each was skipped."""
+    device = next(model.parameters()).device
+    grad_norms, skipped_flags = [], []
+    for k, (micro_batches, totals) in enumerate(zip(steps, step_totals, strict=True)):
+        step_loss = torch.zeros((), device=device)
+        for mb in micro_batches:
+            mb_loss = loss(k, mb, totals)
+            # FSDP averages gradients over ranks; scale so the result is the global batch's loss.
+            (mb_loss * dp_size).backward()
+            step_loss += mb_loss.detach()
+        # A skipped step keeps the engine's weights finite too; the caller counts the streak.
+        grad_norm, skipped = optimizer_step(model, optimizer, scheduler, step_loss, max_norm)
+        grad_norms.append(grad_norm)
+        skipped_flags.append(skipped)
+    return grad_norms, skipped_flags
+
+
 @torch.no_grad()
 def per_sample_rows(model, micro_batches: list[MicroBatch], forward) -> dict[int, torch.Tensor]:
     """Sample.index -> its row of `forward(model, micro_batch)`, without gradients; the model is resharded after."""
@@ -313,31 +339,25 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
         for mb in all_micro_batches:
             add_mismatch(sums, torch.stack([old[i] for i in mb.indices]), mb.rollout_logprobs, mb.loss_mask,
                          mb.indices, per_sample)
-    grad_norms, skipped_flags = [], []
-    for step_index, (micro_batches, global_tokens, global_seqs) in enumerate(
-            zip(steps, step_tokens, step_seqs, strict=True)):
-        step_loss = torch.zeros((), device=device)
-        for mb in micro_batches:
-            logprobs, entropy = token_logprobs(model, mb, temperature)
-            if not old and step_index == 0:  # the policy has not moved yet: these are the old logprobs
-                add_mismatch(sums, logprobs, mb.rollout_logprobs, mb.loss_mask, mb.indices, per_sample)
-            if reuse:
-                old_lp = logprobs.detach()
-            elif algo.use_rollout_logprobs:
-                old_lp = mb.rollout_logprobs
-            else:
-                old_lp = torch.stack([old[i] for i in mb.indices])
-            loss = micro_batch_loss(sums, mb, logprobs, entropy, old_lp,
-                                    torch.stack([ref[i] for i in mb.indices]) if ref else None,
-                                    algo, global_tokens, global_seqs)
-            # FSDP averages gradients over ranks; scale so the result is the global batch's loss.
-            (loss * dp_size).backward()
-            sums["loss_sum"] += loss.detach()
-            step_loss += loss.detach()
-        # A skipped step keeps the engine's weights finite too; the caller counts the streak.
-        grad_norm, skipped = optimizer_step(model, optimizer, scheduler, step_loss, train.clip_grad)
-        grad_norms.append(grad_norm)
-        skipped_flags.append(skipped)
+
+    def loss(step_index: int, mb: MicroBatch, totals: tuple[int, int]) -> torch.Tensor:
+        logprobs, entropy = token_logprobs(model, mb, temperature)
+        if not old and step_index == 0:  # the policy has not moved yet: these are the old logprobs
+            add_mismatch(sums, logprobs, mb.rollout_logprobs, mb.loss_mask, mb.indices, per_sample)
+        if reuse:
+            old_lp = logprobs.detach()
+        elif algo.use_rollout_logprobs:
+            old_lp = mb.rollout_logprobs
+        else:
+            old_lp = torch.stack([old[i] for i in mb.indices])
+        mb_loss = micro_batch_loss(sums, mb, logprobs, entropy, old_lp,
+                                   torch.stack([ref[i] for i in mb.indices]) if ref else None, algo, *totals)
+        sums["loss_sum"] += mb_loss.detach()
+        return mb_loss
+
+    grad_norms, skipped_flags = optimizer_steps(model, optimizer, scheduler, steps,
+                                                list(zip(step_tokens, step_seqs, strict=True)), dp_size,
+                                                train.clip_grad, loss)
     out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all the sums
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = scheduler.get_last_lr()[0]
