@@ -3,10 +3,11 @@
 `Sample` carries one response through rollout, reward and training with the seed's
 fields. `PromptDataset` reads prompts (jsonl, parquet or a reasoning-gym task),
 applies the prompt template and chat template, drops over-long prompts (counted),
-and hands out whole groups of `n_samples_per_prompt` copies with global
-`group_index`/`index` numbering (seed step 16). Its cursor (epoch, offset, seeded
-shuffle) is a small dict, so a run can resume exactly where it stopped. Every rank
-builds the same dataset and draws the same groups; ranks then take their own slice.
+and hands out whole groups of `n_samples_per_prompt` copies of each prompt, whose
+`group_index`/`index` count on across rollouts, so a number names one sample of the
+run (the seed's step 16). Its cursor (epoch, offset, seeded shuffle) is a small dict,
+so a run can resume exactly where it stopped. Every rank builds the same dataset and
+draws the same groups; ranks then take their own slice.
 
 The cursor also holds a fingerprint of the prompts it indexes (their number and a hash
 of their text and labels). A run resumed on prompts that changed (an edited data file,
@@ -224,7 +225,8 @@ def load_prompts(cfg: DataConfig, tokenizer, keys: SourceKeys = TRAINING_KEYS) -
 
 def expand_groups(prompts: list[Prompt], n_samples_per_prompt: int, group_start: int, index_start: int
                   ) -> list[list[Sample]]:
-    """Seed step 16: each prompt becomes a group of n copies, numbered globally."""
+    """Each prompt becomes a group of n copies; groups and samples are numbered on from `group_start` and
+    `index_start`, so that numbers are unique over the run (the seed's step 16)."""
     groups, index = [], index_start
     for g, prompt in enumerate(prompts):
         template = Sample(prompt=prompt.text, tokens=list(prompt.token_ids), label=prompt.label,

@@ -1,11 +1,11 @@
 """One rollout's worth of optimizer steps on the FSDP2 policy, and how a rollout is cut into them.
 
-`build_schedule` splits the rollout into global batches, each into length-balanced DP
-shares and micro-batches (seed step 31). The loss is aggregated over the whole global
-batch of a step (every rank divides by the same global token or sequence count,
-`rl.algo.aggregate`), so results do not depend on how samples were split into
-micro-batches or ranks. `optimizer_steps` runs those steps for any loss: the policy's
-here, the critic's value loss in rl/critic.py.
+`build_schedule` splits the rollout into global batches, one per optimizer step, each
+into length-balanced DP shares and micro-batches (the seed's step 31). The loss is
+aggregated over the whole global batch of a step (every rank divides by the same global
+token or sequence count, `rl.algo.aggregate`), so results do not depend on how samples
+were split into micro-batches or ranks. `optimizer_steps` runs those steps for any loss:
+the policy's here, the critic's value loss in rl/critic.py.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def width_multiple(device: torch.device) -> int:
 
 def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_size: int, device,
                    max_width: int = 0) -> tuple[list[list], list[int], list[int], int]:
-    """Seed step 31: global batches in order, each split across DP ranks by balanced length, then
+    """The rollout's global batches in order, each split across DP ranks by balanced length, then
     this rank's share cut into micro-batches. Returns (micro-batches per step, loss tokens per step,
     sequences with loss tokens per step, padding micro-batches over all ranks). Widths are rounded up
     (`width_multiple`), never past `max_width` (the context the model was checked for) when it is given.
@@ -332,7 +332,9 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
     sums = {key: torch.zeros((), device=device) for key in SUM_KEYS}
     all_micro_batches = [mb for step in steps for mb in step]
     per_sample: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
-    if not old and needs_old_logprobs(train, algo):  # seed step 38: policy moves between steps
+    # With several optimizer steps the policy moves between them: the old logprobs take a pass of their own
+    # before the first update (the seed's step 38).
+    if not old and needs_old_logprobs(train, algo):
         old = logprobs_by_sample(model, all_micro_batches, temperature)
     old = old or {}
     if old:
