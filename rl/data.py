@@ -1,7 +1,9 @@
 """Samples and prompt sources.
 
 `Sample` carries one response through rollout, reward and training with the seed's
-fields. `PromptDataset` reads prompts (jsonl, parquet or a reasoning-gym task),
+fields. `PromptDataset` reads prompts (jsonl, parquet, a reasoning-gym task, or one split of a
+Hugging Face dataset folder: `save_to_disk` arrow files or the hub's file layout, read with
+pyarrow alone so that `datasets` is not needed to train),
 applies the prompt template and chat template, drops over-long prompts (counted),
 and hands out whole groups of `n_samples_per_prompt` copies of each prompt, whose
 `group_index`/`index` count on across rollouts, so a number names one sample of the
@@ -24,6 +26,7 @@ import enum
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,11 +92,12 @@ class SourceKeys:
     prompt_key: str
     answer_key: str
     task_config: str
+    split: str
 
 
-TRAINING_KEYS = SourceKeys("data.source", "data.prompt_key", "data.answer_key", "data.task_config")
+TRAINING_KEYS = SourceKeys("data.source", "data.prompt_key", "data.answer_key", "data.task_config", "data.split")
 EVAL_KEYS = SourceKeys("eval.source", "data.prompt_key, read for eval.source", "data.answer_key, read for eval.source",
-                       "eval.task_config")
+                       "eval.task_config", "eval.split")
 
 
 def _read_jsonl(path: Path, source_key: str) -> tuple[list[dict[str, Any]], list[str]]:
@@ -129,6 +133,84 @@ def _read_parquet(path: Path, source_key: str) -> list[dict[str, Any]]:
         raise ConfigError(f"{source_key}: {path}: not a readable parquet file ({e})") from e
 
 
+def _read_arrow(path: Path, source_key: str) -> list[dict[str, Any]]:
+    """Rows of one arrow file written by `datasets`' save_to_disk, which writes the IPC stream format."""
+    import pyarrow
+    import pyarrow.ipc
+
+    try:
+        with pyarrow.ipc.open_stream(path) as reader:
+            return reader.read_all().to_pylist()
+    except (pyarrow.ArrowException, OSError) as e:
+        raise ConfigError(f"{source_key}: {path}: not a readable arrow stream ({e})") from e
+
+
+def _read_file(path: Path, source_key: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows of one .jsonl, .parquet or .arrow file and, per row, where it is for errors."""
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path, source_key)
+    rows = _read_arrow(path, source_key) if path.suffix == ".arrow" else _read_parquet(path, source_key)
+    return rows, [f"{source_key}: {path} row {i}" for i in range(len(rows))]
+
+
+# ---------------------------------------------------------------------------- dataset folders
+
+
+def _saved_dataset_files(folder: Path) -> list[Path]:
+    """The arrow files of a `Dataset.save_to_disk` folder, in row order as its state.json lists them."""
+    state = json.loads((folder / "state.json").read_text())
+    return [folder / f["filename"] for f in state["_data_files"]]
+
+
+def _split_name(file: Path) -> str:
+    """'train' for train.parquet and for the hub's shards, train-00000-of-00002.parquet."""
+    return re.sub(r"-\d+-of-\d+$", "", file.name.split(".")[0])
+
+
+def _hub_layout_splits(folder: Path) -> dict[str, list[Path]]:
+    """Split name -> its files in row order, for the first layout the folder uses, in the hub's order:
+    data/<split>-*.parquet, then <split>.jsonl / <split>.parquet at the top, then <split>/*.parquet."""
+    def data_files(d: Path) -> list[Path]:
+        return sorted(f for f in d.iterdir() if f.is_file() and f.suffix in (".jsonl", ".parquet"))
+
+    for files in (data_files(folder / "data") if (folder / "data").is_dir() else [], data_files(folder)):
+        if files:
+            splits: dict[str, list[Path]] = {}
+            for f in files:  # sorted by name: zero-padded shard numbers keep rows in order
+                splits.setdefault(_split_name(f), []).append(f)
+            return splits
+    subfolders = sorted(d for d in folder.iterdir() if d.is_dir() and d.name != "data")
+    return {d.name: data_files(d) for d in subfolders if data_files(d)}
+
+
+def _folder_split_files(folder: Path, split: str, keys: SourceKeys) -> list[Path]:
+    """The files holding `split` of a dataset folder (a single saved Dataset has no splits: all of it)."""
+    if (folder / "state.json").is_file():
+        return _saved_dataset_files(folder)
+    if (folder / "dataset_dict.json").is_file():
+        names = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+        files = _saved_dataset_files(folder / split) if split in names else []
+    else:
+        splits = _hub_layout_splits(folder)
+        names, files = list(splits), splits.get(split, [])
+    if not names:
+        raise ConfigError(f"{keys.source}: {folder} is a folder without a dataset: no dataset_dict.json or "
+                          f"state.json (save_to_disk), nor data/<split>-*.parquet, <split>.jsonl, "
+                          f"<split>.parquet or <split>/*.parquet")
+    if split not in names:
+        raise ConfigError(f"{keys.split}={split!r}: {folder} has splits {', '.join(names)}")
+    return files
+
+
+def _read_folder(folder: Path, split: str, keys: SourceKeys) -> tuple[list[dict[str, Any]], list[str]]:
+    rows, where = [], []
+    for file in _folder_split_files(folder, split, keys):
+        file_rows, file_where = _read_file(file, keys.source)
+        rows += file_rows
+        where += file_where
+    return rows, where
+
+
 def _generate_reasoning_gym(task: str, cfg: DataConfig, keys: SourceKeys) -> list[dict[str, Any]]:
     import reasoning_gym
 
@@ -157,15 +239,15 @@ def read_source_rows(cfg: DataConfig, keys: SourceKeys = TRAINING_KEYS) -> tuple
     if cfg.source.startswith("reasoning_gym:"):
         return _generate_reasoning_gym(cfg.source.split(":", 1)[1], cfg, keys), "prompt", "answer"
     path = Path(cfg.source)
-    if not path.is_file():
+    if path.is_dir():
+        rows, where = _read_folder(path, cfg.split, keys)
+    elif not path.is_file():
         raise ConfigError(f"{keys.source}: file not found: {path}")
-    if path.suffix == ".jsonl":
-        rows, where = _read_jsonl(path, keys.source)
-    elif path.suffix == ".parquet":
-        rows = _read_parquet(path, keys.source)
-        where = [f"{keys.source}: {path} row {i}" for i in range(len(rows))]
+    elif path.suffix in (".jsonl", ".parquet"):  # a plain file is one split: the split key does not apply
+        rows, where = _read_file(path, keys.source)
     else:
-        raise ConfigError(f"{keys.source}: {path} must end in .jsonl or .parquet, or be reasoning_gym:<task>")
+        raise ConfigError(f"{keys.source}: {path} must end in .jsonl or .parquet, be a dataset folder, "
+                          f"or be reasoning_gym:<task>")
     for row, at in zip(rows, where):
         for key, name in ((cfg.prompt_key, keys.prompt_key), (cfg.answer_key, keys.answer_key)):
             if key not in row:

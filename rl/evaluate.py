@@ -25,7 +25,7 @@ from rl.rollout import SamplingParams
 def load_eval_prompts(ev: EvalConfig, data: DataConfig, tokenizer, training: list[Prompt]) -> tuple[list[Prompt], int]:
     """The eval prompts not among the training prompts, and how many were dropped for being there. Read with
     data's keys and templates; errors name eval.source and eval.task_config."""
-    source = dataclasses.replace(data, source=ev.source, num_examples=ev.num_examples, seed=ev.seed,
+    source = dataclasses.replace(data, source=ev.source, split=ev.split, num_examples=ev.num_examples, seed=ev.seed,
                                  task_config=ev.task_config if ev.task_config is not None else data.task_config)
     prompts = load_prompts(source, tokenizer, EVAL_KEYS)[0][: ev.num_examples]
     seen = {p.text for p in training}
