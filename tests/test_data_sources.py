@@ -103,3 +103,21 @@ def test_eval_on_the_test_split_of_the_training_folder_drops_nothing(tmp_path, m
     # The overlap check still sees rows: evaluating on the training split drops them all.
     same, dropped = load_eval_prompts(EvalConfig(source=str(folder), split="train"), data, tiny_tokenizer(), training)
     assert same == [] and dropped == len(TRAIN)
+
+
+def test_a_two_rank_run_trains_on_a_hub_folder_and_evaluates_its_test_split(tmp_path):
+    from tests.test_faults import run, strict_rows
+    from tests.tiny import save_tiny_model_dir
+
+    rows = [{"question": f"What is {i} + {i % 7}?", "answer": str(i + i % 7)} for i in range(40)]
+    folder = tmp_path / "hub"
+    (folder / "data").mkdir(parents=True)
+    datasets.Dataset.from_list(rows[:16]).to_parquet(folder / "data/train-00000-of-00002.parquet")
+    datasets.Dataset.from_list(rows[16:32]).to_parquet(folder / "data/train-00001-of-00002.parquet")
+    datasets.Dataset.from_list(rows[32:]).to_parquet(folder / "data/test-00000-of-00001.parquet")
+    inputs = (save_tiny_model_dir(tmp_path / "model"), folder)
+    proc = run(inputs, tmp_path / "run", f"--eval.source={folder}", "--eval.num_examples=8", "--train.num_rollout=1",
+               nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "data: 32 prompts" in proc.stdout and "eval: 8 held-out prompts (0 dropped" in proc.stdout
+    assert strict_rows(tmp_path / "run")[-1]["eval/num_prompts"] == 8
