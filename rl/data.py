@@ -156,10 +156,23 @@ def _read_file(path: Path, source_key: str) -> tuple[list[dict[str, Any]], list[
 # ---------------------------------------------------------------------------- dataset folders
 
 
-def _saved_dataset_files(folder: Path) -> list[Path]:
+def _read_index(path: Path, key: str, source: str):
+    """`key` of a save_to_disk folder's JSON index (state.json, dataset_dict.json); one line when it is damaged."""
+    try:
+        return json.loads(path.read_text())[key]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(f"{source}: {path} cannot be read as a save_to_disk index ({type(e).__name__}: {e}); "
+                          f"save the dataset again") from None
+
+
+def _saved_dataset_files(folder: Path, source: str) -> list[Path]:
     """The arrow files of a `Dataset.save_to_disk` folder, in row order as its state.json lists them."""
-    state = json.loads((folder / "state.json").read_text())
-    return [folder / f["filename"] for f in state["_data_files"]]
+    entries = _read_index(folder / "state.json", "_data_files", source)
+    try:
+        return [folder / f["filename"] for f in entries]
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{source}: {folder / 'state.json'} lists its files without names ({e!r}); save the "
+                          f"dataset again") from None
 
 
 def _split_name(file: Path) -> str:
@@ -186,10 +199,10 @@ def _hub_layout_splits(folder: Path) -> dict[str, list[Path]]:
 def _folder_split_files(folder: Path, split: str, keys: SourceKeys) -> list[Path]:
     """The files holding `split` of a dataset folder (a single saved Dataset has no splits: all of it)."""
     if (folder / "state.json").is_file():
-        return _saved_dataset_files(folder)
+        return _saved_dataset_files(folder, keys.source)
     if (folder / "dataset_dict.json").is_file():
-        names = json.loads((folder / "dataset_dict.json").read_text())["splits"]
-        files = _saved_dataset_files(folder / split) if split in names else []
+        names = _read_index(folder / "dataset_dict.json", "splits", keys.source)
+        files = _saved_dataset_files(folder / split, keys.source) if split in names else []
     else:
         splits = _hub_layout_splits(folder)
         names, files = list(splits), splits.get(split, [])

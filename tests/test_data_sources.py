@@ -121,3 +121,15 @@ def test_a_two_rank_run_trains_on_a_hub_folder_and_evaluates_its_test_split(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data: 32 prompts" in proc.stdout and "eval: 8 held-out prompts (0 dropped" in proc.stdout
     assert strict_rows(tmp_path / "run")[-1]["eval/num_prompts"] == 8
+
+
+def test_a_damaged_save_to_disk_index_is_one_line(tmp_path):
+    folder = dict_folder(tmp_path / "ds")
+    (folder / "dataset_dict.json").write_text('{"splits": ["train", ')  # cut off mid-write
+    with pytest.raises(ConfigError, match=r"^data.source: .*dataset_dict.json cannot be read as a save_to_disk index "
+                                          r"\(JSONDecodeError: "):
+        read_source_rows(config(folder))
+    folder = dict_folder(tmp_path / "again")
+    (folder / "train" / "state.json").write_text('{"_fingerprint": "x"}')
+    with pytest.raises(ConfigError, match=r"state.json cannot be read as a save_to_disk index \(KeyError: "):
+        read_source_rows(config(folder))
