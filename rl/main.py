@@ -131,12 +131,11 @@ def train(run: Run, logger) -> bool:
     cfg, dist = run.cfg, run.dist
     for rollout_id in range(run.start, cfg.train.num_rollout):
         record = StepRecord(dist.device)
-        timeout = cfg.train.collective_timeout_s if rollout_id > run.start else STARTUP_TIMEOUT_S
         # Held-out eval of the weights this rollout generates with (rollout 0: before the first update).
         eval_stats = run_eval(run, rollout_id) if run.eval_prompts and rollout_id % cfg.eval.interval == 0 else {}
         # Rollout: draw prompt groups, generate on every engine, score, gather, apply the dynamic filter.
         samples, rollout_stats = run.collector.rollout(run.dataset, run.sampling, run.weight_version, rollout_id,
-                                                       timeout)
+                                                       barrier_timeout(run, rollout_id))
         check_rewards(run, logger, rollout_id, rollout_stats)
         # Advantages from each group's rewards (GRPO by default).
         assign_advantages(samples, cfg.algo)
@@ -194,12 +193,18 @@ def log_row(run: Run, logger, row: dict, record: StepRecord, num_steps: int) -> 
 
 def run_eval(run: Run, rollout_id: int) -> dict[str, float]:
     stats = evaluate(run.collector, run.eval_prompts, run.cfg.eval, run.sampling, run.weight_version,
-                     run.cfg.train.collective_timeout_s if rollout_id > run.start else STARTUP_TIMEOUT_S,
+                     barrier_timeout(run, rollout_id),
                      Path(run.cfg.log.output_dir) / "samples" / f"eval_rollout_{rollout_id}.jsonl")
     shown = {k: v for k, v in stats.items() if k != "eval/reward_errors" or v}  # named only when some failed
     print0(f"eval before rollout {rollout_id} (weight_version {run.weight_version}): "
            + " | ".join(f"{k.removeprefix('eval/')}={v:.4g}" for k, v in shown.items()))
     return stats
+
+
+def barrier_timeout(run: Run, rollout_id: int) -> float:
+    """How long ranks wait for each other after generating: the start-up bound through a process's first
+    rollout (loading, compiling), `train.collective_timeout_s` after it."""
+    return run.cfg.train.collective_timeout_s if rollout_id > run.start else STARTUP_TIMEOUT_S
 
 
 def held_out_prompts(cfg: Config, tokenizer, dataset: PromptDataset) -> list:
