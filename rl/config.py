@@ -58,8 +58,13 @@ class DataConfig:
     # or the hub's layout (data/<split>-*.parquet, <split>.jsonl, <split>.parquet or <split>/*.parquet)
     source: str = ""
     split: str = "train"  # the split read from a dataset folder; a file or a generated task ignores it
+    # Column map. The prompt column holds text or a list of chat messages ({"role", "content"}, as in TRL's
+    # conversational datasets); every other column reaches the reward functions (README "Rewards").
     prompt_key: str = "prompt"
+    # the label; "" for data without one (then a reward function must score it). A dotted key reads inside a
+    # table column, as verl's parquet files hold their answers: "reward_model.ground_truth"
     answer_key: str = "answer"
+    system_prompt_key: str = ""  # a column of per-row system prompts; an empty or null one uses system_prompt
     task_config: dict[str, Any] = field(default_factory=dict)  # kwargs of a generated task
     num_examples: int = 2000  # rows drawn from a generated task
     prompt_template: str = "{prompt}"  # wraps the raw prompt text before the chat template
@@ -460,6 +465,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     validate_train(cfg.train, cfg.rollout)
     validate_algo(cfg.algo, cfg.model, cfg.rollout)
     validate_reward_and_health(cfg.reward, cfg.train, cfg.weights)
+    validate_columns(cfg.data, cfg.reward)
     validate_run(cfg)
     if world_size is not None:
         validate_layout(cfg.rollout, cfg.train, world_size)
@@ -538,6 +544,15 @@ def validate_reward_and_health(rw: RewardConfig, tr: TrainConfig, weights: Weigh
     _require(tr.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {tr.max_bad_steps}")
     _require(tr.collective_timeout_s > 0, f"train.collective_timeout_s must be > 0, got {tr.collective_timeout_s}")
     _require(weights.bucket_mb > 0, "weights.bucket_mb must be > 0")
+
+
+def validate_columns(data: DataConfig, rw: RewardConfig) -> None:
+    _require(bool(data.prompt_key), "data.prompt_key must name the prompt column")
+    _require(data.prompt_key not in (data.answer_key, data.system_prompt_key),
+             f"data.prompt_key={data.prompt_key!r} also names the answer or system prompt column")
+    _require(bool(data.answer_key) or bool(rw.user_fn),
+             "data.answer_key='' leaves the default reward (math-verify against the answer) nothing to check: "
+             "name the answer column, or score with reward.user_fn")
 
 
 def validate_run(cfg: Config) -> None:

@@ -11,6 +11,10 @@ run (the seed's step 16). Its cursor (epoch, offset, seeded shuffle) is a small 
 so a run can resume exactly where it stopped. Every rank builds the same dataset and
 draws the same groups; ranks then take their own slice.
 
+Columns: the prompt column holds text or a list of chat messages (TRL's conversational format); a column may
+hold each row's system prompt; the answer may sit inside a table column (verl's "reward_model.ground_truth")
+or be absent. Every other column rides along on each Sample, for the reward functions.
+
 The cursor also holds a fingerprint of the prompts it indexes (their number and a hash
 of their text and labels). A run resumed on prompts that changed (an edited data file,
 a new template or max_prompt_len) says so in one line and goes on rather than stopping:
@@ -57,7 +61,9 @@ class Sample:
     group_index: int = -1
     index: int = -1
     weight_version: int = 0
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # handed to reward.user_fn
+    raw_prompt: Any = None  # the prompt as its row holds it (text or chat messages): TRL-style functions' `prompts`
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for TRL-style functions
 
     @property
     def prompt_length(self) -> int:
@@ -78,6 +84,8 @@ class Prompt:
     token_ids: list[int]
     label: Any
     metadata: dict[str, Any]
+    raw: Any = None  # the row's prompt before templates
+    columns: dict[str, Any] = field(default_factory=dict)  # the row without its prompt
 
 
 # ---------------------------------------------------------------------------- reading rows
@@ -91,13 +99,15 @@ class SourceKeys:
     source: str
     prompt_key: str
     answer_key: str
+    system_prompt_key: str
     task_config: str
     split: str
 
 
-TRAINING_KEYS = SourceKeys("data.source", "data.prompt_key", "data.answer_key", "data.task_config", "data.split")
+TRAINING_KEYS = SourceKeys("data.source", "data.prompt_key", "data.answer_key", "data.system_prompt_key",
+                           "data.task_config", "data.split")
 EVAL_KEYS = SourceKeys("eval.source", "data.prompt_key, read for eval.source", "data.answer_key, read for eval.source",
-                       "eval.task_config", "eval.split")
+                       "data.system_prompt_key, read for eval.source", "eval.task_config", "eval.split")
 
 
 def _read_jsonl(path: Path, source_key: str) -> tuple[list[dict[str, Any]], list[str]]:
@@ -262,29 +272,58 @@ def read_source_rows(cfg: DataConfig, keys: SourceKeys = TRAINING_KEYS) -> tuple
         raise ConfigError(f"{keys.source}: {path} must end in .jsonl or .parquet, be a dataset folder, "
                           f"or be reasoning_gym:<task>")
     for row, at in zip(rows, where):
-        for key, name in ((cfg.prompt_key, keys.prompt_key), (cfg.answer_key, keys.answer_key)):
-            if key not in row:
-                raise ConfigError(f"{at}: missing key {key!r} ({name}); row keys: {sorted(row)}")
-        problem = _prompt_problem(row[cfg.prompt_key])
-        if problem:
-            raise ConfigError(f"{at}: {cfg.prompt_key!r} ({keys.prompt_key}) {problem}")
-        if row[cfg.answer_key] is None:
-            raise ConfigError(f"{at}: {cfg.answer_key!r} ({keys.answer_key}) is null")
+        _check_row(row, at, cfg, keys)
     return rows, cfg.prompt_key, cfg.answer_key
+
+
+MISSING = object()
+
+
+def column(row: dict[str, Any], key: str) -> Any:
+    """row[key]; for a dotted key that names no column, the value inside nested tables, as verl's parquet files
+    hold their answers ("reward_model.ground_truth"); MISSING when there is none."""
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
+
+
+def _check_row(row: dict[str, Any], at: str, cfg: DataConfig, keys: SourceKeys) -> None:
+    """One line naming the row and the key for a missing column, a bad prompt, a null answer or system prompt."""
+    named = [(cfg.prompt_key, keys.prompt_key), (cfg.answer_key, keys.answer_key),
+             (cfg.system_prompt_key, keys.system_prompt_key)]
+    for key, name in named:
+        if key and column(row, key) is MISSING:
+            raise ConfigError(f"{at}: missing key {key!r} ({name}); row keys: {sorted(row)}")
+    problem = _prompt_problem(column(row, cfg.prompt_key))
+    if problem:
+        raise ConfigError(f"{at}: {cfg.prompt_key!r} ({keys.prompt_key}) {problem}")
+    if cfg.answer_key and column(row, cfg.answer_key) is None:
+        raise ConfigError(f"{at}: {cfg.answer_key!r} ({keys.answer_key}) is null")
+    system = column(row, cfg.system_prompt_key) if cfg.system_prompt_key else None
+    if system is not None and not isinstance(system, str):
+        raise ConfigError(f"{at}: {cfg.system_prompt_key!r} ({keys.system_prompt_key}) must be text or null, "
+                          f"got {type(system).__name__} {system!r}"[:300])
 
 
 # ---------------------------------------------------------------------------- templating
 
 
-def render_prompt(raw: Any, cfg: DataConfig, tokenizer) -> str:
-    """Raw prompt (text or chat messages) -> the text the engine continues."""
-    if isinstance(raw, list):  # already chat messages
+def render_prompt(raw: Any, cfg: DataConfig, tokenizer, system_prompt: str | None = None) -> str:
+    """Raw prompt (text or chat messages) -> the text the engine continues. `system_prompt`: the row's own,
+    which replaces data.system_prompt; chat messages that open with a system message keep theirs."""
+    if isinstance(raw, list):  # already chat messages: the template is for text prompts
         messages = [dict(m) for m in raw]
     else:
         # Plain replacement, not str.format: templates hold literal braces ("\\boxed{}").
         messages = [{"role": "user", "content": cfg.prompt_template.replace("{prompt}", raw)}]
-    if cfg.system_prompt and messages[0].get("role") != "system":
-        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+    system_prompt = system_prompt or cfg.system_prompt
+    if system_prompt and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
     if not cfg.apply_chat_template:
         return "\n".join(m["content"] for m in messages)
     if tokenizer.chat_template is None:
@@ -296,14 +335,25 @@ def tokenize_prompts(rows, prompt_key, answer_key, cfg: DataConfig, tokenizer) -
     """Templated, tokenized prompts and how many were dropped for exceeding max_prompt_len."""
     prompts, dropped = [], 0
     for row in rows:
-        text = render_prompt(row[prompt_key], cfg, tokenizer)
+        system_prompt = column(row, cfg.system_prompt_key) if cfg.system_prompt_key else None
+        text = render_prompt(column(row, prompt_key), cfg, tokenizer, system_prompt)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > cfg.max_prompt_len:
             dropped += 1
             continue
-        metadata = row.get("metadata") if isinstance(row.get("metadata"), dict) else {}
-        prompts.append(Prompt(text=text, token_ids=list(ids), label=row[answer_key], metadata=metadata))
+        prompts.append(Prompt(text=text, token_ids=list(ids), label=column(row, answer_key) if answer_key else None,
+                              metadata=user_fn_metadata(row, prompt_key, answer_key), raw=column(row, prompt_key),
+                              columns={k: v for k, v in row.items() if k != prompt_key}))
     return prompts, dropped
+
+
+def user_fn_metadata(row: dict[str, Any], prompt_key: str, answer_key: str) -> dict[str, Any]:
+    """reward.user_fn's `metadata`: the row's columns other than the prompt and the answer, and the keys of a
+    "metadata" column holding a table (as reasoning-gym rows do) at the top level, where they always were."""
+    metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+    if isinstance(row.get("metadata"), dict):
+        metadata.update(metadata.pop("metadata"))
+    return metadata
 
 
 def load_prompts(cfg: DataConfig, tokenizer, keys: SourceKeys = TRAINING_KEYS) -> tuple[list[Prompt], int]:
@@ -325,7 +375,7 @@ def expand_groups(prompts: list[Prompt], n_samples_per_prompt: int, group_start:
     groups, index = [], index_start
     for g, prompt in enumerate(prompts):
         template = Sample(prompt=prompt.text, tokens=list(prompt.token_ids), label=prompt.label,
-                          metadata=dict(prompt.metadata))
+                          metadata=dict(prompt.metadata), raw_prompt=prompt.raw, columns=dict(prompt.columns))
         group = []
         for _ in range(n_samples_per_prompt):
             sample = copy.deepcopy(template)
