@@ -69,7 +69,8 @@ class Collector:
 
     def score(self, samples: list[Sample], term: str) -> dict[str, float]:
         result = self.pool.score([RewardInput(s.prompt, s.response, s.label, s.response_length,
-                                              self.ro.max_new_tokens, s.metadata) for s in samples])
+                                              self.ro.max_new_tokens, s.metadata, s.raw_prompt, s.columns,
+                                              s.tokens[s.prompt_length:], s.group_index) for s in samples])
         values = result.rewards if term == "reward" else result.terms[term]
         for sample, value in zip(samples, values, strict=True):
             sample.reward = value

@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 import io
 import json
+import math
 import textwrap
 import tokenize
 import tomllib
@@ -115,7 +116,15 @@ class RewardConfig:
     format_pattern: str = r"\\boxed\{.+\}"
     length_penalty_weight: float = 0.0  # soft overlong penalty, 0 .. -1
     length_penalty_buffer: int = 256  # tokens before max_new_tokens where the penalty ramps
-    user_fn: str = ""  # "pkg.module:function" replacing the math term
+    user_fn: str = ""  # "pkg.module:function" replacing the math term: fn(prompt, response, label, metadata) -> float
+    # TRL-style batched functions, "pkg.module:function" each: fn(prompts, completions, completion_ids, **columns)
+    # -> list[float | None]. Their weighted sum replaces the math term; each is logged as reward/<name>_mean.
+    functions: list[str] = field(default_factory=list)
+    function_weights: list[float] = field(default_factory=list)  # one per function; empty: 1.0 each
+    # "pkg.module:function" called once per prompt group (a judge, a reward model): fn(prompt, completions,
+    # completion_ids, **the row's columns) -> list[float | None]; joins the functions' weighted sum
+    group_fn: str = ""
+    group_weight: float = 1.0
     num_workers: int = 2
     timeout_s: float = 10.0
     start_timeout_s: float = 60.0  # a worker that is not ready by then stops the run
@@ -537,7 +546,7 @@ def validate_train(tr: TrainConfig, ro: RolloutConfig) -> None:
 def validate_reward_and_health(rw: RewardConfig, tr: TrainConfig, weights: WeightsConfig) -> None:
     _require(rw.num_workers >= 1, "reward.num_workers must be >= 1")
     _require(rw.timeout_s > 0, "reward.timeout_s must be > 0")
-    _require(rw.user_fn == "" or ":" in rw.user_fn, f"reward.user_fn must look like 'pkg.module:function', got {rw.user_fn!r}")
+    validate_reward_functions(rw)
     _require(rw.start_timeout_s > 0, f"reward.start_timeout_s must be > 0, got {rw.start_timeout_s}")
     _require(rw.memory_limit_mb >= 0, f"reward.memory_limit_mb must be >= 0 (0: no limit), got {rw.memory_limit_mb}")
     _require(rw.max_failed_steps >= 1, f"reward.max_failed_steps must be >= 1, got {rw.max_failed_steps}")
@@ -546,13 +555,36 @@ def validate_reward_and_health(rw: RewardConfig, tr: TrainConfig, weights: Weigh
     _require(weights.bucket_mb > 0, "weights.bucket_mb must be > 0")
 
 
+def _is_function_path(path: str) -> bool:
+    module, colon, name = path.partition(":")
+    return bool(colon and module and name)
+
+
+def validate_reward_functions(rw: RewardConfig) -> None:
+    """The paths of the user's reward functions and their weights; importing them is RewardPool's, at start-up."""
+    for key, paths in (("reward.user_fn", [rw.user_fn] if rw.user_fn else []), ("reward.functions", rw.functions),
+                       ("reward.group_fn", [rw.group_fn] if rw.group_fn else [])):
+        for path in paths:
+            _require(_is_function_path(path), f"{key} must name 'pkg.module:function', got {path!r}")
+    _require(len(set(rw.functions)) == len(rw.functions), f"reward.functions names a function twice: {rw.functions}")
+    _require(not rw.function_weights or len(rw.function_weights) == len(rw.functions),
+             f"reward.function_weights has {len(rw.function_weights)} weights for {len(rw.functions)} "
+             f"reward.functions: give one per function, or none for 1.0 each")
+    _require(not (rw.user_fn and (rw.functions or rw.group_fn)),
+             "reward.user_fn and reward.functions / reward.group_fn all replace the math term: set one kind")
+    weights = [*rw.function_weights, rw.group_weight]
+    _require(all(math.isfinite(w) for w in weights), f"reward.function_weights and reward.group_weight must be "
+             f"finite, got {rw.function_weights} and {rw.group_weight}")
+
+
 def validate_columns(data: DataConfig, rw: RewardConfig) -> None:
     _require(bool(data.prompt_key), "data.prompt_key must name the prompt column")
     _require(data.prompt_key not in (data.answer_key, data.system_prompt_key),
              f"data.prompt_key={data.prompt_key!r} also names the answer or system prompt column")
-    _require(bool(data.answer_key) or bool(rw.user_fn),
+    uses_math = not (rw.user_fn or rw.functions or rw.group_fn)
+    _require(bool(data.answer_key) or not uses_math,
              "data.answer_key='' leaves the default reward (math-verify against the answer) nothing to check: "
-             "name the answer column, or score with reward.user_fn")
+             "name the answer column, or score with reward.functions, reward.group_fn or reward.user_fn")
 
 
 def validate_run(cfg: Config) -> None:

@@ -2,9 +2,11 @@
 
 Owns the reward of one response. `score_one` is a weighted sum of three terms:
 correctness (math_verify on the extracted answer, or a user function named by
-import path), format (a regex) and DAPO's soft overlong penalty. `RewardPool` runs
-`score_one` in worker processes so that a reward function that raises, hangs or
-crashes costs that sample a 0.0 and a count, not the run.
+import path), format (a regex) and DAPO's soft overlong penalty. With TRL-style batched
+functions or a group hook (`reward.functions`, `reward.group_fn`, in rl/reward_groups.py),
+their weighted sum is the correctness term and a prompt's whole group is scored at once.
+`RewardPool` runs either in worker processes so that a reward function that raises, hangs or
+crashes costs its sample (or its group) a 0.0 and a count, not the run.
 
 How it departs from the textbook, where the reward is a function called inline:
 - Workers are fresh interpreters running `python -m rl.reward_worker`, never forks (the trainer
@@ -12,7 +14,8 @@ How it departs from the textbook, where the reward is a function called inline:
   spawns (which re-import the trainer's main module, rl.main, and with it torch and transformers).
   A worker imports math_verify and sympy and nothing of the trainer; it is ready within
   `start_timeout_s` or the run stops with a message naming the key.
-- A timeout is per input, counted from when a worker was handed it. It is
+- A timeout is per unit (one input, or one group with batched functions), counted from when a worker was
+  handed it. It is
   enforced by killing that worker and starting a fresh one, because a hung
   Python call cannot be interrupted from outside. So k hanging inputs cost about
   ceil(k / num_workers) * timeout_s, and other inputs keep flowing meanwhile.
@@ -111,7 +114,8 @@ def parse_math(text: str, timeout_s: int | None) -> list:
 
 
 def math_correct(response: str, label: Any) -> float:
-    """1.0 if the response's final answer equals `label` under math_verify, else 0.0."""
+    """1.0 if the response's final answer equals `label` under math_verify, else 0.0. A label may be a whole
+    solution: math_verify finds GSM8K's "#### 72" and MATH's \\boxed{} answer in it."""
     from math_verify import verify
 
     answer = extract_answer(response)
@@ -154,26 +158,53 @@ class RewardInput:
     response_length: int  # tokens
     max_new_tokens: int
     metadata: dict = field(default_factory=dict)
+    # What TRL-style functions see besides the response: the row's prompt and other columns, the response's ids.
+    raw_prompt: Any = None
+    columns: dict = field(default_factory=dict)
+    completion_ids: tuple[int, ...] | list[int] = ()
+    group: int | None = None  # inputs of one prompt group share it (Sample.group_index); None: a group of its own
 
 
-def load_user_fn(path: str) -> Callable[..., Any]:
-    """Imports "pkg.module:function"; a ConfigError names reward.user_fn and the path."""
+def load_function(path: str, key: str = "reward.user_fn") -> Callable[..., Any]:
+    """Imports "pkg.module:function"; a ConfigError names `key` and the path."""
     module_name, colon, fn_name = path.partition(":")
     if not colon or not module_name or not fn_name:
-        raise ConfigError(f"reward.user_fn must look like 'pkg.module:function', got {path!r}")
+        raise ConfigError(f"{key} must look like 'pkg.module:function', got {path!r}")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise ConfigError(f"reward.user_fn={path!r}: cannot import module {module_name!r} "
+        raise ConfigError(f"{key}={path!r}: cannot import module {module_name!r} "
                           f"({type(e).__name__}: {e})") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ConfigError(f"reward.user_fn={path!r}: module {module_name!r} has no function {fn_name!r}")
+        raise ConfigError(f"{key}={path!r}: module {module_name!r} has no function {fn_name!r}")
     return fn
 
 
+def function_paths(cfg: RewardConfig) -> list[tuple[str, str]]:
+    """(config key, path) of every user function the config names."""
+    return ([("reward.user_fn", cfg.user_fn)] if cfg.user_fn else []) + [("reward.functions", path) for path in
+            cfg.functions] + ([("reward.group_fn", cfg.group_fn)] if cfg.group_fn else [])
+
+
+def scores_groups(cfg: RewardConfig) -> bool:
+    return bool(cfg.functions or cfg.group_fn)
+
+
+BUILT_IN_TERMS = ("correct", "format", "length")
+
+
+def function_names(cfg: RewardConfig) -> list[str]:
+    """The term (and metric, reward/<name>_mean) of each batched function and then the group hook: the
+    function's own name, as TRL logs it, or "module.function" where that would clash with another's or ours."""
+    paths = [*cfg.functions, *([cfg.group_fn] if cfg.group_fn else [])]
+    short = [path.partition(":")[2] for path in paths]
+    return [name if short.count(name) == 1 and name not in BUILT_IN_TERMS else path.replace(":", ".")
+            for name, path in zip(short, paths)]
+
+
 def call_user_fn(path: str, inp: RewardInput) -> float:
-    fn = load_user_fn(path)  # sys.modules makes this a dict lookup after the first call
+    fn = load_function(path)  # sys.modules makes this a dict lookup after the first call
     returned = fn(prompt=inp.prompt, response=inp.response, label=inp.label, metadata=inp.metadata)
     value = real_number(returned)
     if value is None:
@@ -198,6 +229,11 @@ def score_one(inp: RewardInput, cfg: RewardConfig) -> dict[str, float]:
         correct = call_user_fn(cfg.user_fn, inp)
     else:
         correct = math_correct(inp.response, inp.label)
+    return combine_terms(correct, inp, cfg)
+
+
+def combine_terms(correct: float, inp: RewardInput, cfg: RewardConfig) -> dict[str, float]:
+    """The correctness term beside the format and length terms, and their weighted sum under "reward"."""
     terms = {
         "correct": correct,
         "format": format_score(inp.response, cfg.format_pattern),
@@ -206,6 +242,19 @@ def score_one(inp: RewardInput, cfg: RewardConfig) -> dict[str, float]:
     terms["reward"] = (cfg.correct_weight * terms["correct"] + cfg.format_weight * terms["format"]
                        + cfg.length_penalty_weight * terms["length"])
     return terms
+
+
+def units_of(inputs: list[RewardInput], cfg: RewardConfig) -> list[list[int]]:
+    """What one worker call scores, as input indices: each input alone, or with batched functions each run of
+    inputs sharing a group."""
+    units: list[list[int]] = []
+    for i, inp in enumerate(inputs):
+        joins = scores_groups(cfg) and units and inp.group is not None and inputs[units[-1][0]].group == inp.group
+        if joins:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units
 
 
 # ---------------------------------------------------------------------------- pool
@@ -217,9 +266,12 @@ RL_ROOT = str(Path(__file__).resolve().parents[1])  # where `python -m rl.reward
 @dataclass
 class RewardResult:
     rewards: list[float]
-    terms: dict[str, list[float]]  # "correct", "format", "length"; 0.0 where the input failed
+    # "correct", "format", "length", then each batched function's name; 0.0 where the input failed, None where
+    # a function passed on it
+    terms: dict[str, list[float | None]]
     num_errors: int = 0
     num_timeouts: int = 0
+    num_unscored: int | None = None  # with batched functions: inputs every function passed on (scored 0)
 
 
 @dataclass(eq=False)  # identity, so `self.workers.index` finds this very worker
@@ -228,23 +280,25 @@ class Worker:
     conn: multiprocessing.connection.Connection
     started_at: float
     ready: bool = False
-    index: int | None = None  # the input it is scoring
+    index: int | None = None  # the unit it is scoring
     deadline: float = math.inf
     printing: bool = True  # its stdout pipe is still open
 
 
 @dataclass
 class Failures:
-    """What went wrong in one `score` call, kept to log once per distinct message, and what workers printed."""
+    """What went wrong in one `score` call, kept to log once per distinct message, and what workers printed.
+    Errors and timeouts are kept by input; what was printed, by unit (an input, or a group of them)."""
 
     errors: dict[str, list[int]] = field(default_factory=lambda: collections.defaultdict(list))
     tracebacks: dict[str, str] = field(default_factory=dict)
     timeouts: list[int] = field(default_factory=list)
-    printed: dict[int | None, bytearray] = field(default_factory=dict)  # by input; None: starting or idle
+    printed: dict[int | None, bytearray] = field(default_factory=dict)  # by unit; None: starting or idle
     printed_bytes: int = 0  # all of it, kept or not
+    unit_name: str = "input"
 
-    def add_error(self, index: int, message: str, tb: str) -> None:
-        self.errors[message].append(index)
+    def add_error(self, indices: list[int], message: str, tb: str) -> None:
+        self.errors[message].extend(indices)
         self.tracebacks.setdefault(message, tb)
 
     def add_output(self, index: int | None, chunk: bytes) -> None:
@@ -254,7 +308,7 @@ class Failures:
         self.printed_bytes += len(chunk)
 
     def output_text(self) -> str:
-        return "\n".join(f"[{'input ' + str(i) if i is not None else 'no input'}] "
+        return "\n".join(f"[{self.unit_name + ' ' + str(i) if i is not None else 'no input'}] "
                          f"{text.decode(errors='replace').rstrip()}" for i, text in self.printed.items())
 
 
@@ -308,8 +362,8 @@ class RewardPool:
     def __init__(self, cfg: RewardConfig):
         if cfg.num_workers < 1 or cfg.timeout_s <= 0:
             raise ConfigError("reward.num_workers must be >= 1 and reward.timeout_s > 0")
-        if cfg.user_fn:
-            load_user_fn(cfg.user_fn)  # a bad path fails here, in the parent, not as N worker errors
+        for key, path in function_paths(cfg):
+            load_function(path, key)  # a bad path fails here, in the parent, not as N worker errors
         self.cfg = cfg
         # Started without waiting: workers import while the caller does other work; `score` waits.
         self.workers = [self.start_worker() for _ in range(cfg.num_workers)]
@@ -340,26 +394,28 @@ class RewardPool:
         self.workers[self.workers.index(worker)] = self.start_worker()
 
     def score(self, inputs: list[RewardInput]) -> RewardResult:
-        """Scores every input; one that raises, crashes its worker or times out gets 0.0 and a count."""
+        """Scores every input; one that raises, crashes its worker or times out gets 0.0 and a count (with
+        batched functions: every input of its group)."""
         if not self.workers:
             raise RuntimeError("RewardPool.score called after close()")
+        units = units_of(inputs, self.cfg)
         outcomes: list[dict[str, float] | None] = [None] * len(inputs)
-        failures = Failures()
-        pending = collections.deque(range(len(inputs)))
+        failures = Failures(unit_name="group" if scores_groups(self.cfg) else "input")
+        pending = collections.deque(range(len(units)))
         while pending or any(w.index is not None for w in self.workers):
-            self.dispatch(inputs, pending)
+            self.dispatch(inputs, units, pending)
             self.wait()
             for worker in list(self.workers):
-                self.collect(worker, outcomes, failures)
+                self.collect(worker, units, outcomes, failures)
         log_failures(failures, self.cfg.timeout_s)
-        return gather(outcomes, len(failures.timeouts))
+        return gather(outcomes, len(failures.timeouts), self.cfg)
 
-    def dispatch(self, inputs: list[RewardInput], pending: collections.deque) -> None:
+    def dispatch(self, inputs: list[RewardInput], units: list[list[int]], pending: collections.deque) -> None:
         for worker in self.workers:
             if pending and worker.ready and worker.index is None:
                 index = pending.popleft()
                 try:
-                    worker.conn.send((index, inputs[index]))
+                    worker.conn.send((index, [inputs[i] for i in units[index]]))
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # it died while idle; `collect` sees the closed socket and replaces it
                 worker.index, worker.deadline = index, time.monotonic() + self.cfg.timeout_s
@@ -371,7 +427,7 @@ class RewardPool:
         handles = [w.conn for w in self.workers] + [w.process.stdout for w in self.workers if w.printing]
         multiprocessing.connection.wait(handles, timeout=timeout)
 
-    def collect(self, worker: Worker, outcomes: list, failures: Failures) -> None:
+    def collect(self, worker: Worker, units: list[list[int]], outcomes: list, failures: Failures) -> None:
         """Takes one worker's output and messages, and replaces it if it died or ran past its deadline."""
         read_output(worker, failures)
         exited = False
@@ -385,10 +441,11 @@ class RewardPool:
                 if message[0] == "ready":
                     worker.ready = True
                     continue
-                read_output(worker, failures)  # printed before it answered: belongs to this input
-                outcomes[message[1]] = message[2] if message[0] == "ok" else None
+                read_output(worker, failures)  # printed before it answered: belongs to this unit
+                for i, outcome in zip(units[message[1]], message[2] if message[0] == "ok" else []):
+                    outcomes[i] = outcome
                 if message[0] == "error":
-                    failures.add_error(message[1], message[2], message[3])
+                    failures.add_error(units[message[1]], message[2], message[3])
                 worker.index, worker.deadline = None, math.inf
                 if message[0] == "error" and message[4]:  # it ran out of memory and exits: replace it now
                     exited = True
@@ -402,11 +459,11 @@ class RewardPool:
                 raise RunStopped(f"reward worker exited with {how} while starting ({self.limits()})\n"
                                    f"{failures.output_text()}")
             if worker.index is not None:
-                failures.add_error(worker.index, f"WorkerDied: reward worker exited with {how}",
+                failures.add_error(units[worker.index], f"WorkerDied: reward worker exited with {how}",
                                    "(no traceback: the process died; what it printed is logged below)\n")
             self.workers[self.workers.index(worker)] = self.start_worker()
         elif worker.index is not None and now >= worker.deadline:
-            failures.timeouts.append(worker.index)
+            failures.timeouts.extend(units[worker.index])
             self.replace(worker, failures)
         elif not worker.ready and now >= worker.started_at + self.cfg.start_timeout_s:
             self.retire(worker, failures)
@@ -415,7 +472,8 @@ class RewardPool:
 
     def limits(self) -> str:
         """For start-up errors: a too-small memory limit shows as any error at all (sympy's ImportError)."""
-        return f"reward.memory_limit_mb={self.cfg.memory_limit_mb}, reward.user_fn={self.cfg.user_fn!r}"
+        named = ", ".join(f"{key}={path!r}" for key, path in function_paths(self.cfg)) or "reward.user_fn=''"
+        return f"reward.memory_limit_mb={self.cfg.memory_limit_mb}, {named}"
 
     def close(self) -> None:
         for worker in self.workers:
@@ -429,36 +487,47 @@ class RewardPool:
         self.close()
 
 
-def gather(outcomes: list[dict[str, float] | None], num_timeouts: int) -> RewardResult:
+def gather(outcomes: list[dict[str, float] | None], num_timeouts: int, cfg: RewardConfig) -> RewardResult:
     """Outcomes (None where an input failed) -> a RewardResult with 0.0 for the failures."""
-    names = ("correct", "format", "length")
-    filled = [o if o is not None else dict.fromkeys(names + ("reward",), 0.0) for o in outcomes]
+    functions = function_names(cfg)
+    failed = {**dict.fromkeys(BUILT_IN_TERMS + ("reward",), 0.0), "functions": dict.fromkeys(functions, 0.0)}
+    filled = [o if o is not None else failed for o in outcomes]
+    unscored = [i for i, o in enumerate(outcomes) if o is not None and all(o["functions"][f] is None for f in functions)]
+    if functions and unscored:
+        logging.getLogger(__name__).warning(
+            "reward: every reward function returned None for %d input(s) (inputs %s), which score 0.0; a function "
+            "returns None for inputs that are another's to score", len(unscored), unscored[:10])
     return RewardResult(
         rewards=[o["reward"] for o in filled],
-        terms={name: [o[name] for o in filled] for name in names},
+        terms={**{name: [o[name] for o in filled] for name in BUILT_IN_TERMS},
+               **{name: [o["functions"][name] for o in filled] for name in functions}},
         num_errors=sum(o is None for o in outcomes) - num_timeouts,
         num_timeouts=num_timeouts,
+        num_unscored=len(unscored) if functions else None,
     )
 
 
 def metrics(result: RewardResult) -> dict[str, float]:
-    n = max(len(result.rewards), 1)
-    return {
-        "reward/correct_mean": sum(result.terms["correct"]) / n,
-        "reward/format_mean": sum(result.terms["format"]) / n,
-        "reward/length_mean": sum(result.terms["length"]) / n,
-        "reward/num_inputs": float(len(result.rewards)),
-        "reward/num_errors": float(result.num_errors),
-        "reward/num_timeouts": float(result.num_timeouts),
-    }
+    """reward/<term>_mean for every term (over the inputs a function did not pass on), and the counts."""
+    out = {}
+    for name, values in result.terms.items():
+        scored = [v for v in values if v is not None]
+        if scored:
+            out[f"reward/{name}_mean"] = sum(scored) / len(scored)
+    out |= {"reward/num_inputs": float(len(result.rewards)), "reward/num_errors": float(result.num_errors),
+            "reward/num_timeouts": float(result.num_timeouts)}
+    if result.num_unscored is not None:
+        out["reward/num_unscored"] = float(result.num_unscored)
+    return out
 
 
-COUNTS = ("num_inputs", "num_errors", "num_timeouts")  # summed over ranks and rounds; the rest averaged
+COUNTS = ("num_inputs", "num_errors", "num_timeouts", "num_unscored")  # summed over ranks and rounds
 
 
 def reduce_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Counts summed, means averaged over the ranks that have them (a function may pass on all of a rank's)."""
     out = {}
-    for key in per_rank[0]:
-        values = [m[key] for m in per_rank]
+    for key in dict.fromkeys(key for m in per_rank for key in m):
+        values = [m[key] for m in per_rank if key in m]
         out[key] = sum(values) if key.endswith(COUNTS) else sum(values) / len(values)
     return out

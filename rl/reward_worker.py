@@ -1,13 +1,13 @@
 """A reward worker process: `python -u -m rl.reward_worker FD`, started by `rl.reward.RewardPool`.
 
 Its own main module, so a worker imports the standard library, `rl.config` and `rl.reward` (both
-standard library only), then math_verify and sympy or the user's reward function: never the
+standard library only), then math_verify and sympy or the user's reward functions: never the
 trainer, torch or transformers. It talks to the pool over the socket FD:
 
     pool -> worker   (sys_path, RewardConfig)             once, first
     worker -> pool   ("ready",) | ("failed", message, traceback)
-    pool -> worker   (index, RewardInput)                 one at a time
-    worker -> pool   ("ok", index, terms) | ("error", index, message, traceback, exiting)
+    pool -> worker   (index, [RewardInput, ...])          one unit at a time: an input, or a prompt's group
+    worker -> pool   ("ok", index, [terms, ...]) | ("error", index, message, traceback, exiting)
 
 Whatever it prints (stdout and stderr, fd 1 and 2) goes to a pipe the pool reads and caps.
 It runs under an address-space limit of `reward.memory_limit_mb`, so an input that explodes
@@ -25,7 +25,8 @@ import traceback
 from multiprocessing.connection import Connection
 
 from rl.config import RewardConfig
-from rl.reward import load_user_fn, math_correct, score_one
+from rl.reward import RewardInput, function_paths, load_function, math_correct, score_one, scores_groups
+from rl.reward_groups import score_group
 
 PR_SET_PDEATHSIG = 1
 
@@ -47,21 +48,26 @@ def die_with_parent() -> None:
 
 def warm_up(cfg: RewardConfig) -> None:
     """Pays the imports before the worker reports ready, so no input's timeout is spent on them."""
-    if cfg.user_fn:
-        load_user_fn(cfg.user_fn)
-    else:
+    for key, path in function_paths(cfg):
+        load_function(path, key)
+    if not function_paths(cfg):
         math_correct(r"\boxed{\frac{1}{2}}", "0.5")
 
 
+def score_unit(inputs: list[RewardInput], cfg: RewardConfig) -> list[dict]:
+    """The terms of each input: a group scored at once with batched functions, else each input alone."""
+    return score_group(inputs, cfg) if scores_groups(cfg) else [score_one(inp, cfg) for inp in inputs]
+
+
 def serve(conn: Connection, cfg: RewardConfig) -> None:
-    """Scores (index, RewardInput) messages until the pool closes the socket or memory runs out."""
+    """Scores (index, inputs) messages until the pool closes the socket or memory runs out."""
     while True:
         try:
-            index, inp = conn.recv()
+            index, inputs = conn.recv()
         except EOFError:
             return
         try:
-            conn.send(("ok", index, score_one(inp, cfg)))
+            conn.send(("ok", index, score_unit(inputs, cfg)))
         except MemoryError:
             conn.send(("error", index, f"MemoryError: past reward.memory_limit_mb={cfg.memory_limit_mb}",
                        traceback.format_exc(), True))  # in the same message, so no input is sent to us meanwhile

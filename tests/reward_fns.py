@@ -85,3 +85,40 @@ def slow_on_eval(prompt, response, label, metadata):
             f.write("scored\n")
         time.sleep(0.3)
     return digit_fraction(prompt, response, label, metadata)
+
+
+# ---------------------------------------------------------------------------- TRL-style batched functions
+
+CALLS: list[dict] = []  # what `record` was called with, for tests that score in-process
+
+
+def record(**kwargs):
+    """Keeps its keyword arguments in CALLS and scores each completion by its number of token ids."""
+    CALLS.append(kwargs)
+    return [float(len(ids)) for ids in kwargs["completion_ids"]]
+
+
+def from_column(completions, score, **kwargs):
+    """The row's `score` column as the reward: a number, or None where the row has none."""
+    return list(score)
+
+
+def batched_by_kind(completions, kind, **kwargs):
+    """Behaves as the rows' `kind` column says: "raise", "hang" or "short" (one value too few) misbehave for the
+    whole batch; otherwise the share of digits in each completion."""
+    if "raise" in kind:
+        raise ZeroDivisionError(f"bad batch of {len(completions)}")
+    if "hang" in kind:
+        time.sleep(1000)
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    values = [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+    return values[:-1] if "short" in kind else values
+
+
+def longest_in_group(prompt, completions, answer, **kwargs):
+    """A group hook: 1.0 for the group's longest completions, 0.0 for the others; checks it was handed one row's
+    prompt and answer, not lists of them."""
+    if isinstance(answer, list) or not isinstance(prompt, (str, list)):
+        raise TypeError(f"handed lists: prompt={prompt!r} answer={answer!r}")
+    lengths = [len(c) for c in completions]
+    return [float(n == max(lengths)) for n in lengths]

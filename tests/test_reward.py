@@ -80,6 +80,11 @@ def test_extract_answer(text, expected):
     ("no answer", "12", 0.0),
     (r"\boxed{yes}", "yes", 1.0),
     (r"\boxed{}", "12", 0.0),
+    # labels that are whole solutions: GSM8K's end in "#### <answer>", MATH's box theirs
+    (r"\boxed{1,240}", "She pays 3 * 400 = 1,200 and 40 more.\n#### 1,240", 1.0),
+    (r"\boxed{1200}", "She pays 3 * 400 = 1,200 and 40 more.\n#### 1,240", 0.0),
+    (r"so \boxed{\frac{3}{4}}", r"Divide: $\frac{6}{8} = \boxed{\frac{3}{4}}$.", 1.0),
+    (r"so \boxed{6}", r"Divide: $\frac{6}{8} = \boxed{\frac{3}{4}}$.", 0.0),
 ])
 def test_math_correct(response, label, expected):
     assert math_correct(response, label) == expected
@@ -276,7 +281,7 @@ from rl.reward import RewardInput, RewardPool
 pool = RewardPool(RewardConfig(user_fn="tests.reward_fns:by_kind", num_workers=1, timeout_s=1000))
 pool.score([RewardInput("q", "a", "a", 1, 10)])
 worker = pool.workers[0]
-worker.conn.send((0, RewardInput("q", "a", "a", 1, 10, {"kind": "hang"})))
+worker.conn.send((0, [RewardInput("q", "a", "a", 1, 10, {"kind": "hang"})]))
 print(worker.process.pid, flush=True)
 os._exit(0)  # as a killed trainer: no close()
 """], check=True, capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
