@@ -1,7 +1,7 @@
 """A reward worker process: `python -u -m rl.reward_worker FD`, started by `rl.reward.RewardPool`.
 
-Its own main module, so a worker imports the standard library, `rl.config` and `rl.reward` (both
-standard library only), then math_verify and sympy or the user's reward functions: never the
+Its own main module, so a worker imports the standard library, `rl.config`, `rl.answers` and `rl.reward`
+(standard library only), then math_verify and sympy or the user's reward functions: never the
 trainer, torch or transformers. It talks to the pool over the socket FD:
 
     pool -> worker   (sys_path, RewardConfig)             once, first
@@ -25,7 +25,8 @@ import traceback
 from multiprocessing.connection import Connection
 
 from rl.config import RewardConfig
-from rl.reward import RewardInput, function_paths, load_function, math_correct, score_one, scores_groups
+from rl.answers import math_correct
+from rl.reward import RewardInput, function_paths, load_function, score_one, scores_groups
 from rl.reward_groups import score_group
 
 PR_SET_PDEATHSIG = 1

@@ -15,19 +15,8 @@ import torch
 
 from rl.config import ConfigError, RewardConfig
 from rl.health import RunStopped
-from rl.reward import (
-    OUTPUT_LIMIT_BYTES,
-    RewardInput,
-    RewardPool,
-    RewardResult,
-    extract_answer,
-    format_score,
-    length_penalty,
-    math_correct,
-    metrics,
-    reduce_metrics,
-    score_one,
-)
+from rl.answers import extract_answer, format_score, length_penalty, math_correct
+from rl.reward import OUTPUT_LIMIT_BYTES, RewardInput, RewardPool, RewardResult, metrics, reduce_metrics, score_one
 
 
 def make_input(response, label, kind="good", length=10, max_new_tokens=1000):
