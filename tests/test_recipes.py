@@ -1,0 +1,102 @@
+"""The recipes in configs/recipes/: each loads and validates, sets what its name promises, and its reward reads
+the answers of the data it names (generated offline, or a small folder laid out as its comments say)."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from rl.answers import math_correct
+from rl.config import load_config
+from rl.data import load_prompts, read_source_rows
+from tests.tiny import tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "configs/recipes").glob("*.toml"))
+
+
+def recipe(name):
+    return load_config(["--config", str(ROOT / f"configs/recipes/{name}.toml")])
+
+
+def test_every_recipe_loads_validates_and_is_in_the_readme():
+    assert {p.stem for p in RECIPES} == {"gsm8k_boxed", "math_verify", "dapo", "dr_grpo"}
+    readme = (ROOT / "README.md").read_text()
+    for path in RECIPES:
+        cfg = load_config(["--config", str(path)])
+        assert cfg.model.path and cfg.data.source and cfg.log.output_dir == f"runs/{path.stem}"
+        assert "Not yet measured here" in path.read_text()  # until a run here gives it a number
+        assert f"configs/recipes/{path.name}" in readme
+
+
+def test_each_recipe_sets_what_its_name_promises():
+    dapo = recipe("dapo")
+    assert dapo.rollout.dynamic_filter == "nonzero_std" and dapo.rollout.over_sampling_batch_size > 64
+    assert dapo.algo.eps_clip_high > dapo.algo.eps_clip and dapo.algo.loss_agg == "token_mean"
+    assert dapo.reward.length_penalty_weight > 0 and dapo.algo.kl_coef == 0
+    dr = recipe("dr_grpo")
+    assert dr.algo.advantage_estimator == "dr_grpo" and dr.algo.loss_agg == "seq_mean_token_sum_norm"
+    assert dr.algo.loss_agg_norm == dr.rollout.max_new_tokens
+    for name in ("gsm8k_boxed", "math_verify"):
+        cfg = recipe(name)
+        assert "\\boxed{}" in cfg.data.prompt_template
+        assert not (cfg.reward.user_fn or cfg.reward.functions or cfg.reward.group_fn)  # math-verify
+
+
+@pytest.mark.parametrize("name", ["gsm8k_boxed", "dr_grpo"])
+def test_the_offline_recipes_generate_prompts_their_reward_can_check(name):
+    pytest.importorskip("reasoning_gym")
+    cfg = recipe(name)
+    for data in (dataclasses.replace(cfg.data, num_examples=4),
+                 dataclasses.replace(cfg.data, source=cfg.eval.source, seed=cfg.eval.seed, num_examples=4)):
+        rows, prompt_key, answer_key = read_source_rows(data)
+        assert all(math_correct(f"so \\boxed{{{row[answer_key]}}}", row[answer_key]) == 1.0 for row in rows)
+        assert all("\\boxed{}" in data.prompt_template.replace("{prompt}", row[prompt_key]) for row in rows)
+
+
+def write_parquet_folder(folder, rows):
+    datasets = pytest.importorskip("datasets")
+    (folder / "data").mkdir(parents=True)
+    datasets.Dataset.from_list(rows).to_parquet(folder / "data/train-00000-of-00001.parquet")
+    return folder
+
+
+def test_the_folder_recipes_read_the_columns_their_comments_describe(tmp_path):
+    math = write_parquet_folder(tmp_path / "math", [
+        {"problem": "Simplify 6/8.", "solution": "Divide by 2: $\\frac{6}{8} = \\boxed{\\frac{3}{4}}$.", "level": "1"}])
+    verl = write_parquet_folder(tmp_path / "dapo", [
+        {"prompt": [{"role": "user", "content": "What is 2 + 3?\nAnswer: <n>"}], "data_source": "math",
+         "reward_model": {"ground_truth": "5", "style": "rule"}}])
+    for name, folder, response in (("math_verify", math, "so \\boxed{0.75}"), ("dapo", verl, "Answer: 5")):
+        data = dataclasses.replace(recipe(name).data, source=str(folder))
+        (prompt,) = load_prompts(data, tiny_tokenizer())[0]
+        assert math_correct(response, prompt.label) == 1.0, (name, prompt.label)
+        assert json.dumps(prompt.columns)  # the row's other columns ride along for reward functions
+
+
+def test_the_readme_path_from_rows_and_a_reward_function_to_a_run_holds_together(tmp_path, monkeypatch):
+    import re
+    import sys
+
+    from rl.data import expand_groups
+    from rl.reward import RewardInput
+    from rl.reward_groups import score_group
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Your own data and reward"):readme.index("## Results")]
+    (row_json, reward_py, run_toml) = [body for _, body in re.findall(r"```(\w+)\n(.*?)```", section, re.S)[:3]]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data/my_rows.jsonl").write_text(json.dumps(json.loads(row_json)) + "\n")
+    (tmp_path / "my_rewards.py").write_text(reward_py)
+    (tmp_path / "my_run.toml").write_text(run_toml)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    cfg = load_config(["--config", "my_run.toml"])
+    (prompt,) = load_prompts(cfg.data, tiny_tokenizer())[0]
+    assert "Be brief." in prompt.text  # the row's system prompt
+    samples = expand_groups([prompt], 2, 0, 0)[0]
+    inputs = [RewardInput(s.prompt, response, s.label, 2, 8, s.metadata, s.raw_prompt, s.columns, [1, 2], 0)
+              for s, response in zip(samples, [prompt.label, "no idea"])]
+    assert [t["reward"] for t in score_group(inputs, cfg.reward)] == [1.0, 0.0]
