@@ -176,6 +176,10 @@ class TrainConfig:
     # > 0: cut micro-batches by padded tokens (rows x longest row) instead of by micro_batch_size;
     # a sequence longer than the budget trains alone
     micro_batch_tokens: int = 0
+    # Pack several samples back to back into each micro-batch's one row of up to micro_batch_tokens tokens,
+    # attention kept within each sample (FlashAttention's varlen kernel on CUDA, a block-diagonal mask elsewhere):
+    # no padding rows for short samples, and one shape family for compiled blocks (no recompiles on new lengths)
+    packing: bool = False
     lr: float = 1e-6
     lr_warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -472,6 +476,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     validate_engine(cfg.model, cfg.rollout)
     validate_rollout(cfg.rollout, cfg.data)
     validate_train(cfg.train, cfg.rollout)
+    validate_packing(cfg.train, cfg.model)
     validate_algo(cfg.algo, cfg.model, cfg.rollout)
     validate_reward_and_health(cfg.reward, cfg.train, cfg.weights)
     validate_columns(cfg.data, cfg.reward)
@@ -541,6 +546,16 @@ def validate_train(tr: TrainConfig, ro: RolloutConfig) -> None:
     _require(tr.micro_batch_tokens >= 0, "train.micro_batch_tokens must be >= 0 (0: cut by micro_batch_size)")
     _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
     _require(tr.num_rollout >= 1, "train.num_rollout must be >= 1")
+
+
+def validate_packing(tr: TrainConfig, model: ModelConfig) -> None:
+    if not tr.packing:
+        return
+    _require(tr.micro_batch_tokens > 0, "train.packing needs train.micro_batch_tokens > 0 (the packed row's length)")
+    _require(model.attn_implementation == "sdpa",
+             f"train.packing needs model.attn_implementation='sdpa', got {model.attn_implementation!r}")
+    _require(not model.batch_invariant, "train.packing and model.batch_invariant: the batch-invariant forward runs "
+                                        "its own attention over padded rows; turn one off")
 
 
 def validate_reward_and_health(rw: RewardConfig, tr: TrainConfig, weights: WeightsConfig) -> None:

@@ -20,14 +20,16 @@ import torch
 from rl import parallel
 from rl.algo import aggregate, gae, masked_sum, value_loss
 from rl.config import AlgoConfig, CriticConfig, ModelConfig, TrainConfig
+from rl.packing import packed_forward, unpack
 from rl.policy import HostOffloader, build_optimizer, build_policy
 from rl.train import MicroBatch, causal_forward, optimizer_steps, per_sample_rows
 
 
 def values_of(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     """(B, T-1) float32: the value of each prefix that chose a target token."""
-    out = causal_forward(model, mb.input_ids).logits
-    return out[:, :-1, 0].float()
+    if mb.documents is None:
+        return causal_forward(model, mb.input_ids).logits[:, :-1, 0].float()
+    return unpack(packed_forward(model, mb.input_ids, mb.documents).logits[:, :-1, 0].float(), mb.documents)
 
 
 def outcome_rewards(mb: MicroBatch, rewards: dict[int, float], kl: dict[int, torch.Tensor] | None,

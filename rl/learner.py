@@ -26,12 +26,13 @@ from rl.critic import Critic, critic_metrics, write_gae_advantages
 from rl.data import Sample
 from rl.flops import peak_bf16_flops, train_flops
 from rl.metrics import StepRecord, graphs_compiled, profiled
+from rl.packing import use_packed_attention
 from rl.parallel import print0
 from rl.policy import HostOffloader, build_optimizer, build_policy
 from rl.reference import Reference
 from rl.rollout import engine_dtype
-from rl.train import (MicroBatch, build_schedule, kl_rows, logprobs_by_sample, response_kl_sums, train_metrics,
-                      train_on_rollout)
+from rl.train import (MicroBatch, build_schedule, kl_rows, logprobs_by_sample, response_kl_sums, skippable_samples,
+                      train_metrics, train_on_rollout)
 from rl.weights import sync_weights
 
 
@@ -60,6 +61,10 @@ class Learner:
         if cfg.algo.advantage_estimator == "gae":
             self.critic = Critic(cfg.model, cfg.critic, cfg.train, dist.mesh, dist.device, cfg.rollout.max_context_len)
             print0(f"critic: {cfg.critic.path or cfg.model.path} with a value head, lr {cfg.critic.lr}")
+        if cfg.train.packing:
+            for model in (self.policy, self.reference and self.reference.model, self.critic and self.critic.model):
+                if model is not None:
+                    use_packed_attention(model)
         self.offloader = HostOffloader(self.policy, self.optimizer) if cfg.train.offload else None
         self.engine_dtype = engine_dtype(cfg.rollout.dtype, dist.device)
 
@@ -99,8 +104,9 @@ class Learner:
                 self.offloader.onload(dist.device)
         with record.timed("perf/train_s"), profiled(profile), graphs_compiled(record.times,
                                                                                "perf/train_graphs_compiled"):
+            skip = skippable_samples(samples, cfg.algo)
             steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank, dist.world_size,
-                                                                    dist.device, cfg.rollout.max_context_len)
+                                                                    dist.device, cfg.rollout.max_context_len, skip)
             micro_batches = [mb for step in steps for mb in step]
             old, ref, kl, extra = self.reference_pass(samples, micro_batches, record)
             if self.critic:  # GAE: the critic's values of this rank's samples give per-token advantages
@@ -119,7 +125,8 @@ class Learner:
             per_rank = parallel.all_gather_objects([local])
             stats = train_metrics(per_rank, len(steps), cfg.algo) | extra
         stats["train/padding_micro_batches"] = padding
-        stats |= train_throughput(self.policy.config, samples, record.times, dist,
+        stats["train/skipped_zero_adv_samples"] = len(skip)
+        stats |= train_throughput(self.policy.config, [s for s in samples if s.index not in skip], record.times, dist,
                                   extra_forward=bool(old) or needs_old_logprobs(cfg.train, cfg.algo))
         record.memory_after("train")
         mismatch = {i: m for part in per_rank for i, m in part["sample_mismatch"].items()}

@@ -25,6 +25,7 @@ from rl.algo import (aggregate, approx_kl_k3, can_reuse_old_logprobs, kl_penalty
                      policy_loss, tis_weights)
 from rl.config import AlgoConfig, TrainConfig
 from rl.data import Sample
+from rl.packing import Documents, cut_packed, documents, packed_forward, packed_width, unpack
 
 # ---------------------------------------------------------------------------- batches and logprobs
 
@@ -36,6 +37,9 @@ class MicroBatch:
     advantages: torch.Tensor  # (B, T-1)
     rollout_logprobs: torch.Tensor  # (B, T-1)
     indices: list[int]  # Sample.index of each row
+    # train.packing: input_ids is one packed row (1, W) instead, and the forward's per-token outputs are read
+    # back into the (B, T-1) rows of the samples; every other tensor keeps one row per sample
+    documents: Documents | None = None
 
 
 def collate(samples: list[Sample], device: torch.device, pad_token_id: int = 0, width: int = 0) -> MicroBatch:
@@ -55,6 +59,18 @@ def collate(samples: list[Sample], device: torch.device, pad_token_id: int = 0, 
         rollout_logprobs[i, start : start + s.response_length] = torch.tensor(s.rollout_log_probs)
     return MicroBatch(input_ids.to(device), loss_mask.to(device), advantages.to(device), rollout_logprobs.to(device),
                       [s.index for s in samples])
+
+
+def collate_packed(samples: list[Sample], device: torch.device, width: int, max_seqlen: int,
+                   pad_token_id: int = 0) -> MicroBatch:
+    """`collate`'s rows, with the forward's input one packed row (train.packing): the samples back to back, then
+    padding to `width`. The last token of a sample predicts the next sample's first, a target never read."""
+    mb = collate(samples, device)
+    lengths = [len(s.tokens) for s in samples]
+    packed = torch.full((1, width), pad_token_id, dtype=torch.long)
+    packed[0, : sum(lengths)] = torch.tensor([t for s in samples for t in s.tokens])
+    docs = documents(lengths, width, max_seqlen, mb.input_ids.shape[1] - 1, device)
+    return dataclasses.replace(mb, input_ids=packed.to(device), documents=docs)
 
 
 def causal_forward(model: torch.nn.Module, input_ids: torch.Tensor):
@@ -78,7 +94,10 @@ def causal_forward(model: torch.nn.Module, input_ids: torch.Tensor):
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy), both (B, T-1): log p(token t+1 | <= t) under logits / temperature."""
-    logits = causal_forward(model, mb.input_ids).logits
+    if mb.documents is None:
+        logits = causal_forward(model, mb.input_ids).logits
+    else:
+        logits = packed_forward(model, mb.input_ids, mb.documents).logits
     b, t, vocab = logits.shape
     # Every position gets a target (the last one a dummy) so the logits stay one contiguous (B*T, V) view.
     target = torch.cat([mb.input_ids[:, 1:], mb.input_ids.new_zeros(b, 1)], dim=1).reshape(-1)
@@ -87,7 +106,10 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
         import rl.kernels.logprobs_triton as kernels
     logprobs, entropy = TokenLogprobs.apply(logits.reshape(-1, vocab), target, temperature,
                                             max(1, LOGPROB_CHUNK_BYTES // (4 * vocab)), kernels)
-    return logprobs.view(b, t)[:, :-1], entropy.view(b, t)[:, :-1]
+    logprobs, entropy = logprobs.view(b, t)[:, :-1], entropy.view(b, t)[:, :-1]
+    if mb.documents is not None:  # the packed row's targets back into the samples' rows
+        return unpack(logprobs, mb.documents), unpack(entropy, mb.documents)
+    return logprobs, entropy
 
 
 FUSED_LOGPROBS = True  # on CUDA, rl/kernels/logprobs_triton.py: one read of the bf16 logits forward, one backward
@@ -162,34 +184,71 @@ def width_multiple(device: torch.device) -> int:
 
 
 def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_size: int, device,
-                   max_width: int = 0) -> tuple[list[list], list[int], list[int], int]:
+                   max_width: int = 0, skip: frozenset[int] = frozenset()
+                   ) -> tuple[list[list], list[int], list[int], int]:
     """The rollout's global batches in order, each split across DP ranks by balanced length, then
     this rank's share cut into micro-batches. Returns (micro-batches per step, loss tokens per step,
     sequences with loss tokens per step, padding micro-batches over all ranks). Widths are rounded up
     (`width_multiple`), never past `max_width` (the context the model was checked for) when it is given.
+    With train.packing, each micro-batch is one packed row instead (rl/packing.py).
+
+    Samples whose Sample.index is in `skip` (`skippable_samples`: they add nothing to the loss) run no pass,
+    but still count in the step's token and sequence totals: the loss divides by the same numbers as
+    without the skip, so the gradient is the same.
 
     Every rank holds the whole rollout, so each one computes every rank's cut and pads its own list
     to the longest with zero-loss copies of a real micro-batch: FSDP's collectives need all ranks
     to run the same number of forward/backward passes."""
-    multiple = width_multiple(torch.device(device))
+    steps, step_tokens, step_seqs, padding = [], [], [], 0
+    for start in range(0, len(samples), train.global_batch_size):
+        batch = samples[start : start + train.global_batch_size]
+        trained = [s for s in batch if s.index not in skip]
+        parts = parallel.balanced_partition([float(len(s.tokens)) for s in trained], world_size)
+        shares = [sorted((trained[i] for i in part), key=lambda s: len(s.tokens)) for part in parts]  # less padding
+        cuts, mine = cut_share(shares, rank, train, torch.device(device), max_width,
+                               min(batch, key=lambda s: len(s.tokens)))
+        count = max(1, *map(len, cuts))
+        mine += [zero_loss(mine[0]) for _ in range(count - len(mine))]
+        padding += sum(count - len(c) for c in cuts)
+        steps.append(mine)
+        step_tokens.append(sum(sum(s.loss_mask) for s in batch))
+        step_seqs.append(sum(any(s.loss_mask) for s in batch))
+    return steps, step_tokens, step_seqs, padding
+
+
+def cut_share(shares: list[list[Sample]], rank: int, train: TrainConfig, device: torch.device, max_width: int,
+              filler: Sample) -> tuple[list[list[Sample]], list[MicroBatch]]:
+    """Every rank's cut of its share (shortest first) into micro-batches, and this rank's collated. A rank whose
+    share is empty (every sample skipped) gets one zero-loss micro-batch, of padding or of `filler`."""
+    multiple = width_multiple(device)
+    if train.packing:
+        budget = train.micro_batch_tokens
+        longest_first = [share[::-1] for share in shares]
+        cuts = [[[share[i] for i in row] for row in cut_packed([len(s.tokens) for s in share], budget)]
+                for share in longest_first]
+        mine = [collate_packed(mb, device, packed_width(sum(len(s.tokens) for s in mb), budget, multiple),
+                               max_width or budget) for mb in cuts[rank]]
+        return cuts, mine or [zero_loss(collate_packed([filler], device, packed_width(len(filler.tokens), budget,
+                                                                                    multiple), max_width or budget))]
 
     def width(n: int) -> int:
         rounded = -(-n // multiple) * multiple
         return max(n, min(rounded, max_width)) if max_width else rounded
 
-    steps, step_tokens, step_seqs, padding = [], [], [], 0
-    for start in range(0, len(samples), train.global_batch_size):
-        batch = samples[start : start + train.global_batch_size]
-        parts = parallel.balanced_partition([float(len(s.tokens)) for s in batch], world_size)
-        cuts = [cut_micro_batches(sorted((batch[i] for i in part), key=lambda s: len(s.tokens)),  # less padding
-                                  train.micro_batch_size, train.micro_batch_tokens, width) for part in parts]
-        mine = [collate(mb, device, width=width(max(len(s.tokens) for s in mb))) for mb in cuts[rank]]
-        mine += [zero_loss(mine[0]) for _ in range(max(map(len, cuts)) - len(mine))]
-        padding += sum(len(mine) - len(c) for c in cuts)
-        steps.append(mine)
-        step_tokens.append(sum(sum(s.loss_mask) for s in batch))
-        step_seqs.append(sum(any(s.loss_mask) for s in batch))
-    return steps, step_tokens, step_seqs, padding
+    cuts = [cut_micro_batches(share, train.micro_batch_size, train.micro_batch_tokens, width) if share else []
+            for share in shares]
+    mine = [collate(mb, device, width=width(max(len(s.tokens) for s in mb))) for mb in cuts[rank]]
+    return cuts, mine or [zero_loss(collate([filler], device, width=width(len(filler.tokens))))]
+
+
+def skippable_samples(samples: list[Sample], algo: AlgoConfig) -> frozenset[int]:
+    """Sample.index of the samples that add nothing to the loss or its gradient: a zero advantage on every
+    trained token (a GRPO-family group whose rewards are all equal) makes every policy loss, and the importance
+    weights times it, exactly 0. Terms that do not go through the advantage keep every sample: the entropy bonus,
+    the KL in the loss, and KL folded into the reward or GAE, whose advantages are only known in the train phase."""
+    if algo.entropy_coef > 0 or algo.kl_coef > 0 or algo.advantage_estimator == "gae":
+        return frozenset()
+    return frozenset(s.index for s in samples if s.advantage == 0.0)
 
 
 def cut_micro_batches(samples: list[Sample], size: int, token_budget: int, width=lambda n: n

@@ -1,0 +1,143 @@
+"""Packed micro-batches (train.packing): several samples back to back in one row, each attending only to itself.
+
+A packed micro-batch is one row of up to `train.micro_batch_tokens` tokens holding whole samples, then padding.
+Positions restart at 0 for every sample, and attention never crosses from one sample into another: on CUDA
+through FlashAttention's variable-length kernel (`torch.nn.attention.varlen`, one causal attention per sample
+over the row's offsets, no padding rows, no masked-out work); elsewhere through SDPA with a block-diagonal
+causal mask (dense, for tests and CPU runs). Padding is a document of its own, so every query attends to at
+least itself and no kernel leaves an output unwritten.
+
+Unlike padded rows, a packed row's width does not follow the samples' lengths: every packed micro-batch of a
+run is one row between half a budget and a budget long (`packed_width`), so compiled decoder blocks meet one
+shape family and do not recompile when a rollout brings new lengths.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from rl.config import ConfigError
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch before 2.10: packed rows on CUDA are refused at start-up
+    varlen_attn = None
+
+ATTENTION = "rl_packed"  # the name under which transformers finds `packed_attention`
+# torch spells causality and grouped KV heads differently across versions; read once, outside compiled code
+VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn else frozenset()
+
+
+@dataclass
+class Documents:
+    """Where each sample of a packed row sits (the row's padding is the last document)."""
+    position_ids: torch.Tensor  # (1, W): 0.. within each document
+    document_ids: torch.Tensor  # (1, W): k on the k-th document's tokens
+    cu_seqlens: torch.Tensor  # (documents + 1,) int32: each document's start, then W
+    # a bound on the documents' lengths, the same for every row of a run (the model's context): an int that
+    # changed from row to row would recompile the compiled blocks
+    max_seqlen: int
+    targets: torch.Tensor  # (samples, T-1) long: where sample k's target t sits among the row's W-1 targets
+
+
+def packed_width(tokens: int, budget: int, multiple: int) -> int:
+    """A packed row's width: `tokens` rounded up to `multiple`, and never under half the budget, so that the
+    compiled blocks' code, which branches on the token count of a pass, sees every row on the same side of
+    its thresholds (a row of under ~6k tokens compiled a second graph at 0.5B on an H200)."""
+    return max(-(-tokens // multiple) * multiple, -(-(budget // 2) // multiple) * multiple, 1)
+
+
+def cut_packed(lengths: list[int], budget: int) -> list[list[int]]:
+    """Positions of `lengths` (sorted longest first) cut into rows of at most `budget` tokens: next-fit in
+    decreasing order, so every row but the last is nearly full. A sample longer than the budget rows alone."""
+    rows: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(lengths):
+        if rows[-1] and used + n > budget:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return [r for r in rows if r]
+
+
+def documents(lengths: list[int], width: int, max_seqlen: int, targets_per_sample: int,
+              device: torch.device) -> Documents:
+    """The layout of one row holding documents of `lengths` from its start, padded to `width`; positions of
+    the padding are 0 (they index nothing real). Past a sample's end its `targets` point at whatever follows
+    (the collated rows mask those out)."""
+    pad = width - sum(lengths)
+    sizes = lengths + ([pad] if pad > 0 else [])
+    document_ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.long))
+    starts = torch.tensor([0] + sizes, dtype=torch.long).cumsum(0)
+    position_ids = torch.arange(width) - starts[document_ids]
+    if pad > 0:
+        position_ids[-pad:] = 0
+    targets = (starts[: len(lengths), None] + torch.arange(targets_per_sample)).clamp(max=width - 2)
+    return Documents(position_ids[None].to(device), document_ids[None].to(device),
+                     starts.to(torch.int32).to(device), max(max_seqlen, *sizes), targets.to(device))
+
+
+def unpack(values: torch.Tensor, docs: Documents) -> torch.Tensor:
+    """(1, W-1) per-target values of a packed row -> (samples, T-1), one row per sample as `collate` lays them."""
+    return values.reshape(-1)[docs.targets]
+
+
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """(1, 1, T, T) bool, True where query i may attend key j: the same document and j <= i."""
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same & torch.ones_like(same[0], dtype=torch.bool).tril())[:, None]
+
+
+def packed_forward(model: torch.nn.Module, input_ids: torch.Tensor, docs: Documents):
+    """The model's output over one packed row. The varlen kernel on CUDA needs no mask; elsewhere SDPA gets
+    the block-diagonal mask, handed to every layer as a prepared mask mapping (the model builds none)."""
+    kinds = set(getattr(model.config, "layer_types", None) or [])
+    if kinds - {"full_attention"}:
+        raise ValueError(f"train.packing: layers of kinds {sorted(kinds)}; packed rows support full attention only")
+    mask = None if input_ids.is_cuda else document_mask(docs.document_ids)
+    return model(input_ids=input_ids, attention_mask={"full_attention": mask} if kinds else mask,
+                 position_ids=docs.position_ids, use_cache=False, cu_seq_lens_q=docs.cu_seqlens,
+                 cu_seq_lens_k=docs.cu_seqlens, max_length_q=docs.max_seqlen, max_length_k=docs.max_seqlen)
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                     cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """transformers' attention interface: (1, heads, T, head_dim) in, (1, T, heads, head_dim) out. A packed row
+    on CUDA runs the varlen kernel; anything else (padded rows, the CPU's masked rows) runs transformers' SDPA."""
+    if cu_seq_lens_q is None or not query.is_cuda:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (T, heads, head_dim)
+    return varlen_causal(q, k, v, cu_seq_lens_q, max_length_q, scaling)[None], None
+
+
+def varlen_causal(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None) -> torch.Tensor:
+    """Causal attention within each [cu_seqlens[i], cu_seqlens[i+1]) of (T, heads, head_dim) q, k, v.
+    `max_seqlen` only sizes the kernel's grid: any bound on the documents' lengths is right."""
+    extra = {"window_size": (-1, 0)} if "window_size" in VARLEN_PARAMS else {"is_causal": True}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in VARLEN_PARAMS:
+            extra["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **extra)
+
+
+def use_packed_attention(model: torch.nn.Module) -> None:
+    """Points `model`'s attention at `packed_attention` (SDPA for every pass without packed documents)."""
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", ATTENTION):
+        raise ConfigError(f"train.packing needs model.attn_implementation='sdpa', got "
+                         f"{model.config._attn_implementation!r}")
+    if next(model.parameters()).is_cuda and varlen_attn is None:
+        raise ConfigError(f"train.packing on CUDA needs torch.nn.attention.varlen (torch >= 2.10), torch is "
+                         f"{torch.__version__}")
+    AttentionInterface.register(ATTENTION, packed_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # what a model that builds its own masks looks up
+    model.config._attn_implementation = ATTENTION

@@ -1,0 +1,121 @@
+"""Packed rows (train.packing) train like padded ones: the same logprobs, loss and gradients on the CPU in float32
+(block-diagonal mask), the varlen kernel close to padded rows on CUDA in bf16, and compiled blocks that meet
+packed rows of new lengths compile nothing after the first rollout."""
+
+import copy
+
+import pytest
+import torch
+
+from rl.config import AlgoConfig, TrainConfig
+from rl.metrics import graphs_compiled
+from rl.packing import cut_packed, documents, packed_width, use_packed_attention
+from rl.policy import compile_blocks
+from rl.rope import unfuse_rope
+from rl.train import build_schedule, collate, collate_packed, token_logprobs, train_on_rollout
+from tests.test_train_options import samples
+from tests.test_zero_advantage_skip import RecordingSGD, max_rel_err
+from tests.tiny import tiny_model
+
+
+def test_rows_are_cut_longest_first_and_widths_stay_in_one_band():
+    assert cut_packed([9, 7, 5, 3, 2], 12) == [[0], [1, 2], [3, 4]]  # next-fit: 9 | 7 + 5 | 3 + 2
+    assert cut_packed([20, 3], 12) == [[0], [1]]  # longer than the budget: a row of its own
+    assert [packed_width(n, 64, 8) for n in (1, 30, 33, 64)] == [32, 32, 40, 64]
+
+
+def test_documents_restart_positions_and_pad_as_a_document_of_their_own():
+    docs = documents([3, 2], 7, 4, 2, torch.device("cpu"))
+    assert docs.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 0]]
+    assert docs.document_ids.tolist() == [[0, 0, 0, 1, 1, 2, 2]]
+    assert docs.cu_seqlens.tolist() == [0, 3, 5, 7] and docs.max_seqlen == 4
+    assert docs.targets.tolist() == [[0, 1], [3, 4]]
+
+
+def step(model, batch, packing: bool, algo: AlgoConfig) -> tuple[list, dict]:
+    """One optimizer step's gradients over `batch` through the trainer's own schedule."""
+    train = TrainConfig(global_batch_size=len(batch), micro_batch_tokens=48, clip_grad=0.0, packing=packing)
+    optimizer = RecordingSGD(model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    steps, step_tokens, step_seqs, _ = build_schedule(batch, train, 0, 1, torch.device("cpu"))
+    out = train_on_rollout(model, optimizer, scheduler, steps, step_tokens, 1, train, algo, 0.8, step_seqs)
+    out["shapes"] = [tuple(mb.input_ids.shape) for mb in steps[0]]
+    return optimizer.grads, out
+
+
+@pytest.mark.parametrize("algo", [AlgoConfig(eps_clip_high=0.28, entropy_coef=0.01),
+                                  AlgoConfig(eps_clip_high=0.28, policy_loss="gspo", loss_agg="seq_mean_token_mean",
+                                             tis_cap=2.0, tis_level="sequence")], ids=["ppo_entropy", "gspo_seq"])
+def test_packed_rows_give_the_padded_rows_loss_and_gradients(algo):
+    batch = samples(10, seed=5)
+    padded = tiny_model(seed=1)
+    packed = copy.deepcopy(padded)
+    use_packed_attention(packed)
+    want, want_out = step(padded, batch, False, algo)
+    got, got_out = step(packed, batch, True, algo)
+    assert {rows for rows, _ in got_out["shapes"]} == {1}
+    for key in ("loss_sum", "entropy_sum", "tokens", "sequences", "clipped_tokens"):
+        assert got_out[key] == pytest.approx(want_out[key], rel=1e-5, abs=1e-7), key
+    assert got_out["sample_mismatch"] == pytest.approx(want_out["sample_mismatch"], rel=1e-5)
+    assert max_rel_err(got, want) < 1e-5
+
+
+def test_each_packed_sample_sees_only_itself():
+    """A sample's logprobs in a packed row equal its logprobs alone, whatever shares the row."""
+    model = tiny_model(seed=2)
+    use_packed_attention(model)
+    batch = samples(4, seed=6)
+    with torch.no_grad():
+        together, _ = token_logprobs(model, collate_packed(batch, torch.device("cpu"), 96, 16), 1.0)
+        for row, s in enumerate(batch):
+            alone, _ = token_logprobs(model, collate([s], torch.device("cpu")), 1.0)
+            n = len(s.tokens) - 1
+            assert torch.allclose(together[row, :n], alone[0], atol=1e-5), s.index
+
+
+def test_compiled_blocks_compile_nothing_after_the_first_rollout():
+    """Packed rows stay between half a budget and a budget and always one row: after the first rollout's
+    passes (with and without grad), rollouts of other lengths and counts compile no graph."""
+    model = tiny_model(seed=3)
+    use_packed_attention(model)
+    compile_blocks(model)
+    algo = AlgoConfig(eps_clip_high=0.2)
+    graphs = []
+    try:
+        for seed, n in ((7, 12), (8, 5), (9, 17)):
+            counts: dict[str, float] = {}
+            with graphs_compiled(counts, "graphs"):
+                batch = samples(n, seed=seed)
+                train = TrainConfig(global_batch_size=n, micro_batch_tokens=96, packing=True)
+                steps, _, _, _ = build_schedule(batch, train, 0, 1, torch.device("cpu"))
+                with torch.no_grad():  # an old-logprob pass
+                    token_logprobs(model, steps[0][0], 1.0)
+                step(model, batch, True, algo)
+            graphs.append(counts["graphs"])
+    finally:
+        unfuse_rope()
+    assert graphs[0] > 0 and graphs[1:] == [0, 0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernel runs on CUDA")
+def test_varlen_rows_on_cuda_match_padded_rows():
+    """On CUDA a packed row runs FlashAttention's varlen kernel: bf16 logprobs and gradients as padded rows'."""
+    batch = samples(10, seed=5)
+    padded = tiny_model(seed=1).cuda().to(torch.bfloat16)
+    packed = copy.deepcopy(padded)
+    use_packed_attention(packed)
+    results = []
+    for model, packing in ((padded, False), (packed, True)):
+        mbs = build_schedule(batch, TrainConfig(global_batch_size=10, micro_batch_tokens=64, packing=packing), 0, 1,
+                             torch.device("cuda"))[0][0]
+        model.zero_grad(set_to_none=True)
+        lps = {}
+        for mb in mbs:
+            lp, _ = token_logprobs(model, mb, 1.0)
+            (lp * mb.loss_mask).sum().backward()
+            lps |= {i: (row * m)[m > 0] for i, row, m in zip(mb.indices, lp.detach(), mb.loss_mask)}
+        results.append((lps, [p.grad.float() for p in model.parameters()]))
+    (want_lp, want_grads), (got_lp, got_grads) = results
+    for i in want_lp:
+        assert torch.allclose(got_lp[i], want_lp[i], atol=5e-2), i
+    assert max_rel_err(got_grads, want_grads) < 5e-2
