@@ -24,6 +24,15 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
     gathered=on|off    `on` keeps FSDP2's gathered bf16 parameters from the first micro-batch of an optimizer step
                        to its last (model.reshard_after_forward=false); `off` gathers them for every forward and
                        every backward
+    packing=off|on     train.packing: samples back to back in one row per micro-batch, attention within each
+    skip=off|on        `on` skips the samples of zero-advantage groups (`rl.train.skippable_samples`); with
+                       --lengths, the histogram's zero_std_group_frac of the groups have zero advantage
+
+--lengths FILE replays a real run's length distribution instead (benchmarks/lengths/*.json: prompt lengths per
+group, response lengths per sample, the share of groups with zero reward variance, the batch's size):
+
+    python benchmarks/train.py --lengths benchmarks/lengths/gsm8k-qwen2.5-0.5b-instruct.json \
+        --variants fresh=on fresh=on,packing=on fresh=on,packing=on,skip=on --repeats 3
 
 For each model x variant it prints the step time (median of --repeats after one warm-up step, and each one),
 the graphs torch.compile compiled during those steps (recompiles: 0 once warm), tokens/s, MFU
@@ -36,6 +45,7 @@ On a CPU (`--models tiny`) it runs a small model as a smoke test.
 from __future__ import annotations
 
 import argparse
+import json
 import itertools
 import math
 import random
@@ -57,7 +67,8 @@ from rl.metrics import graphs_compiled, profiled  # noqa: E402
 from rl.policy import build_optimizer, build_policy  # noqa: E402
 from rl.rope import unfuse_rope  # noqa: E402
 from rl import train as train_module  # noqa: E402
-from rl.train import build_schedule, token_logprobs, train_on_rollout  # noqa: E402
+from rl.packing import use_packed_attention  # noqa: E402
+from rl.train import build_schedule, skippable_samples, token_logprobs, train_on_rollout  # noqa: E402
 
 
 def seed_batch(vocab: int, samples: int, max_response: int, seed: int = 0) -> list[Sample]:
@@ -74,6 +85,28 @@ def seed_batch(vocab: int, samples: int, max_response: int, seed: int = 0) -> li
     return out
 
 
+def replay_batch(lengths: dict, vocab: int, seed: int = 0) -> list[Sample]:
+    """A batch drawn from a length histogram (benchmarks/lengths/*.json): one prompt length per group, one response
+    length per sample, and zero_std_group_frac of the groups with every advantage 0 (rewards all equal)."""
+    rng = random.Random(seed)
+
+    def draw(hist: dict) -> int:
+        i = rng.choices(range(len(hist["counts"])), weights=hist["counts"])[0]
+        return rng.randint(hist["edges"][i] + 1, hist["edges"][i + 1])
+
+    n, out = lengths["n_samples_per_prompt"], []
+    for g in range(lengths["rollout_batch_size"]):
+        prompt = [rng.randrange(3, vocab) for _ in range(draw(lengths["prompt_length"]))]
+        flat = rng.random() < lengths["zero_std_group_frac"]
+        for k in range(n):
+            r = draw(lengths["response_length"])
+            s = Sample(prompt="", tokens=list(prompt), index=g * n + k, group_index=g)
+            s.append_response_tokens([rng.randrange(3, vocab) for _ in range(r)], [-math.log(vocab)] * r)
+            s.advantage = 0.0 if flat else rng.choice([-1.0, 1.0]) * rng.random()
+            out.append(s)
+    return out
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -82,7 +115,7 @@ def sync(device: torch.device) -> None:
 CAUSAL_FORWARD = train_module.causal_forward
 DEFAULTS = {"mbt": "32768", "compile": "on", "checkpointing": "off", "logprobs": "fused", "mask": "none",
             "cold": "off", "width": "64", "fresh": "off", "adamw": "fused",
-            "gathered": "on"}  # what benchmarks/loop.sh runs
+            "gathered": "on", "packing": "off", "skip": "off"}  # what benchmarks/loop.sh runs
 # the trainer before these options
 BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding,width=1,adamw=foreach,gathered=off"
 
@@ -115,12 +148,20 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     policy = build_policy(ModelConfig(path=model_dir, random_init=True, gradient_checkpointing=on["checkpointing"],
                                       compile=on["compile"], reshard_after_forward=not on["gathered"]),
                           d.mesh, d.device, seed=0, max_context_len=2048)
-    train = TrainConfig(global_batch_size=args.samples, micro_batch_tokens=int(variant["mbt"]), lr=1e-6)
+    if on["packing"]:
+        use_packed_attention(policy)
+    samples_per_step = args.lengths["rollout_batch_size"] * args.lengths["n_samples_per_prompt"] if args.lengths \
+        else args.samples
+    train = TrainConfig(global_batch_size=samples_per_step, micro_batch_tokens=int(variant["mbt"]), lr=1e-6,
+                        packing=on["packing"])
     algo = AlgoConfig(eps_clip_high=0.2)
     optimizer, scheduler = build_optimizer(policy, train, fused=variant["adamw"] == "fused" and d.device.type == "cuda")
     def schedule(seed: int):
-        batch = seed_batch(policy.config.vocab_size, args.samples, args.max_response, seed)
-        return (batch, *build_schedule(batch, train, d.rank, d.world_size, d.device, 2048))
+        batch = replay_batch(args.lengths, policy.config.vocab_size, seed) if args.lengths \
+            else seed_batch(policy.config.vocab_size, args.samples, args.max_response, seed)
+        skip = skippable_samples(batch, algo) if on["skip"] else frozenset()
+        trained = [s for s in batch if s.index not in skip]
+        return (trained, *build_schedule(batch, train, d.rank, d.world_size, d.device, 2048, skip))
 
     samples, steps, step_tokens, step_seqs, _ = schedule(0)
     times = []
@@ -190,7 +231,9 @@ def main() -> None:
     p.add_argument("--max-response", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--lengths", help="a length histogram to replay (benchmarks/lengths/*.json)")
     args = p.parse_args()
+    args.lengths = json.loads(Path(args.lengths).read_text()) if args.lengths else None
     d = parallel.init_distributed()
     models = list(args.models)
     if models == ["tiny"]:  # CPU smoke test
