@@ -60,22 +60,27 @@ class Sample:
     status: Status = Status.PENDING
     group_index: int = -1
     index: int = -1
-    weight_version: int = 0
+    weight_version: int = 0  # of the weights that generated the last response token
     metadata: dict[str, Any] = field(default_factory=dict)  # handed to reward.user_fn
     raw_prompt: Any = None  # the prompt as its row holds it (text or chat messages): TRL-style functions' `prompts`
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for TRL-style functions
+    # One entry per response token: the weight version that sampled it. A sample continued across weight
+    # pushes (partial rollouts) mixes versions; its oldest token bounds its staleness.
+    token_versions: list[int] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
 
-    def append_response_tokens(self, tokens: list[int], log_probs: list[float], trainable: bool = True) -> None:
+    def append_response_tokens(self, tokens: list[int], log_probs: list[float], trainable: bool = True,
+                               version: int = 0) -> None:
         if len(tokens) != len(log_probs):
             raise ValueError(f"sample {self.index}: {len(tokens)} tokens but {len(log_probs)} logprobs")
         self.tokens = self.tokens + list(tokens)
         self.response_length += len(tokens)
         self.loss_mask = self.loss_mask + [int(trainable)] * len(tokens)
         self.rollout_log_probs = self.rollout_log_probs + list(log_probs)
+        self.token_versions = self.token_versions + [version] * len(tokens)
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ def test_eval_set_errors_name_the_eval_keys(tmp_path):
 class EchoEngine:
     """Answers every prompt with the same two tokens: the eval's bookkeeping, without a model."""
 
-    def generate(self, prompts, params, on_finish=None):
+    def generate(self, prompts, params, on_finish=None, prior=None):
         return [Completion(token_ids=[40, 41], logprobs=[-0.1, -0.2], finish_reason="stop") for _ in prompts]
 
 
@@ -109,9 +109,11 @@ def test_eval_and_sample_dumps_in_the_loop(tmp_path):
     assert sum(g["greedy"] for g in greedy) == 6 and len(greedy) == 6 + 18
     dumped = [json.loads(line) for line in (out / "samples" / "rollout_2.jsonl").read_text().splitlines()]
     assert len(dumped) == 32 and {"prompt", "response", "reward", "advantage", "weight_version"} <= set(dumped[0])
-    # every sample's trainer-vs-rollout logprob gap, gathered from the rank that trained it
-    gaps = [d["logprob_abs_diff_mean"] for d in dumped]
-    assert all(g is not None and 0 <= g < 1e-3 for g in gaps), gaps
+    # every trained sample's trainer-vs-rollout logprob gap, gathered from the rank that trained it; a sample of a
+    # group without signal (advantage 0, no KL or entropy term) skips the forward and has none
+    gaps = [d["logprob_abs_diff_mean"] for d in dumped if d["advantage"] != 0]
+    assert gaps and all(g is not None and 0 <= g < 1e-3 for g in gaps), gaps
+    assert all(d["logprob_abs_diff_mean"] is None for d in dumped if d["advantage"] == 0)
     assert max(gaps) <= rows[2]["rollout/logprob_abs_diff_max"]
     assert sorted((out / "samples").iterdir()) == sorted(out / "samples" / name for name in (
         "eval_rollout_0.jsonl", "eval_rollout_2.jsonl", "eval_rollout_3.jsonl", "rollout_0.jsonl", "rollout_2.jsonl"))

@@ -183,3 +183,44 @@ def test_interleaved_samples_of_prompts_do_not_starve_a_small_cache(model):
     outs = engine.generate([a, b, a, b], params)
     want = [engine.generate([p], params)[0].token_ids for p in (a, b)]
     assert [o.token_ids for o in outs] == [want[0], want[1], want[0], want[1]]
+
+
+def test_an_early_end_hands_back_unfinished_requests_and_they_continue_exactly(model):
+    """A call ended by on_finish returns running requests with what they generated ("abort") and waiting ones
+    with nothing; continuing them with `prior` (same weights, greedy) gives what one uninterrupted call gives."""
+    engine = make_engine(model, max_batch_size=4, page_size=4, steps_per_poll=2)
+    free = engine.generate(GROUPED, SamplingParams(max_new_tokens=12, **GREEDY))
+    stops = (free[0].token_ids[3], free[3].token_ids[1])
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=stops, **GREEDY)
+    whole = engine.generate(GROUPED, params)
+    heard = []
+    part = engine.generate(GROUPED, params, on_finish=lambda idx: heard.extend(idx) or True)  # end at the first poll
+    assert heard and all(part[i].finish_reason in ("stop", "length") for i in heard)
+    unfinished = [i for i, o in enumerate(part) if o.finish_reason == "abort"]
+    assert unfinished and any(part[i].token_ids for i in unfinished) and any(not part[i].token_ids for i in unfinished)
+    for i in heard:
+        assert part[i].token_ids == whole[i].token_ids
+    prompts = [GROUPED[i] + part[i].token_ids for i in unfinished]
+    rest = engine.generate(prompts, params, prior=[len(part[i].token_ids) for i in unfinished])
+    for i, out in zip(unfinished, rest):
+        assert part[i].token_ids + out.token_ids == whole[i].token_ids
+        assert part[i].logprobs + out.logprobs == pytest.approx(whole[i].logprobs, abs=1e-5)
+        assert out.finish_reason == whole[i].finish_reason  # the prior tokens count against max_new_tokens
+
+
+def test_a_continued_request_runs_under_the_weights_the_engine_holds_now(model):
+    """After new weights are loaded, a continued request's tokens are scored by the new weights over the whole
+    sequence (its prompt and earlier tokens recomputed), never by KV left from the old ones."""
+    engine = make_engine(model, max_batch_size=4, page_size=4, steps_per_poll=2)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)
+    prompt = GROUPED[3]
+    first = engine.generate([prompt], params, on_finish=lambda idx: True)[0]  # one request: runs to the end
+    cut = 4
+    other = tiny_model(seed=7).eval()
+    engine.load_weights(full_weights(other))
+    rest = engine.generate([prompt + first.token_ids[:cut]], params, prior=[cut])[0]
+    assert len(rest.token_ids) == 10 - cut
+    want = reference_logprobs(other, prompt + first.token_ids[:cut], rest.token_ids)
+    assert rest.logprobs == pytest.approx(want, abs=1e-4)
+    stale = reference_logprobs(model, prompt + first.token_ids[:cut], rest.token_ids)
+    assert max(abs(a - b) for a, b in zip(stale, want)) > 1e-2  # the two weights do differ on these tokens

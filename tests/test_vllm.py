@@ -27,6 +27,7 @@ def needs_ranks(n: int):
 
 def test_group_runs():
     assert group_runs([[1], [1], [2], [2], [2], [1]]) == [(0, 2), (2, 3), (5, 1)]
+    assert group_runs([[1], [1], [1]], prior=[0, 0, 2]) == [(0, 2), (2, 1)]  # a continued sample asks for fewer
 
 
 def test_engine_kwargs_pass_vllm_kwargs_through_last():
@@ -61,6 +62,14 @@ def test_vllm_generates_syncs_and_matches_trainer_tp1(tmp_path):
         assert r["seeded_again_equal"] and r["other_seed_differs"]
         assert r["calls"] == ["load_weights", "sleep(2)", "wake_up(weights)", "load_weights",
                               "reset_prefix_cache", "wake_up(kv_cache)"]
+        # The partial call ended at the first finished group, handing back the others with what they had; after
+        # the push they continued under the new weights (their KV computed anew) up to max_new_tokens in all.
+        assert "completed" in r["partial_statuses"] and r["carried_lengths"]
+        assert any(r["carried_lengths"])
+        for (status, length, versions), before in zip(r["continued"], r["carried_lengths"]):
+            assert status in ("completed", "truncated") and before < length <= 24
+            assert versions == [1] * before + [2] * (length - before)
+        assert r["gap_continued"] < GAP
 
 
 @needs_vllm

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, RolloutConfig, TrainConfig  # noqa: E402
-from rl.data import Sample  # noqa: E402
+from rl.data import Sample, Status  # noqa: E402
 from rl.rollout import SamplingParams, build_engine, generate_rollout  # noqa: E402
 from rl.policy import build_optimizer, shard_policy  # noqa: E402
 from rl.train import collate, token_logprobs, train_on_rollout  # noqa: E402
@@ -59,6 +59,12 @@ def main(out_dir: str, model_dir: str, tp: int) -> None:
     results["weight_versions"] = sorted({s.weight_version for s in samples})
     results["tokens"] = [s.tokens for s in samples]
     results["gap_before"] = max_logprob_gap(policy, samples, d.device)
+    # A partial rollout: the call ends once one group is finished; the rest carry over the weight push below.
+    longer = dataclasses.replace(sampled, max_new_tokens=24, seed=11, stop_token_ids=tuple(range(100, 116)))
+    partial = generate_rollout(engine, groups_of(PROMPTS, 4, start=8), longer, 1, tokenizer, until=lambda done: True)
+    carried = [s for s in partial if s.status == Status.ABORTED]
+    results["partial_statuses"] = [s.status.value for s in partial]
+    results["carried_lengths"] = [s.response_length for s in carried]
 
     for s in samples:
         s.advantage = 1.0 if s.index % 2 else -1.0
@@ -75,6 +81,11 @@ def main(out_dir: str, model_dir: str, tp: int) -> None:
     engine.reset_prefix_cache()
     engine.wake_up(["kv_cache"])
     results["greedy_after"] = [c.token_ids for c in engine.generate(PROMPTS, greedy)]
+    generate_rollout(engine, [carried], longer, 2, tokenizer)
+    results["continued"] = [[s.status.value, s.response_length, s.token_versions] for s in carried]
+    for s in carried:  # only the tokens sampled under the new weights are compared with them
+        s.loss_mask = [int(v == 2) for v in s.token_versions]
+    results["gap_continued"] = max_logprob_gap(policy, carried, d.device)
     after = generate_rollout(engine, groups_of(PROMPTS, 4, start=4), sampled, 2, tokenizer)
     results["gap_after"] = max_logprob_gap(policy, after, d.device)
     results["weight_versions_after"] = sorted({s.weight_version for s in after})

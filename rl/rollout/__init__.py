@@ -47,12 +47,18 @@ class SamplingParams:
 class Completion:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" (the call ended before the request finished)
 
 
 class Engine(Protocol):
+    """`generate(prompts, params, on_finish, prior)`: `on_finish(indices)` is told which requests just finished;
+    when it answers true the call ends early, and unfinished requests come back with the tokens they have
+    ("abort"). `prior[i]`: response tokens prompt i already ends with (a sample continued from an earlier call,
+    counted against max_new_tokens); the engine computes their KV anew, under the weights it holds now."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_finish: Callable[[int], None] | None = None) -> list[Completion]: ...
+                 on_finish: Callable[[list[int]], bool | None] | None = None,
+                 prior: list[int] | None = None) -> list[Completion]: ...
     def sleep(self, level: int) -> None: ...
     def wake_up(self, tags: list[str] | None = None) -> None: ...
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
@@ -61,17 +67,27 @@ class Engine(Protocol):
 
 
 def generate_rollout(engine: Engine, groups: list[list[Sample]], params: SamplingParams, weight_version: int,
-                     tokenizer, progress: bool = False) -> list[Sample]:
-    """Generates every sample of `groups` (whole groups together so prompts can share KV)."""
+                     tokenizer, progress: bool = False,
+                     until: Callable[[list[Sample]], bool] | None = None) -> list[Sample]:
+    """Generates every sample of `groups` (whole groups together so prompts can share KV), each where it left
+    off. `until(finished samples)`, when given, may end the call early: samples still unfinished come back
+    ABORTED, holding what they generated, to be continued by a later call."""
     samples = [s for group in groups for s in group]
     bar = tqdm(total=len(samples), desc="rollout", unit="sample", disable=not progress, leave=False)
-    completions = engine.generate([s.tokens for s in samples], params, on_finish=bar.update)
+
+    def on_finish(indices: list[int]) -> bool:
+        bar.update(len(indices))
+        return until is not None and until([samples[i] for i in indices])
+
+    completions = engine.generate([s.tokens for s in samples], params, on_finish=on_finish,
+                                  prior=[s.response_length for s in samples])
     bar.close()
     for sample, out in zip(samples, completions, strict=True):
-        sample.append_response_tokens(out.token_ids, out.logprobs)
-        sample.response = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        sample.append_response_tokens(out.token_ids, out.logprobs, version=weight_version)
+        sample.response = tokenizer.decode(sample.tokens[sample.prompt_length:], skip_special_tokens=True)
         sample.status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}.get(out.finish_reason, Status.ABORTED)
-        sample.weight_version = weight_version
+        if out.token_ids:
+            sample.weight_version = weight_version
     return samples
 
 

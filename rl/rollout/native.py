@@ -268,17 +268,21 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def _check_ready(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def _check_ready(self, prompts: list[list[int]], params: SamplingParams, prior: list[int] | None) -> None:
         if any(self.asleep.values()):
             raise RuntimeError(f"generate on a sleeping engine ({self.asleep}); call wake_up() first")
         missing = self.required - self.loaded
         if missing:
             names = sorted(n for n, (k, s, _) in self.model.name_map.items() if (k, s) in missing)
             raise RuntimeError(f"engine weights incomplete; missing e.g. {names[:3]}")
-        longest = max((len(p) for p in prompts), default=0)
+        prior = prior or [0] * len(prompts)
+        longest = max((len(p) - done for p, done in zip(prompts, prior)), default=0)
         if longest + params.max_new_tokens > self.max_context_len:
             raise ValueError(f"prompt of {longest} tokens + max_new_tokens {params.max_new_tokens} exceeds the "
                              f"engine's max_context_len {self.max_context_len}")
+        if any(not 0 <= done < min(params.max_new_tokens, len(p)) for p, done in zip(prompts, prior)):
+            raise ValueError(f"prior response tokens must be fewer than max_new_tokens ({params.max_new_tokens}) "
+                             f"and than the prompt's tokens")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every prompt needs at least one token")
         if not params.temperature > 0:
@@ -289,10 +293,15 @@ class NativeEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_finish: Callable[[int], None] | None = None) -> list[Completion]:
-        self._check_ready(prompts, params)
+                 on_finish: Callable[[list[int]], bool | None] | None = None,
+                 prior: list[int] | None = None) -> list[Completion]:
+        """`on_finish(indices)` hears of finished requests after each poll; a true answer ends the call early
+        (rl/rollout/__init__.py). `prior`: response tokens each prompt already ends with (a continued sample),
+        counted against max_new_tokens; their KV is computed anew, like the prompt's."""
+        self._check_ready(prompts, params, prior)
         self._set_sampling(params)
-        sched = Scheduler(prompts, params.max_new_tokens, self.page_size, PagePool(self.num_pages), self.max_batch_size)
+        sched = Scheduler(prompts, params.max_new_tokens, self.page_size, PagePool(self.num_pages), self.max_batch_size,
+                          prior)
         results: list[Completion | None] = [None] * len(prompts)
         stops = set(params.stop_token_ids)
         ahead: Callable[[], bool] | None = None  # "has a row finished?" after the chunk before the last
@@ -324,8 +333,10 @@ class NativeEngine:
             finished = self._poll(sched, stops)
             for request, completion in finished:
                 results[request.index] = completion
-            if finished and on_finish is not None:
-                on_finish(len(finished))
+            if finished and on_finish is not None and on_finish([request.index for request, _ in finished]):
+                for request, completion in self._end_early(sched):
+                    results[request.index] = completion
+                break
         return results
 
     def _set_sampling(self, params: SamplingParams) -> None:
@@ -389,12 +400,14 @@ class NativeEngine:
         r.context_lens[rows] = (lengths + 1).to(dev, torch.int32)
         r.slots[rows] = first_slot.to(dev)
         r.input_ids[rows] = tokens
-        r.n_gen[rows] = 1
-        r.out_tokens[rows, 0] = tokens
-        r.out_logprobs[rows, 0] = logprobs
-        r.done[rows] = (tokens[:, None] == r.stop_ids[None, :]).any(1) | (r.max_new_tokens <= 1)
+        # A continued sample's row counts its prior tokens: the stop rule and the output columns go on from there.
+        prior = torch.tensor([q.prompt.prior for q in new], device=dev)
+        r.n_gen[rows] = prior + 1
+        r.out_tokens[rows] = r.out_tokens[rows].scatter(1, prior[:, None], tokens[:, None])
+        r.out_logprobs[rows] = r.out_logprobs[rows].scatter(1, prior[:, None], logprobs[:, None])
+        r.done[rows] = (tokens[:, None] == r.stop_ids[None, :]).any(1) | (prior + 1 >= r.max_new_tokens)
         for request in new:
-            request.generated = 1
+            request.generated = request.prompt.prior + 1
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p, r = self.params, self.rows
@@ -499,9 +512,24 @@ class NativeEngine:
         r.clear(len(keep), n)
         out = []
         for request, toks, lps in zip(sched.finish(finished_rows), tokens, logprobs):
-            count = request.generated
+            count, prior = request.generated, request.prompt.prior
             reason = "stop" if toks[count - 1] in stops else "length"
-            out.append((request, Completion(toks[:count], lps[:count], reason)))
+            out.append((request, Completion(toks[prior:count], lps[prior:count], reason)))
+        return out
+
+    def _end_early(self, sched: Scheduler) -> list[tuple[Request, Completion]]:
+        """Ends the call with requests unfinished: running ones hand back what they generated ("abort"),
+        waiting ones nothing; the rows go idle for the next call. Follows a poll, so `generated` is exact."""
+        n = len(sched.running)
+        out = [(request, Completion([], [], "abort")) for request in sched.waiting]
+        if n:
+            width = max(request.generated for request in sched.running)
+            tokens = self.rows.out_tokens[:n, :width].cpu().tolist()
+            logprobs = self.rows.out_logprobs[:n, :width].cpu().tolist()
+            for request, toks, lps in zip(sched.running, tokens, logprobs):
+                count, prior = request.generated, request.prompt.prior
+                out.append((request, Completion(toks[prior:count], lps[prior:count], "abort")))
+            self.rows.clear(0, n)
         return out
 
 

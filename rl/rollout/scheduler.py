@@ -41,6 +41,7 @@ class PromptKV:
 
     tokens: list[int]
     unfinished: int  # requests of this prompt that have not finished yet
+    prior: int = 0  # response tokens already among `tokens` (a continued sample): they count against max_new_tokens
     pages: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # (V,) next-token logits, set by prefill
 
@@ -50,21 +51,22 @@ class Request:
     index: int  # position in the generate() call's prompt list
     prompt: PromptKV
     pages: list[int] = field(default_factory=list)  # private: copy of the prompt's partial page, then the response
-    generated: int = 0  # tokens generated: exact at a poll, an upper bound between polls
+    generated: int = 0  # response tokens (prior ones included): exact at a poll, an upper bound between polls
 
 
 class Scheduler:
-    def __init__(self, prompts: list[list[int]], max_new_tokens: int, page_size: int, pool: PagePool, max_rows: int):
+    def __init__(self, prompts: list[list[int]], max_new_tokens: int, page_size: int, pool: PagePool, max_rows: int,
+                 prior: list[int] | None = None):
         # Samples of one prompt wait side by side (each prompt where it first appears): a prompt's
         # pages are then held only while its samples run, and a cache with room for one prompt and
         # one sample at a time never waits on pages held for samples queued behind other prompts.
-        samples: dict[tuple[int, ...], list[int]] = {}
+        samples: dict[tuple[tuple[int, ...], int], list[int]] = {}
         for i, p in enumerate(prompts):
-            samples.setdefault(tuple(p), []).append(i)
+            samples.setdefault((tuple(p), prior[i] if prior else 0), []).append(i)
         self.waiting: deque[Request] = deque()
-        for key, indices in samples.items():
-            prompt = PromptKV(list(key), len(indices))
-            self.waiting.extend(Request(i, prompt) for i in indices)
+        for (tokens, done), indices in samples.items():
+            prompt = PromptKV(list(tokens), len(indices), done)
+            self.waiting.extend(Request(i, prompt, generated=done) for i in indices)
         self.running: list[Request] = []  # in row order: running[i] decodes in row i
         self.max_new_tokens, self.page_size, self.pool, self.max_rows = max_new_tokens, page_size, pool, max_rows
 
@@ -72,7 +74,7 @@ class Scheduler:
         return cdiv(len(prompt.tokens), self.page_size)
 
     def private_pages(self, prompt: PromptKV) -> int:
-        return cdiv(len(prompt.tokens) % self.page_size + self.max_new_tokens, self.page_size)
+        return cdiv(len(prompt.tokens) % self.page_size + self.max_new_tokens - prompt.prior, self.page_size)
 
     def admit(self) -> tuple[list[PromptKV], list[Request]]:
         """Moves waiting requests into free rows, in queue order, while pages last.

@@ -54,11 +54,13 @@ from rl.rollout import Completion, SamplingParams, derive_seed
 TAGS = ("weights", "kv_cache")
 
 
-def group_runs(prompts: list[list[int]]) -> list[tuple[int, int]]:
-    """(start, count) of each run of identical consecutive prompts: one request per group."""
+def group_runs(prompts: list[list[int]], prior: list[int] | None = None) -> list[tuple[int, int]]:
+    """(start, count) of each run of identical consecutive prompts (with the same prior tokens): one request per
+    group."""
+    prior = prior or [0] * len(prompts)
     runs: list[tuple[int, int]] = []
     for i, prompt in enumerate(prompts):
-        if runs and prompts[runs[-1][0]] == prompt:
+        if runs and prompts[runs[-1][0]] == prompt and prior[runs[-1][0]] == prior[i]:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((i, 1))
@@ -137,6 +139,7 @@ class VllmEngine:
         self.in_place_loads = device.type == "cuda"  # module docstring: CPU weights are repacked after a load
         self.asleep = {tag: False for tag in TAGS}
         self.calls: list[str] = []  # the order of weight loads and memory transitions, for the tests
+        self.call_count = 0  # request ids are unique over the engine's life
 
     # ------------------------------------------------------------------ memory
 
@@ -182,39 +185,85 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def requests(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list, list]:
-        """vLLM's prompts and sampling parameters for `prompts`: one request per prompt group (module docstring).
-        With a call seed each request draws from its own stream (the call seed and its place in the call), so the
-        same call on a resumed run draws the same samples whatever else the engine has run."""
+    def requests(self, prompts: list[list[int]], params: SamplingParams,
+                 prior: list[int] | None = None) -> tuple[list, list, list[tuple[int, int]]]:
+        """vLLM's prompts and sampling parameters for `prompts`, and the runs they stand for: one request per
+        prompt group (module docstring); a continued sample's request asks for the tokens it has left. With a call
+        seed each request draws from its own stream (the call seed and its place in the call), so the same call on
+        a resumed run draws the same samples whatever else the engine has run."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        runs = group_runs(prompts)
+        prior = prior or [0] * len(prompts)
+        runs = group_runs(prompts, prior)
         requests = [TokensPrompt(prompt_token_ids=list(prompts[start])) for start, _ in runs]
-        sampling = [VllmSamplingParams(n=count, max_tokens=params.max_new_tokens, temperature=params.temperature,
+        sampling = [VllmSamplingParams(n=count, max_tokens=params.max_new_tokens - prior[start],
+                                       temperature=params.temperature,
                                        top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
                                        stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
                                        logprobs=0, flat_logprobs=True, detokenize=False,
                                        skip_special_tokens=False, spaces_between_special_tokens=False,
-                                       seed=None if params.seed is None else derive_seed(params.seed, i))
-                    for i, (_, count) in enumerate(runs)]
-        return requests, sampling
+                                       seed=None if params.seed is None else derive_seed(params.seed, i),
+                                       output_kind=RequestOutputKind.FINAL_ONLY)
+                    for i, (start, count) in enumerate(runs)]
+        return requests, sampling, runs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_finish: Callable[[int], None] | None = None) -> list[Completion]:
+                 on_finish: Callable[[list[int]], bool | None] | None = None,
+                 prior: list[int] | None = None) -> list[Completion]:
+        """Steps vLLM's engine until every request is done, or until `on_finish` (told of each prompt group as it
+        finishes) answers true: the unfinished requests then come back with what they generated ("abort"), read
+        from vLLM's output processor, and are aborted (rl/rollout/__init__.py)."""
         if any(self.asleep.values()):
             raise RuntimeError(f"generate on a sleeping engine ({self.asleep}); call wake_up() first")
-        requests, sampling = self.requests(prompts, params)
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        completions: list[Completion] = []
-        for out in outputs:
-            for choice in sorted(out.outputs, key=lambda c: c.index):
-                tokens = list(choice.token_ids)
-                completions.append(Completion(tokens, sampled_logprobs(choice.logprobs, tokens),
-                                              choice.finish_reason or "abort"))
-        if on_finish is not None:
-            on_finish(len(completions))
-        return completions
+        requests, sampling, runs = self.requests(prompts, params, prior)
+        engine = self.llm.llm_engine
+        self.call_count += 1
+        ids = [f"{self.call_count}-{i}" for i in range(len(runs))]
+        for request_id, request, sp in zip(ids, requests, sampling):
+            engine.add_request(request_id, request, sp)
+        results: list[Completion | None] = [None] * len(prompts)
+        run_of = {request_id: run for request_id, run in zip(ids, runs)}
+        while engine.has_unfinished_requests():
+            finished = []
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                start, _ = run_of.pop(out.request_id)
+                for choice in sorted(out.outputs, key=lambda c: c.index):
+                    tokens = list(choice.token_ids)
+                    results[start + choice.index] = Completion(tokens, sampled_logprobs(choice.logprobs, tokens),
+                                                               choice.finish_reason or "abort")
+                    finished.append(start + choice.index)
+            if finished and on_finish is not None and on_finish(finished):
+                self._end_early(run_of, results)
+                break
+        return results
+
+    def _end_early(self, run_of: dict[str, tuple[int, int]], results: list[Completion | None]) -> None:
+        """The unfinished requests' tokens and logprobs so far, from vLLM's per-request output state (kept even
+        when only final outputs are returned), then the requests aborted."""
+        engine = self.llm.llm_engine
+        for state in engine.output_processor.request_states.values():
+            parent = state.parent_req.external_req_id if state.parent_req is not None else state.external_req_id
+            if parent not in run_of:
+                continue
+            start = run_of[parent][0]
+            tokens = list(state.detokenizer.output_token_ids)
+            results[start + state.request_index] = Completion(
+                tokens, sampled_logprobs(state.logprobs_processor.logprobs, tokens) if tokens else [], "abort")
+            # Samples of the group that did finish wait in the parent request until all of them have.
+            for choice in state.parent_req.output_aggregator if state.parent_req is not None else []:
+                if choice is not None and choice.finished():
+                    tokens = list(choice.token_ids)
+                    results[start + choice.index] = Completion(tokens, sampled_logprobs(choice.logprobs, tokens),
+                                                               choice.finish_reason)
+        engine.abort_request(list(run_of))
+        for start, count in run_of.values():
+            for i in range(start, start + count):
+                if results[i] is None:  # a child not yet scheduled
+                    results[i] = Completion([], [], "abort")
 
     def close(self) -> None:
         """Tears down vLLM's model-parallel groups; the caller then destroys the process group."""
