@@ -197,18 +197,26 @@ def approx_kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Te
 
 
 def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float,
-                level: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance weights for the engine-trainer mismatch: tokens were sampled by the engine
-    (rollout_logprobs) but the loss is that of the trainer's old policy, so each token's loss is
-    weighted by min(pi_old / pi_engine, cap) (level "token"), or each sequence's by the capped product
-    over its tokens (level "sequence"). Returns (weights, capped indicator), both (B, T), no gradient."""
+                level: str, mode: str = "truncate") -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights for tokens the engine sampled under other weights than the trainer's old policy:
+    the engine-trainer mismatch, and with partial rollouts or max_staleness the older weight versions too.
+    The decoupled PPO objective: the ratio is taken against the trainer's old policy (the weights at the
+    step's start), and each token's loss is weighted by w = pi_old / pi_engine (level "token"), or each
+    sequence's by the product over its tokens (level "sequence"). Mode "truncate" caps w at `cap`; mode
+    "mask" keeps w up to `cap` and gives 0 above it (the token or sequence leaves the loss). Returns
+    (weights, indicator of w > cap), both (B, T), no gradient."""
     log_w = ((old_logprobs - rollout_logprobs) * mask).detach()
     if level == "sequence":
         log_w = log_w.sum(-1, keepdim=True).expand_as(mask)
     elif level != "token":
         raise ValueError(f"unknown TIS level {level!r} (token or sequence)")
     w = torch.exp(log_w)
-    return w.clamp(max=cap), (w > cap).float()
+    over = w > cap
+    if mode == "truncate":
+        return w.clamp(max=cap), over.float()
+    if mode == "mask":
+        return w.masked_fill(over, 0.0), over.float()
+    raise ValueError(f"unknown TIS mode {mode!r} (truncate or mask)")
 
 
 def needs_old_logprobs(train: TrainConfig, algo: AlgoConfig) -> bool:

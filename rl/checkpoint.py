@@ -8,7 +8,9 @@ loop needs to continue after rollout N as if it had never stopped:
   health counters and the resolved config (rank 0);
 - `rng/rank_<r>.pt`: every rank's torch (and CUDA) and Python RNG states;
 - `hf/`: the model's config, generation config and tokenizer files, so that
-  `python -m rl.export` needs nothing but the checkpoint.
+  `python -m rl.export` needs nothing but the checkpoint;
+- `rollout_buffer.pkl`: with partial rollouts or max_staleness, the prompt groups in flight
+  (rl/buffer.py), so that none is lost or trained twice across a resume.
 
 Atomicity: all ranks write into `.rollout_<N>.tmp/`; once every rank is done, rank 0
 renames it to `rollout_<N>` (one rename on one filesystem). Only complete folders are ever
@@ -32,6 +34,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -54,6 +57,7 @@ from rl.metrics import read_metric_rows
 from rl.parallel import print0
 
 CHECKPOINTS = "checkpoints"
+BUFFER_FILE = "rollout_buffer.pkl"
 WRITER_THREADS = 8
 _NAME = re.compile(r"rollout_(\d+)")
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -73,6 +77,7 @@ class TrainerState:
     config: dict[str, Any]
     world_size: int
     critic_scheduler: dict[str, Any] | None = None  # PPO with GAE: the critic's learning-rate schedule
+    rollout_buffer: bool = False  # groups in flight are in rollout_buffer.pkl (partial rollouts, max_staleness)
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -99,9 +104,11 @@ def rollout_of(path: Path) -> int:
 
 
 def save(output_dir: str | Path, state: TrainerState, model: torch.nn.Module, optimizer, hf_sources: list[Path],
-         keep_last: int, critic: tuple[torch.nn.Module, Any] | None = None) -> Path:
+         keep_last: int, critic: tuple[torch.nn.Module, Any] | None = None,
+         rollout_buffer: dict[str, Any] | None = None) -> Path:
     """Writes the checkpoint of rollout `state.rollout_id` on every rank (a collective) and returns its path;
-    `critic`: the value model and its optimizer (PPO with GAE), saved beside the policy's."""
+    `critic`: the value model and its optimizer (PPO with GAE), saved beside the policy's; `rollout_buffer`: the
+    groups in flight (every rank holds the same), pickled whole so that their samples come back exactly."""
     root = checkpoint_root(output_dir)
     final = root / f"rollout_{state.rollout_id}"
     tmp = root / f".rollout_{state.rollout_id}.tmp"
@@ -115,7 +122,9 @@ def save(output_dir: str | Path, state: TrainerState, model: torch.nn.Module, op
              storage_writer=dcp.FileSystemWriter(str(tmp / "model_optim"), thread_count=WRITER_THREADS))
     torch.save(rng_state(), tmp / "rng" / f"rank_{dist.get_rank()}.pt")
     if dist.get_rank() == 0:
-        _write_json(tmp / "trainer_state.json", state.__dict__)
+        if rollout_buffer is not None:
+            _write_pickle(tmp / BUFFER_FILE, rollout_buffer)
+        _write_json(tmp / "trainer_state.json", {**state.__dict__, "rollout_buffer": rollout_buffer is not None})
         copy_hf_files(hf_sources, tmp / "hf")
     dist.barrier()  # every rank's shards are on disk
     if dist.get_rank() == 0:
@@ -192,6 +201,25 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+def _write_pickle(path: Path, obj: Any) -> None:
+    with path.open("wb") as f:
+        pickle.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_rollout_buffer(path: Path) -> dict[str, Any]:
+    """The groups in flight saved with checkpoint `path` (its trainer state says there are some)."""
+    file = path / BUFFER_FILE
+    try:
+        with file.open("rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{BUFFER_FILE} is missing") from None
+    except Exception as e:  # unpickling a cut-off file fails in many ways
+        raise DamagedCheckpoint(f"{BUFFER_FILE} is unreadable ({type(e).__name__}: {e})") from None
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -251,7 +279,8 @@ def check_shards(folder: Path) -> None:
 def damage(path: Path) -> str:
     """What makes checkpoint `path` unloadable, as far as is seen without reading a tensor ('' if nothing)."""
     try:
-        read_trainer_state(path)
+        if read_trainer_state(path).rollout_buffer:
+            read_rollout_buffer(path)
         check_shards(path / "model_optim")
     except DamagedCheckpoint as e:
         return str(e)

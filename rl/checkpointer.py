@@ -1,5 +1,6 @@
 """The run's folder and its checkpoints, over the run's stateful parts: the learner (policy, optimizer,
-schedules, critic), the data cursor and the health counters; every rank's RNG states ride along.
+schedules, critic), the data cursor, the health counters and the groups in flight (partial rollouts,
+max_staleness); every rank's RNG states ride along.
 
 `RunCheckpointer(cfg, dist, restarted)` claims the folder first, before anything expensive: it locks it,
 decides what to resume from (refusing to write over a run silently), and keeps the config (a resumed run
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 from rl import checkpoint, parallel
+from rl.buffer import RolloutBuffer
 from rl.config import Config, ConfigError, dump
 from rl.data import PromptDataset
 from rl.health import Health
@@ -33,9 +35,11 @@ class RunCheckpointer:
         self.learner: Learner | None = None
         self.dataset: PromptDataset | None = None
         self.health: Health | None = None
+        self.buffer: RolloutBuffer | None = None
 
-    def attach(self, learner: Learner, dataset: PromptDataset, health: Health) -> None:
-        self.learner, self.dataset, self.health = learner, dataset, health
+    def attach(self, learner: Learner, dataset: PromptDataset, health: Health,
+               buffer: RolloutBuffer | None = None) -> None:
+        self.learner, self.dataset, self.health, self.buffer = learner, dataset, health, buffer
 
     def resume(self) -> tuple[int, int]:
         """Restores every part from the newest readable checkpoint; returns (the next rollout, weight_version):
@@ -49,10 +53,19 @@ class RunCheckpointer:
                                      state.config)
         self.dataset.load_state_dict(state.data)
         self.health.load_state_dict(state.health)
+        self.resume_buffer(path, state)
         self.loaded = path, state
         print0(f"checkpoint: resumed from {path} in {time.perf_counter() - start:.1f} s: rollout "
                f"{state.rollout_id + 1} next, weight_version {state.weight_version}")
         return state.rollout_id + 1, state.weight_version
+
+    def resume_buffer(self, path: Path, state: checkpoint.TrainerState) -> None:
+        saved = checkpoint.read_rollout_buffer(path) if state.rollout_buffer else None
+        if self.buffer is not None and saved is not None:
+            self.buffer.load_state_dict(saved)
+        elif saved is not None and saved["groups"]:  # their prompts were drawn: they come again next epoch
+            print0(f"checkpoint: warning: {len(saved['groups'])} prompt group(s) in flight in {path.name} are "
+                   f"dropped: this run has rollout.partial_rollout off and rollout.max_staleness=0")
 
     def restore_rng(self) -> None:
         """Every rank's RNG states as saved; call it once nothing more of the start-up draws from them (after the
@@ -75,7 +88,8 @@ class RunCheckpointer:
                                         world_size=self.dist.world_size,
                                         critic_scheduler=learner["critic_scheduler"])
         path = checkpoint.save(self.cfg.log.output_dir, state, self.learner.policy, self.learner.optimizer,
-                               self.hf_sources, self.cfg.checkpoint.keep_last, self.learner.critic_state)
+                               self.hf_sources, self.cfg.checkpoint.keep_last, self.learner.critic_state,
+                               self.buffer.state_dict() if self.buffer is not None else None)
         print0(f"checkpoint: saved {path} in {time.perf_counter() - start:.1f} s")
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rl.config import ConfigError, ModelConfig, RolloutConfig
+from rl.rollout.native import MAX_STOP_IDS
 
 
 def check_model_and_tokenizer(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, hf_config, tokenizer) -> list[int]:
@@ -19,7 +20,12 @@ def check_model_and_tokenizer(model_cfg: ModelConfig, rollout_cfg: RolloutConfig
     text_config = hf_config.get_text_config()
     check_vocab(model_cfg, text_config.vocab_size, len(tokenizer))
     check_positions(rollout_cfg.max_context_len, model_cfg.path, getattr(text_config, "max_position_embeddings", None))
-    return usable_eos_ids(model_cfg, rollout_cfg.stop_token_ids, tokenizer.eos_token_id, text_config.vocab_size)
+    eos_ids = usable_eos_ids(model_cfg, rollout_cfg.stop_token_ids, tokenizer.eos_token_id, text_config.vocab_size)
+    stops = set(rollout_cfg.stop_token_ids) | set(eos_ids)
+    if rollout_cfg.engine == "native" and len(stops) > MAX_STOP_IDS:
+        raise ConfigError(f"rollout.stop_token_ids: {len(stops)} stop ids with the model's EOS ids {eos_ids}; the "
+                          f"native engine checks at most {MAX_STOP_IDS} at each step")
+    return eos_ids
 
 
 def _tokenizer_key(model_cfg: ModelConfig) -> str:

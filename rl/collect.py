@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from rl import parallel
+from rl.buffer import FINISHED, RolloutBuffer, is_due, is_finished, oldest_version, staleness
 from rl.config import RolloutConfig
 from rl.data import PromptDataset, Sample, Status
 from rl.parallel import print0
@@ -40,8 +43,9 @@ class Scored:
 
 class Collector:
     def __init__(self, engine, pool: RewardPool | None, tokenizer, ro: RolloutConfig, dist: parallel.Dist,
-                 progress: bool = False):
+                 progress: bool = False, buffer: RolloutBuffer | None = None):
         self.engine, self.pool, self.tokenizer, self.ro, self.dist = engine, pool, tokenizer, ro, dist
+        self.buffer = buffer  # partial rollouts / max_staleness > 0: the groups in flight between rollouts
         self.progress = progress and dist.is_main  # a bar for training rollouts
         self.engine_index = dist.rank // ro.tensor_parallel_size
         self.num_engines = dist.world_size // ro.tensor_parallel_size
@@ -53,17 +57,28 @@ class Collector:
         draws the same), scored (`Sample.reward` is the reward, or one of its terms: "correct" for evals),
         and gathered."""
         mine = parallel.engine_share(groups, self.engine_index, self.num_engines)
+        return self.generate_share(mine, params, weight_version, seed, barrier_timeout_s, term, progress)
+
+    def generate_share(self, mine: list[list[Sample]], params: SamplingParams, weight_version: int,
+                       seed: tuple[int, ...], barrier_timeout_s: float, term: str = "reward", progress: bool = False,
+                       until: Callable[[list[Sample]], bool] | None = None) -> Scored:
+        """Generates this engine's groups `mine`, each unfinished sample where it left off (`until`: see
+        generate_rollout), scores the groups that are finished, and gathers `mine` from every engine."""
         params = dataclasses.replace(params, seed=derive_seed(*seed, self.engine_index))
         start = time.perf_counter()
-        local = generate_rollout(self.engine, mine, params, weight_version, self.tokenizer,
-                                 progress=progress) if mine else []
+        todo = [[s for s in group if s.status not in FINISHED] for group in mine]
+        if any(todo):
+            generate_rollout(self.engine, todo, params, weight_version, self.tokenizer, progress=progress, until=until)
         parallel.step_barrier(self.dist, barrier_timeout_s, "the end of rollout generation")
         rollout_s = parallel.all_reduce_max(time.perf_counter() - start)
         start = time.perf_counter()
-        stats = [self.score(local, term)] if self.pool is not None and local else []
+        # A call that may end early scores only its finished groups; the others are scored once they finish.
+        done = [s for group in mine if until is None or is_finished(group) for s in group]
+        stats = [self.score(done, term)] if self.pool is not None and done else []
         reward_stats = parallel.all_gather_objects(stats)
         reward_s = time.perf_counter() - start
-        # Engine order is group order: the shares are contiguous.
+        # Engine order is group order when the shares are contiguous.
+        local = [s for group in mine for s in group]
         return Scored(parallel.gather_engine_outputs(local, self.ro.tensor_parallel_size), reward_stats, rollout_s,
                       reward_s)
 
@@ -80,10 +95,12 @@ class Collector:
                 barrier_timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
         """Rounds of `over_sampling_batch_size` prompts until `rollout_batch_size` groups pass the dynamic
         filter (groups whose rewards all match carry no signal), topped up with filtered groups when the
-        rounds run out; every rank keeps the same groups, in order."""
+        rounds run out; every rank keeps the same groups, in order. With a rollout buffer (partial rollouts,
+        max_staleness > 0) the groups come through it instead (`rollout_buffered`)."""
+        if self.buffer is not None:
+            return self.rollout_buffered(dataset, sampling, weight_version, rollout_id, barrier_timeout_s)
         ro = self.ro
-        kept, dropped, reward_stats = [], [], []
-        rollout_s = reward_s = 0.0
+        kept, dropped, tally = [], [], Tally()
         rounds = 0
         while len(kept) < ro.rollout_batch_size and rounds < ro.max_sampling_rounds:
             rounds += 1
@@ -91,27 +108,141 @@ class Collector:
             # The sampling stream depends only on (seed, rollout, round, engine): a resumed run redraws it.
             scored = self.generate_and_score(groups, sampling, weight_version, (ro.seed, rollout_id, rounds),
                                              barrier_timeout_s, progress=self.progress)
-            reward_stats += scored.reward_stats
-            rollout_s += scored.rollout_s
-            reward_s += scored.reward_s
-            for start in range(0, len(scored.samples), ro.n_samples_per_prompt):
-                group = scored.samples[start : start + ro.n_samples_per_prompt]
+            tally.add(scored, sum(s.response_length for s in scored.samples), finished=[])
+            for group in split_groups(scored.samples, ro.n_samples_per_prompt):
                 (kept if keep_group(group, ro.dynamic_filter) else dropped).append(group)
-        all_scored = [s for group in kept + dropped for s in group]
-        drop_frac = len(dropped) / (len(kept) + len(dropped))
+        tally.scored = [s for group in kept + dropped for s in group]  # the order the reward mean sums in
+        return self.batch(kept, dropped, rounds, tally)
+
+    def rollout_buffered(self, dataset: PromptDataset, sampling: SamplingParams, weight_version: int,
+                         rollout_id: int, barrier_timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
+        """A rollout through the buffer (rl/buffer.py): drop what is past the staleness bound, admit new
+        groups as far as the bound allows, generate until `rollout_batch_size` finished groups pass the
+        filter and every due group is finished (partial rollouts), or until every group is finished (not
+        partial; only when the finished ones run short), and take the oldest finished groups."""
+        ro, buffer = self.ro, self.buffer
+        stale = [g for g in buffer.groups if staleness(g, weight_version) > ro.max_staleness]
+        buffer.consume(stale)
+        if stale:
+            print0(f"rollout: dropped {len(stale)} group(s) past rollout.max_staleness={ro.max_staleness}")
+        dropped, tally = [], Tally()
+        rounds = 0
+        while rounds < ro.max_sampling_rounds:
+            ready = len(buffer.finished())
+            due = [g for g in buffer.unfinished() if is_due(g, weight_version, ro.max_staleness)]
+            if ready >= ro.rollout_batch_size and not due:
+                break
+            rounds += 1
+            if ro.partial_rollout or ready < ro.rollout_batch_size:
+                buffer.admit(dataset.next_groups(buffer.room(), ro.n_samples_per_prompt))
+            before = sum(s.response_length for g in buffer.unfinished() for s in g)
+            scored = self.continue_groups(max(ro.rollout_batch_size - ready, 0), sampling, weight_version,
+                                          (ro.seed, rollout_id, rounds), barrier_timeout_s)
+            finished = [g for g in split_by_group(scored.samples) if is_finished(g)]
+            tally.add(scored, sum(s.response_length for s in scored.samples) - before, finished)
+            filtered = [g for g in finished if not keep_group(g, ro.dynamic_filter)]
+            buffer.consume(filtered)
+            dropped += filtered
+        # The oldest first: the due groups are among them (by the admission rule, at most a batch of them).
+        ready = sorted(buffer.finished(), key=lambda g: (oldest_version(g), g[0].group_index))
+        kept = ready[: ro.rollout_batch_size]
+        buffer.consume(kept)
+        samples, stats = self.batch(kept, dropped, rounds, tally)
+        trained = [weight_version - min(s.token_versions, default=weight_version) for s in samples]
+        return samples, {**stats, "rollout/staleness_mean": sum(trained) / len(trained),
+                         "rollout/staleness_max": float(max(trained)),
+                         "rollout/partial_frac": sum(len(set(s.token_versions)) > 1 for s in samples) / len(samples),
+                         "rollout/carried_over": float(len(buffer.groups)), "rollout/dropped_stale": float(len(stale)),
+                         "rollout/dropped_stale_frac": len(stale) / (len(stale) + len(kept) + len(dropped))}
+
+    def continue_groups(self, need: int, sampling: SamplingParams, weight_version: int, seed: tuple[int, ...],
+                        barrier_timeout_s: float) -> Scored:
+        """One round over the buffer's unfinished groups, dealt to the engines in turn (oldest groups to every
+        engine alike). With partial rollouts an engine stops once its part of `need` groups and its due groups
+        are finished, or skips the round when it owes neither; the buffer then holds every engine's groups as
+        they came back."""
+        unfinished = self.buffer.unfinished()
+        mine = unfinished[self.engine_index :: self.num_engines]
+        until = None
+        if self.ro.partial_rollout:
+            target = math.ceil(need / self.num_engines)
+            until = stop_when_finished(mine, target, weight_version, self.ro.max_staleness)
+            if until([]):  # nothing owed: this engine's groups wait for the next rollout
+                mine = []
+        scored = self.generate_share(mine, sampling, weight_version, seed, barrier_timeout_s, progress=self.progress,
+                                     until=until)
+        self.buffer.update(split_by_group(scored.samples))
+        return scored
+
+    def batch(self, kept: list[list[Sample]], dropped: list[list[Sample]], rounds: int,
+              tally: Tally) -> tuple[list[Sample], dict[str, float]]:
+        """The rollout's `rollout_batch_size` groups, topped up with filtered groups (zero advantage) when too
+        few passed, and the rollout's metrics."""
+        ro = self.ro
         topped_up = max(ro.rollout_batch_size - len(kept), 0)
         if topped_up:  # out of rounds: top up with filtered groups, which train as zeros
             print0(f"rollout: only {len(kept)}/{ro.rollout_batch_size} groups passed rollout.dynamic_filter "
                    f"in {rounds} rounds; topping up with {topped_up} filtered groups (zero advantage)")
-            kept += dropped[:topped_up]
-        samples = [s for group in kept[: ro.rollout_batch_size] for s in group]  # extra groups are discarded
-        stats = {**reduce_reward_metrics(reward_stats), "rollout/sampling_rounds": rounds,
-                 "rollout/filtered_group_frac": drop_frac, "rollout/topped_up_groups": topped_up,
-                 "rollout/num_scored": len(all_scored),
-                 "rollout/reward_mean_all_scored": sum(s.reward for s in all_scored) / len(all_scored),
-                 "perf/rollout_s": rollout_s, "perf/reward_s": reward_s,
-                 "perf/rollout_tokens_per_s": sum(s.response_length for s in all_scored) / max(rollout_s, 1e-9)}
+        samples = [s for group in (kept + dropped[:topped_up])[: ro.rollout_batch_size] for s in group]
+        scored = tally.scored
+        stats = {**reduce_reward_metrics(tally.reward_stats), "rollout/sampling_rounds": rounds,
+                 "rollout/filtered_group_frac": len(dropped) / max(len(kept) + len(dropped), 1),
+                 "rollout/topped_up_groups": topped_up, "rollout/num_scored": len(scored),
+                 "rollout/reward_mean_all_scored": sum(s.reward for s in scored) / max(len(scored), 1),
+                 "perf/rollout_s": tally.rollout_s, "perf/reward_s": tally.reward_s,
+                 "perf/rollout_tokens_per_s": tally.tokens / max(tally.rollout_s, 1e-9)}
         return samples, stats
+
+
+@dataclasses.dataclass
+class Tally:
+    """What a rollout's rounds add up to: the samples scored, reward metrics, seconds and tokens generated."""
+
+    scored: list[Sample] = dataclasses.field(default_factory=list)
+    reward_stats: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    rollout_s: float = 0.0
+    reward_s: float = 0.0
+    tokens: int = 0
+
+    def add(self, scored: Scored, tokens: int, finished: list[list[Sample]]) -> None:
+        """One round; `finished`: the groups it scored."""
+        self.scored += [s for g in finished for s in g]
+        self.reward_stats += scored.reward_stats
+        self.rollout_s += scored.rollout_s
+        self.reward_s += scored.reward_s
+        self.tokens += tokens
+
+
+def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: int,
+                       max_staleness: int) -> Callable[[list[Sample]], bool]:
+    """The early end of a partial rollout's call over `groups` (all unfinished): true once `target` of them are
+    finished and none of the due ones is left. Fed the samples that finished since the last call."""
+    left = {g[0].group_index: sum(s.status not in FINISHED for s in g) for g in groups}
+    due = {g[0].group_index for g in groups if is_due(g, weight_version, max_staleness)}
+    finished = 0
+
+    def until(samples: list[Sample]) -> bool:
+        nonlocal finished
+        for s in samples:
+            left[s.group_index] -= 1
+            if left[s.group_index] == 0:
+                finished += 1
+                due.discard(s.group_index)
+        return finished >= target and not due
+
+    return until
+
+
+def split_groups(samples: list[Sample], n_samples_per_prompt: int) -> list[list[Sample]]:
+    return [samples[i : i + n_samples_per_prompt] for i in range(0, len(samples), n_samples_per_prompt)]
+
+
+def split_by_group(samples: list[Sample]) -> list[list[Sample]]:
+    """Samples in groups by group_index, in first-seen order."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s)
+    return list(groups.values())
 
 
 def keep_group(group: list[Sample], dynamic_filter: str) -> bool:
@@ -146,9 +277,21 @@ def dump_rollout(samples: list[Sample], mismatch: dict[int, float], path: Path) 
                                 "response": s.response, "label": str(s.label), "reward": s.reward,
                                 "advantage": s.advantage, "status": s.status.value,
                                 "response_length": s.response_length, "weight_version": s.weight_version,
+                                "token_versions": version_runs(s.token_versions),
                                 "rollout_logprob_mean": sum(s.rollout_log_probs) / max(len(s.rollout_log_probs), 1),
                                 "logprob_abs_diff_mean": mismatch.get(s.index)})
                     + "\n")
+
+
+def version_runs(versions: list[int]) -> list[list[int]]:
+    """[[version, tokens], ...] in response order: which weights sampled which stretch of a response."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs
 
 
 def dump_eval(passes: list[tuple[bool, list[Sample]]], path: Path) -> None:

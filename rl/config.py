@@ -84,6 +84,13 @@ class RolloutConfig:
     over_sampling_batch_size: int | None = None  # prompts drawn per sampling round; defaults to rollout_batch_size
     dynamic_filter: str = ""  # "" keeps every group; "nonzero_std" drops groups whose rewards are all equal
     max_sampling_rounds: int = 8  # bound on refill rounds when the filter drops groups
+    # Partial rollouts: a rollout ends once rollout_batch_size groups are finished instead of waiting for its
+    # longest sample; unfinished samples carry over and continue under the next weights (needs max_staleness >= 1).
+    partial_rollout: bool = False
+    # The most weight versions a trained sample's oldest token may lag the weights being trained (0: on-policy,
+    # the synchronous loop). Admission keeps up to (max_staleness + 1) * rollout_batch_size groups in flight; without
+    # partial rollouts a rollout generates that many at once and the next max_staleness rollouts train on them.
+    max_staleness: int = 0
     max_new_tokens: int = 1024  # the seed's rollout_max_response_len
     max_context_len: int = 4096
     temperature: float = 1.0
@@ -153,6 +160,8 @@ class AlgoConfig:
     kl_in_reward: bool = False  # subtract kl_coef * the response's KL from its reward instead of adding it to the loss
     tis_cap: float = 0.0  # > 0: truncated importance sampling, loss * min(pi_old / pi_engine, tis_cap)
     tis_level: str = "token"  # token | sequence
+    # truncate: weight min(w, tis_cap); mask: weight w where w <= tis_cap, else the token (or sequence) is left out
+    tis_mode: str = "truncate"
     use_rollout_logprobs: bool = False  # old logprobs from the engine instead of a trainer forward
 
 
@@ -532,6 +541,13 @@ def validate_rollout(ro: RolloutConfig, data: DataConfig) -> None:
              f"data.max_prompt_len + rollout.max_new_tokens ({data.max_prompt_len + ro.max_new_tokens}) "
              f"exceeds rollout.max_context_len ({ro.max_context_len})")
     _require("{prompt}" in data.prompt_template, "data.prompt_template must contain '{prompt}'")
+    _require(ro.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {ro.max_staleness}")
+    _require(not ro.partial_rollout or ro.max_staleness >= 1,
+             "rollout.partial_rollout needs rollout.max_staleness >= 1: a sample continued after a weight push "
+             "holds tokens of the version before")
+    _require(not (ro.partial_rollout or ro.max_staleness) or ro.over_sampling_batch_size == ro.rollout_batch_size,
+             f"rollout.over_sampling_batch_size ({ro.over_sampling_batch_size}) with rollout.partial_rollout or "
+             f"rollout.max_staleness: groups are admitted as far as the staleness bound allows; leave it unset")
 
 
 def validate_train(tr: TrainConfig, ro: RolloutConfig) -> None:
@@ -636,7 +652,8 @@ def validate_layout(ro: RolloutConfig, tr: TrainConfig, world_size: int) -> None
     _require(world_size % tp == 0,
              f"rollout.tensor_parallel_size ({tp}) must divide the world size ({world_size})")
     engines = world_size // tp
-    _require(ro.over_sampling_batch_size % engines == 0,
+    buffered = ro.partial_rollout or ro.max_staleness  # the buffer deals groups to the engines one by one
+    _require(buffered or ro.over_sampling_batch_size % engines == 0,
              f"rollout.over_sampling_batch_size ({ro.over_sampling_batch_size}, default rollout_batch_size) must be "
              f"divisible by the number of engines ({engines} = world size {world_size} / tensor_parallel_size {tp}): "
              f"whole prompt groups go to one engine")
@@ -661,6 +678,7 @@ def validate_algo(algo: AlgoConfig, model: ModelConfig, ro: RolloutConfig) -> No
     _one_of("algo.loss_agg", algo.loss_agg, LOSS_AGGREGATIONS)
     _one_of("algo.kl_estimator", algo.kl_estimator, KL_ESTIMATORS)
     _one_of("algo.tis_level", algo.tis_level, ("token", "sequence"))
+    _one_of("algo.tis_mode", algo.tis_mode, ("truncate", "mask"))
     _require(ro.n_samples_per_prompt >= 2 or algo.advantage_estimator not in GROUP_ESTIMATORS,
              f"rollout.n_samples_per_prompt={ro.n_samples_per_prompt} with algo.advantage_estimator="
              f"{algo.advantage_estimator!r}: a group baseline needs >= 2 samples per prompt (with 1, every "

@@ -18,6 +18,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer
 
 from rl import launch, parallel
+from rl.buffer import RolloutBuffer
 from rl.checkpointer import RunCheckpointer
 from rl.checks import check_model_and_tokenizer
 from rl.collect import Collector, dump_rollout, rollout_metrics
@@ -113,15 +114,19 @@ def start_up(cfg: Config, dist: parallel.Dist, stop: launch.StopRequests) -> Run
     reward_pool = RewardPool(cfg.reward) if dist.rank % cfg.rollout.tensor_parallel_size == 0 else None
     eval_prompts = held_out_prompts(cfg, tokenizer, dataset) if cfg.eval.source else []
     learner = Learner(cfg, dist)
-    health = Health(cfg.train.max_bad_steps, cfg.reward.max_failed_steps, learner.policy.config.vocab_size)
-    checkpointer.attach(learner, dataset, health)
+    health = Health(cfg.train.max_bad_steps, cfg.reward.max_failed_steps, learner.policy.config.vocab_size,
+                    cfg.rollout.max_staleness)
+    buffer = None  # the synchronous loop: each rollout generates and trains its own groups
+    if cfg.rollout.partial_rollout or cfg.rollout.max_staleness:
+        buffer = RolloutBuffer(cfg.rollout.rollout_batch_size, cfg.rollout.max_staleness)
+    checkpointer.attach(learner, dataset, health, buffer)
     start, weight_version = checkpointer.resume()
     engine = build_engine(cfg.rollout, cfg.model.path, learner.policy.config, dist.device, dist.rank,
                           cfg.model.batch_invariant)
     checkpointer.restore_rng()  # after the engine build, which seeds the global generators (vLLM does)
     sync_weights(learner.policy, engine, learner.engine_dtype, cfg.weights.bucket_mb)
     learner.offload()
-    collector = Collector(engine, reward_pool, tokenizer, cfg.rollout, dist, cfg.log.progress)
+    collector = Collector(engine, reward_pool, tokenizer, cfg.rollout, dist, cfg.log.progress, buffer)
     return Run(cfg, dist, stop, dataset, eval_prompts, SamplingParams.from_config(cfg.rollout, eos_ids), reward_pool,
                learner, health, engine, collector, checkpointer, start, weight_version, restart_stats)
 
@@ -173,8 +178,9 @@ def train(run: Run, logger) -> bool:
 def check_rewards(run: Run, logger, rollout_id: int, rollout_stats: dict) -> None:
     """Counts a step whose every reward failed; a streak of them stops the run, with the step's rollout row kept."""
     try:
-        run.health.after_rewards(int(rollout_stats["rollout/num_scored"]),
-                                 int(rollout_stats["reward/num_errors"] + rollout_stats["reward/num_timeouts"]))
+        run.health.after_rewards(int(rollout_stats["rollout/num_scored"]),  # 0: nothing scored, no reward metrics
+                                 int(rollout_stats.get("reward/num_errors", 0)
+                                     + rollout_stats.get("reward/num_timeouts", 0)))
     except RunStopped:
         logger.log({"rollout_id": rollout_id, "weight_version": run.weight_version, **rollout_stats,
                     **run.health.metrics()})

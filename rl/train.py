@@ -441,7 +441,8 @@ def micro_batch_loss(sums: dict[str, torch.Tensor], mb: MicroBatch, logprobs: to
     token_loss, clipped = policy_loss(algo.policy_loss, logprobs, old_lp, mb.advantages, mask, algo.eps_clip,
                                       algo.eps_clip_high, algo.eps_clip_c)
     if algo.tis_cap > 0:
-        weights, capped = tis_weights(old_lp, mb.rollout_logprobs, mask, algo.tis_cap, algo.tis_level)
+        weights, capped = tis_weights(old_lp, mb.rollout_logprobs, mask, algo.tis_cap, algo.tis_level,
+                                      algo.tis_mode)
         token_loss = token_loss * weights
         sums["tis_weight_sum"] += masked_sum(weights, mask)
         sums["tis_capped_tokens"] += masked_sum(capped, mask)

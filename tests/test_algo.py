@@ -232,6 +232,21 @@ def test_tis_weights_capped():
     assert w[0].tolist() == pytest.approx([0.5] * 3) and capped[0].tolist() == [1.0, 1.0, 1.0]
 
 
+def test_tis_mask_leaves_out_what_the_cap_would_truncate():
+    """Mode "mask": e^0.5 = 1.6487 > 1.5 gives 0 (the token leaves the loss), e^-1 keeps its weight; at sequence
+    level the whole row goes when the product passes the cap."""
+    old = torch.tensor([[0.5, -1.0, 7.0], [0.1, 0.2, 0.0]])
+    engine = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    w, over = tis_weights(old, engine, mask, 1.5, "token", "mask")
+    assert w.flatten().tolist() == pytest.approx([0.0, math.exp(-1), 1.0, math.exp(0.1), math.exp(0.2), 1.0], abs=1e-6)
+    assert over.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    w, over = tis_weights(old, engine, mask, 1.2, "sequence", "mask")
+    assert w.flatten().tolist() == pytest.approx([math.exp(-0.5)] * 3 + [0.0] * 3, abs=1e-6)  # e^0.3 = 1.35 > 1.2
+    with pytest.raises(ValueError, match="truncate or mask"):
+        tis_weights(old, engine, mask, 1.2, "token", "drop")
+
+
 def test_chunked_entropy_gradient_matches_autograd():
     torch.manual_seed(0)
     logits = torch.randn(9, 23, dtype=torch.float64, requires_grad=True)

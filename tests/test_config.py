@@ -63,6 +63,17 @@ def test_impossible_combinations():
         resolve(make(rollout={"rollout_batch_size": 3, "n_samples_per_prompt": 4}), world_size=2)
     with pytest.raises(ConfigError, match="rollout.temperature"):
         make(rollout={"temperature": 0.0})
+    with pytest.raises(ConfigError, match="rollout.partial_rollout needs rollout.max_staleness >= 1"):
+        make(rollout={"partial_rollout": True})
+    with pytest.raises(ConfigError, match="rollout.max_staleness must be >= 0"):
+        make(rollout={"max_staleness": -1})
+    with pytest.raises(ConfigError, match="over_sampling_batch_size .* staleness bound"):
+        make(rollout={"max_staleness": 1, "over_sampling_batch_size": 64})
+    with pytest.raises(ConfigError, match="algo.tis_mode must be one of truncate, mask"):
+        make(algo={"tis_mode": "clip"})
+    # groups go to the engines one by one through the buffer: any batch size splits
+    resolve(make(rollout={"rollout_batch_size": 3, "n_samples_per_prompt": 4, "partial_rollout": True,
+                          "max_staleness": 1}, train={"global_batch_size": 12}), world_size=2)
     with pytest.raises(ConfigError, match="algo.advantage_estimator must be one of grpo, dr_grpo, rloo"):
         make(algo={"advantage_estimator": "ppo"})
     with pytest.raises(ConfigError, match="algo.policy_loss must be one of ppo, gspo, cispo; got 'grpo'"):

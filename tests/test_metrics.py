@@ -113,6 +113,23 @@ def test_the_seed_metric_table_bands_and_trends_warn(capsys):
     assert out.count("health warning: perf/rollout_tokens_per_s") == 1
 
 
+def test_staleness_pinned_at_the_bound_or_many_dropped_warns(capsys):
+    """The seed's staleness row: healthy below the bound; every trained sample at the bound for 3 rollouts in a
+    row, or more than 20% of the groups dropped as too stale, is a warning."""
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100, max_staleness=2)
+    for lag in [0.5, 2.0, 2.0, 1.5, 2.0, 2.0]:  # pinned twice in a row only
+        health.after_train(row(**{"rollout/staleness_mean": lag, "rollout/dropped_stale_frac": 0.0}), steps=1)
+    assert "health warning" not in capsys.readouterr().out
+    health.after_train(row(**{"rollout/staleness_mean": 2.0, "rollout/dropped_stale_frac": 0.25}), steps=1)
+    out = capsys.readouterr().out
+    assert "rollout/staleness_mean = 2, expected < rollout.max_staleness = 2" in out
+    assert "rollout/dropped_stale_frac = 0.25, expected <= 0.2: generation falls behind" in out
+    synchronous = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    for _ in range(4):
+        synchronous.after_train(row(**{"rollout/staleness_mean": 0.0}), steps=1)
+    assert "health warning" not in capsys.readouterr().out
+
+
 def test_the_first_train_phase_of_a_process_is_not_judged_on_speed(capsys):
     """The first rollout of a process (a fresh run's or a resumed one's) compiles and warms up: a low MFU then
     is no warning; the same value a rollout later is."""

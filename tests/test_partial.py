@@ -1,0 +1,174 @@
+"""Partial rollouts and the staleness bound (rl/buffer.py, Collector.rollout_buffered): the admission rule, every
+trained token scored by the weights of its recorded version, whole groups trained once, and an exact resume."""
+
+import json
+
+import pytest
+import torch
+
+from rl.buffer import FINISHED, RolloutBuffer, is_due, sample_from_dict, sample_to_dict
+from rl.collect import Collector
+from rl.config import RewardConfig, RolloutConfig
+from rl.data import Prompt, PromptDataset, Sample, Status
+from rl.parallel import Dist
+from rl.reward import RewardPool
+from rl.rollout import SamplingParams
+from rl.rollout.native import NativeEngine
+from tests.test_checkpoint import checkpoints, final_weights, launch, rows
+from tests.test_engine import full_weights, reference_logprobs
+from tests.tiny import save_tiny_model_dir, tiny_model, tiny_tokenizer, write_arithmetic_jsonl
+
+ONE_RANK = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+STOPS = list(range(100, 115))  # 15 of 256 ids (16 with the EOS): a random tiny model stops after a few to a few dozen tokens
+BATCH, N = 4, 2
+
+
+def sample(group: int, versions: list[int], status: Status = Status.ABORTED) -> Sample:
+    return Sample(prompt="p", tokens=[1] * (3 + len(versions)), response_length=len(versions),
+                  token_versions=versions, group_index=group, status=status)
+
+
+def test_admission_keeps_at_most_the_bound_in_flight():
+    buffer = RolloutBuffer(rollout_batch_size=4, max_staleness=2)
+    assert buffer.room() == 12  # (max_staleness + 1) rollouts' worth
+    buffer.admit([[sample(g, [])] for g in range(12)])
+    assert buffer.room() == 0
+    buffer.consume(buffer.groups[:5])  # a batch trained and a group filtered out free five places
+    assert buffer.room() == 5 and buffer.admitted == 12 and buffer.consumed == 5
+
+
+def test_a_group_is_due_when_the_next_push_would_take_it_past_the_bound():
+    assert not is_due([sample(0, [])], weight_version=5, max_staleness=1)  # nothing sampled yet: no age
+    assert not is_due([sample(0, [5, 5])], weight_version=5, max_staleness=1)
+    assert is_due([sample(0, [4, 5]), sample(0, [5])], weight_version=5, max_staleness=1)
+    assert not is_due([sample(0, [4, 5])], weight_version=5, max_staleness=2)
+
+
+def test_samples_round_trip_through_the_checkpoint_form_exactly():
+    s = sample(3, [1, 1, 2])
+    s.rollout_log_probs, s.metadata, s.label = [-0.1 / 3, -1e-300, -7.25], {"k": (1, 2)}, {"answer": [1]}
+    assert sample_from_dict(sample_to_dict(s)) == s
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(RewardConfig(user_fn="tests.reward_fns:digit_fraction", num_workers=1)) as p:
+        yield p
+
+
+def prompts(count: int = 40) -> list[Prompt]:
+    return [Prompt(text=f"q{i}", token_ids=[1 + i % 7, 2 + i % 11, 3 + i % 13], label=str(i % 10), metadata={})
+            for i in range(count)]
+
+
+def run_rollouts(pool, ro: RolloutConfig, buffer: RolloutBuffer | None, rollouts: int):
+    """Rollouts with a weight push (new random weights, version + 1) after each; yields (version, samples, stats)
+    and keeps every version's model for the checks."""
+    models = {1: tiny_model(seed=1).eval()}
+    engine = NativeEngine(models[1].config, torch.device("cpu"), torch.float32, max_batch_size=64, seed=0,
+                          max_context_len=128, steps_per_poll=4)
+    engine.load_weights(full_weights(models[1]))
+    collector = Collector(engine, pool, tiny_tokenizer(), ro, ONE_RANK, buffer=buffer)
+    dataset = PromptDataset(prompts(), shuffle=True, seed=0)
+    sampling = SamplingParams.from_config(ro, [])
+    for rollout_id in range(rollouts):
+        version = rollout_id + 1
+        samples, stats = collector.rollout(dataset, sampling, version, rollout_id, 60.0)
+        yield version, samples, stats, models
+        models[version + 1] = tiny_model(seed=version + 1).eval()
+        engine.load_weights(full_weights(models[version + 1]))
+
+
+def check_tokens_against_their_versions(sample: Sample, models: dict) -> None:
+    """Each response token's engine logprob is its recorded version's, given everything before it: no token
+    was sampled by other weights than it says, nor continued on a prefix (KV) computed by other weights."""
+    prompt, response = sample.tokens[: sample.prompt_length], sample.tokens[sample.prompt_length :]
+    for version in set(sample.token_versions):
+        want = reference_logprobs(models[version], prompt, response)
+        for j, v in enumerate(sample.token_versions):
+            if v == version:
+                assert sample.rollout_log_probs[j] == pytest.approx(want[j], abs=1e-4), (sample.index, j, v)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_partial_rollouts_train_whole_groups_once_within_the_bound(pool, max_staleness):
+    ro = RolloutConfig(rollout_batch_size=BATCH, n_samples_per_prompt=N, max_new_tokens=48, stop_token_ids=STOPS,
+                       max_context_len=128, partial_rollout=True, max_staleness=max_staleness)
+    buffer = RolloutBuffer(BATCH, max_staleness)
+    trained, lags, partial = set(), [], []
+    for version, samples, stats, models in run_rollouts(pool, ro, buffer, rollouts=6):
+        groups = {s.group_index for s in samples}
+        assert len(samples) == BATCH * N and len(groups) == BATCH and not groups & trained  # whole, and once
+        trained |= groups
+        for s in samples:
+            assert s.status in FINISHED and len(s.token_versions) == s.response_length == len(s.rollout_log_probs)
+            assert all(0 <= version - v <= max_staleness for v in s.token_versions)  # per token, not per queue
+            check_tokens_against_their_versions(s, models)
+        assert stats["rollout/dropped_stale"] == 0 and stats["rollout/staleness_max"] <= max_staleness
+        assert stats["rollout/carried_over"] == len(buffer.groups)
+        lags.append(stats["rollout/staleness_max"])
+        partial.append(stats["rollout/partial_frac"])
+        # Nothing is lost: every group drawn was trained or is still in flight.
+        assert buffer.admitted == buffer.consumed + len(buffer.groups) == len(trained) + len(buffer.groups)
+    assert max(partial) > 0 and max(lags) >= 1  # samples did cross weight pushes
+
+
+def test_staleness_zero_through_the_buffer_is_the_synchronous_rollout(pool):
+    """With max_staleness 0 and no partial rollouts the buffer's path draws, generates and keeps exactly what the
+    synchronous path does: the bound's machinery adds nothing of its own."""
+    ro = RolloutConfig(rollout_batch_size=BATCH, n_samples_per_prompt=N, max_new_tokens=48, stop_token_ids=STOPS,
+                       max_context_len=128, over_sampling_batch_size=BATCH)
+    plain = list(run_rollouts(pool, ro, None, rollouts=3))
+    buffered = list(run_rollouts(pool, ro, RolloutBuffer(BATCH, 0), rollouts=3))
+    for (_, a, stats_a, _), (_, b, stats_b, _) in zip(plain, buffered, strict=True):
+        assert [(s.index, s.tokens, s.rollout_log_probs, s.reward) for s in a] == \
+               [(s.index, s.tokens, s.rollout_log_probs, s.reward) for s in b]
+        assert stats_b["rollout/staleness_max"] == 0 and stats_b["rollout/carried_over"] == 0
+        shared = (stats_a.keys() & stats_b.keys()) - {"perf/rollout_s", "perf/reward_s", "perf/rollout_tokens_per_s"}
+        assert {k: stats_a[k] for k in shared} == {k: stats_b[k] for k in shared}
+
+
+PARTIAL = ("--rollout.partial_rollout=true", "--rollout.max_staleness=1", "--rollout.max_new_tokens=48",
+           "--rollout.steps_per_poll=2", f"--rollout.stop_token_ids={STOPS}", "--log.sample_interval=1")
+COMPARED = ["rollout_id", "weight_version", "rollout/reward_mean", "train/loss", "train/grad_norm",
+            "rollout/staleness_mean", "rollout/partial_frac", "rollout/carried_over", "rollout/num_scored"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inputs")
+    return save_tiny_model_dir(root / "model"), write_arithmetic_jsonl(root / "train.jsonl")
+
+
+def dumped(out) -> dict[int, list[dict]]:
+    return {int(p.stem.split("_")[1]): [json.loads(line) for line in p.read_text().splitlines()]
+            for p in (out / "samples").glob("rollout_*.jsonl")}
+
+
+def test_the_groups_in_flight_survive_a_resume_exactly(inputs, tmp_path):
+    """4 rollouts straight == 2, a stop with groups in flight, and 2 more resumed: the same samples trained
+    (none lost, none twice), the same metrics and bitwise-equal weights; on 2 ranks, each token within the bound."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch(inputs, straight, 2, "--train.num_rollout=4", "--checkpoint.interval=2", *PARTIAL)
+    launch(inputs, resumed, 2, "--train.num_rollout=2", "--checkpoint.interval=2", *PARTIAL)
+    assert (resumed / "checkpoints" / "rollout_1" / "rollout_buffer.pkl").is_file()
+    launch(inputs, resumed, 2, "--train.num_rollout=4", "--checkpoint.interval=2", "--checkpoint.resume=auto",
+           *PARTIAL)
+    a, b = rows(straight), rows(resumed)
+    assert [r["rollout_id"] for r in b] == [0, 1, 2, 3]
+    assert rows(straight)[1]["rollout/carried_over"] > 0  # the stop did leave groups in flight
+    for ra, rb in zip(a, b, strict=True):
+        assert {k: ra[k] for k in COMPARED} == {k: rb[k] for k in COMPARED}
+    wa, wb = final_weights(straight), final_weights(resumed)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert checkpoints(resumed) == ["rollout_1", "rollout_3"]
+    da, db = dumped(straight), dumped(resumed)
+    assert da == db
+    trained = [s["group_index"] for r in sorted(da) for s in da[r]]
+    assert len(trained) == len(set(trained)) * 4  # n_samples_per_prompt = 4: each group trained once, whole
+    for r, samples in da.items():
+        version = a[r]["weight_version"] - 1  # the row holds the version after this rollout's push
+        for s in samples:
+            assert all(0 <= version - v <= 1 for v, _ in s["token_versions"])
+            assert sum(count for _, count in s["token_versions"]) == s["response_length"]
+    assert any(len(s["token_versions"]) > 1 for samples in da.values() for s in samples)
