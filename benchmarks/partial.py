@@ -1,0 +1,122 @@
+"""Partial rollouts and the staleness bound against the synchronous loop, on a real instruct model whose
+responses have a long tail: GSM-style word problems (reasoning-gym's gsm_symbolic), answers in \\boxed{},
+up to 512 new tokens, configs/recipes/gsm8k_boxed.toml with a shorter run and a held-out eval every 5 rollouts.
+
+    python benchmarks/partial.py write-data DIR        # needs reasoning-gym: DIR/train.jsonl, DIR/eval.jsonl
+    python benchmarks/partial.py run MODEL_DIR DIR OUT [--modes sync partial1 partial2] [--rollouts 30]
+    python benchmarks/partial.py table OUT             # one table from the runs under OUT
+
+Modes: `sync` (the synchronous loop), `partial1` / `partial2` (rollout.partial_rollout with max_staleness 1 / 2),
+`ahead1` (max_staleness 1 without partial rollouts); the asynchronous ones weigh tokens by truncated importance
+weights (algo.tis_cap = 2). The table: median rollout tokens/s and step seconds (rollout 1 on: rollout 0 holds
+CUDA-graph captures), mean and max staleness, the fraction of trained samples that crossed a weight push,
+held-out greedy accuracy at the end, and the minutes of steps until the eval first reached the synchronous
+run's final accuracy. Curves: `python -m rl.plot OUT/sync OUT/partial1 ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {
+    "sync": [],
+    "partial1": ["--rollout.partial_rollout=true", "--rollout.max_staleness=1", "--algo.tis_cap=2.0"],
+    "partial2": ["--rollout.partial_rollout=true", "--rollout.max_staleness=2", "--algo.tis_cap=2.0"],
+    "ahead1": ["--rollout.max_staleness=1", "--algo.tis_cap=2.0"],
+}
+
+
+def write_data(out: Path) -> None:
+    import reasoning_gym
+
+    out.mkdir(parents=True, exist_ok=True)
+    # The recipe's seeds: training items from 1234 on, eval items from 1000000 on (no overlap).
+    for name, size, seed in (("train", 4000, 1234), ("eval", 128, 1000000)):
+        rows = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
+        with (out / f"{name}.jsonl").open("w") as f:
+            for row in rows:
+                f.write(json.dumps({"prompt": row["question"], "answer": row["answer"]}) + "\n")
+    print(f"wrote {out}/train.jsonl (4000) and {out}/eval.jsonl (128)")
+
+
+def run(model: Path, data: Path, out: Path, modes: list[str], rollouts: int, extra: list[str]) -> None:
+    for mode in modes:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "rl.main",
+               "--config", str(ROOT / "configs/recipes/gsm8k_boxed.toml"), f"--model.path={model}",
+               f"--data.source={data / 'train.jsonl'}", f"--eval.source={data / 'eval.jsonl'}",
+               "--eval.interval=5", f"--train.num_rollout={rollouts}", "--train.lr=3e-6", "--train.lr_warmup_steps=2",
+               "--checkpoint.interval=0", "--log.progress=false", f"--log.output_dir={out / mode}",
+               *MODES[mode], *extra]
+        print(f"== {mode}: {' '.join(cmd[5:])}", flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True)
+    table(out)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def minutes_to(run: list[dict], accuracy: float) -> float | None:
+    """Minutes of steps (perf/step_s, evals included) before the eval first reached `accuracy`."""
+    seconds = 0.0
+    for r in run:
+        if r.get("eval/accuracy") is not None and r["eval/accuracy"] >= accuracy:
+            return seconds / 60
+        seconds += r.get("perf/step_s", 0.0)
+    return None
+
+
+def table(out: Path) -> None:
+    runs = {d.name: rows(d) for d in sorted(out.iterdir()) if (d / "metrics.jsonl").is_file()}
+    target = next((r["eval/accuracy"] for r in reversed(runs.get("sync", [])) if "eval/accuracy" in r), None)
+    print(f"| mode | rollout tokens/s | step s | rollout s | train s | staleness mean / max | partial frac "
+          f"| final eval acc | minutes to sync's final ({target}) | total minutes |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, run in runs.items():
+        steps = [r for r in run if "perf/step_s" in r and r["rollout_id"] > 0]
+
+        def median(key: str) -> float:
+            return statistics.median(r.get(key, 0.0) for r in steps)
+
+        evals = [r["eval/accuracy"] for r in run if "eval/accuracy" in r]
+        lag = [r.get("rollout/staleness_mean", 0.0) for r in steps]
+        to_target = minutes_to(run, target) if target is not None else None
+        print(f"| {name} | {median('perf/rollout_tokens_per_s'):,.0f} | {median('perf/step_s'):.2f} "
+              f"| {median('perf/rollout_s'):.2f} | {median('perf/train_s'):.2f} "
+              f"| {statistics.mean(lag):.2f} / {max(r.get('rollout/staleness_max', 0.0) for r in steps):.0f} "
+              f"| {statistics.mean(r.get('rollout/partial_frac', 0.0) for r in steps):.2f} "
+              f"| {evals[-1] if evals else float('nan'):.3f} "
+              f"| {'-' if to_target is None else f'{to_target:.2f}'} "
+              f"| {sum(r.get('perf/step_s', 0.0) for r in run) / 60:.2f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("write-data")
+    w.add_argument("dir", type=Path)
+    r = sub.add_parser("run")
+    r.add_argument("model", type=Path)
+    r.add_argument("data", type=Path)
+    r.add_argument("out", type=Path)
+    r.add_argument("--modes", nargs="+", default=["sync", "partial1", "partial2"], choices=sorted(MODES))
+    r.add_argument("--rollouts", type=int, default=30)
+    t = sub.add_parser("table")
+    t.add_argument("out", type=Path)
+    args, extra = p.parse_known_args()
+    if args.command == "write-data":
+        write_data(args.dir)
+    elif args.command == "run":
+        run(args.model, args.data, args.out, args.modes, args.rollouts, extra)
+    else:
+        table(args.out)
+
+
+if __name__ == "__main__":
+    main()
