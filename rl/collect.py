@@ -49,6 +49,11 @@ class Collector:
         self.progress = progress and dist.is_main  # a bar for training rollouts
         self.engine_index = dist.rank // ro.tensor_parallel_size
         self.num_engines = dist.world_size // ro.tensor_parallel_size
+        waiting = sequences_per_engine(ro, self.num_engines) - ro.max_batch_size
+        if waiting > 0:
+            print0(f"rollout: each engine has up to {sequences_per_engine(ro, self.num_engines)} sequences to "
+                   f"generate but rollout.max_batch_size={ro.max_batch_size} rows: {waiting} wait for a row while "
+                   f"the batch drains; a larger max_batch_size (more KV cache) usually shortens the rollout")
 
     def generate_and_score(self, groups: list[list[Sample]], params: SamplingParams, weight_version: int,
                            seed: tuple[int, ...], barrier_timeout_s: float, term: str = "reward",
@@ -243,6 +248,15 @@ def split_by_group(samples: list[Sample]) -> list[list[Sample]]:
     for s in samples:
         groups.setdefault(s.group_index, []).append(s)
     return list(groups.values())
+
+
+def sequences_per_engine(ro: RolloutConfig, num_engines: int) -> int:
+    """The most sequences an engine is handed at once: its share of a sampling round, or of the groups in flight
+    (through the buffer, up to max_staleness + 1 batches)."""
+    groups = ro.over_sampling_batch_size if ro.over_sampling_batch_size is not None else ro.rollout_batch_size
+    if ro.partial_rollout or ro.max_staleness:
+        groups = (ro.max_staleness + 1) * ro.rollout_batch_size
+    return math.ceil(groups / num_engines) * ro.n_samples_per_prompt
 
 
 def keep_group(group: list[Sample], dynamic_filter: str) -> bool:

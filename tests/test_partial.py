@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rl.buffer import FINISHED, RolloutBuffer, is_due, sample_from_dict, sample_to_dict
-from rl.collect import Collector
+from rl.collect import Collector, sequences_per_engine
 from rl.config import RewardConfig, RolloutConfig
 from rl.data import Prompt, PromptDataset, Sample, Status
 from rl.parallel import Dist
@@ -42,6 +42,13 @@ def test_a_group_is_due_when_the_next_push_would_take_it_past_the_bound():
     assert not is_due([sample(0, [5, 5])], weight_version=5, max_staleness=1)
     assert is_due([sample(0, [4, 5]), sample(0, [5])], weight_version=5, max_staleness=1)
     assert not is_due([sample(0, [4, 5])], weight_version=5, max_staleness=2)
+
+
+def test_sequences_an_engine_is_handed_count_the_groups_in_flight():
+    seed = RolloutConfig(rollout_batch_size=64, n_samples_per_prompt=8)
+    assert sequences_per_engine(seed, num_engines=1) == 512 and sequences_per_engine(seed, num_engines=3) == 176
+    partial = RolloutConfig(rollout_batch_size=64, n_samples_per_prompt=8, partial_rollout=True, max_staleness=2)
+    assert sequences_per_engine(partial, num_engines=2) == 3 * 64 * 8 // 2
 
 
 def test_samples_round_trip_through_the_checkpoint_form_exactly():
