@@ -139,12 +139,13 @@ class Collector:
                 break
             rounds += 1
             if ro.partial_rollout or ready < ro.rollout_batch_size:
-                buffer.admit(dataset.next_groups(buffer.room(), ro.n_samples_per_prompt))
-            before = sum(s.response_length for g in buffer.unfinished() for s in g)
+                count = min(buffer.room(), ro.over_sampling_batch_size - len(buffer.groups))
+                buffer.admit(dataset.next_groups(max(count, 0), ro.n_samples_per_prompt))
+            before = {s.index: s.response_length for g in buffer.unfinished() for s in g}
             scored = self.continue_groups(max(ro.rollout_batch_size - ready, 0), sampling, weight_version,
                                           (ro.seed, rollout_id, rounds), barrier_timeout_s)
             finished = [g for g in split_by_group(scored.samples) if is_finished(g)]
-            tally.add(scored, sum(s.response_length for s in scored.samples) - before, finished)
+            tally.add(scored, sum(s.response_length - before[s.index] for s in scored.samples), finished)
             filtered = [g for g in finished if not keep_group(g, ro.dynamic_filter)]
             buffer.consume(filtered)
             dropped += filtered
@@ -193,9 +194,11 @@ class Collector:
         stats = {**reduce_reward_metrics(tally.reward_stats), "rollout/sampling_rounds": rounds,
                  "rollout/filtered_group_frac": len(dropped) / max(len(kept) + len(dropped), 1),
                  "rollout/topped_up_groups": topped_up, "rollout/num_scored": len(scored),
-                 "rollout/reward_mean_all_scored": sum(s.reward for s in scored) / max(len(scored), 1),
-                 "perf/rollout_s": tally.rollout_s, "perf/reward_s": tally.reward_s,
-                 "perf/rollout_tokens_per_s": tally.tokens / max(tally.rollout_s, 1e-9)}
+                 "perf/rollout_s": tally.rollout_s, "perf/reward_s": tally.reward_s}
+        if scored:  # a rollout that trains on groups scored before has no reward or speed of its own
+            stats["rollout/reward_mean_all_scored"] = sum(s.reward for s in scored) / len(scored)
+        if tally.tokens:
+            stats["perf/rollout_tokens_per_s"] = tally.tokens / max(tally.rollout_s, 1e-9)
         return samples, stats
 
 
@@ -251,11 +254,9 @@ def split_by_group(samples: list[Sample]) -> list[list[Sample]]:
 
 
 def sequences_per_engine(ro: RolloutConfig, num_engines: int) -> int:
-    """The most sequences an engine is handed at once: its share of a sampling round, or of the groups in flight
-    (through the buffer, up to max_staleness + 1 batches)."""
+    """The most sequences an engine is handed at once: its share of a sampling round, or of the groups kept in
+    flight (through the buffer)."""
     groups = ro.over_sampling_batch_size if ro.over_sampling_batch_size is not None else ro.rollout_batch_size
-    if ro.partial_rollout or ro.max_staleness:
-        groups = (ro.max_staleness + 1) * ro.rollout_batch_size
     return math.ceil(groups / num_engines) * ro.n_samples_per_prompt
 
 

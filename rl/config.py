@@ -81,7 +81,10 @@ class RolloutConfig:
     engine: str = "native"  # native | vllm
     rollout_batch_size: int = 32  # prompts per rollout step
     n_samples_per_prompt: int = 8
-    over_sampling_batch_size: int | None = None  # prompts drawn per sampling round; defaults to rollout_batch_size
+    # Prompts drawn per sampling round; defaults to rollout_batch_size. With partial rollouts or max_staleness: the
+    # groups kept in flight (at most (max_staleness + 1) * rollout_batch_size, the default): more cuts more of the
+    # tail, fewer keeps trained samples fresher.
+    over_sampling_batch_size: int | None = None
     dynamic_filter: str = ""  # "" keeps every group; "nonzero_std" drops groups whose rewards are all equal
     max_sampling_rounds: int = 8  # bound on refill rounds when the filter drops groups
     # Partial rollouts: a rollout ends once rollout_batch_size groups are finished instead of waiting for its
@@ -434,7 +437,8 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     """Fills the seed's derived values and checks combinations; `world_size` adds the DP checks."""
     ro, tr, algo = cfg.rollout, cfg.train, cfg.algo
     if ro.over_sampling_batch_size is None:
-        ro = dataclasses.replace(ro, over_sampling_batch_size=ro.rollout_batch_size)
+        in_flight = max(ro.max_staleness, 0) + 1 if ro.partial_rollout or ro.max_staleness else 1
+        ro = dataclasses.replace(ro, over_sampling_batch_size=in_flight * ro.rollout_batch_size)
     if algo.eps_clip_high is None:
         algo = dataclasses.replace(algo, eps_clip_high=algo.eps_clip)
     if algo.loss_agg_norm is None:
@@ -545,9 +549,12 @@ def validate_rollout(ro: RolloutConfig, data: DataConfig) -> None:
     _require(not ro.partial_rollout or ro.max_staleness >= 1,
              "rollout.partial_rollout needs rollout.max_staleness >= 1: a sample continued after a weight push "
              "holds tokens of the version before")
-    _require(not (ro.partial_rollout or ro.max_staleness) or ro.over_sampling_batch_size == ro.rollout_batch_size,
+    bound = (ro.max_staleness + 1) * ro.rollout_batch_size
+    _require(not (ro.partial_rollout or ro.max_staleness)
+             or ro.rollout_batch_size <= ro.over_sampling_batch_size <= bound,
              f"rollout.over_sampling_batch_size ({ro.over_sampling_batch_size}) with rollout.partial_rollout or "
-             f"rollout.max_staleness: groups are admitted as far as the staleness bound allows; leave it unset")
+             f"rollout.max_staleness is the groups kept in flight: from rollout_batch_size ({ro.rollout_batch_size}) "
+             f"to (max_staleness + 1) * rollout_batch_size ({bound}), the most the staleness bound allows")
 
 
 def validate_train(tr: TrainConfig, ro: RolloutConfig) -> None:

@@ -132,7 +132,8 @@ class Health:
         if lag is not None and self.max_staleness and len(lag) >= 3 and min(lag[-3:]) >= self.max_staleness:
             self.warn("rollout/staleness_mean", lag[-1], f"< rollout.max_staleness = {self.max_staleness}: every "
                       "trained sample has been at the bound for 3 rollouts, generation is not keeping up (healthy: "
-                      "0-2, below the bound)")
+                      "0-2, below the bound): fewer groups in flight (rollout.over_sampling_batch_size) keep samples "
+                      "fresher")
 
     def check_bands(self, row: dict[str, Any]) -> None:
         speed_judged = self.warmed_up and not row.get("perf/train_graphs_compiled")

@@ -67,6 +67,9 @@ class Learner:
                     use_packed_attention(model)
         self.offloader = HostOffloader(self.policy, self.optimizer) if cfg.train.offload else None
         self.engine_dtype = engine_dtype(cfg.rollout.dtype, dist.device)
+        if (cfg.rollout.partial_rollout or cfg.rollout.max_staleness) and not cfg.algo.tis_cap:
+            print0(f"train: rollout.max_staleness={cfg.rollout.max_staleness} with algo.tis_cap=0: tokens sampled by "
+                   f"older weights train without an importance weight against them; algo.tis_cap (e.g. 2) adds it")
 
     # ------------------------------------------------------------------------ state
 

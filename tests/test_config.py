@@ -67,8 +67,10 @@ def test_impossible_combinations():
         make(rollout={"partial_rollout": True})
     with pytest.raises(ConfigError, match="rollout.max_staleness must be >= 0"):
         make(rollout={"max_staleness": -1})
-    with pytest.raises(ConfigError, match="over_sampling_batch_size .* staleness bound"):
-        make(rollout={"max_staleness": 1, "over_sampling_batch_size": 64})
+    with pytest.raises(ConfigError, match=r"over_sampling_batch_size \(65\) .* groups kept in flight: from "
+                                          r"rollout_batch_size \(32\) to .* \(64\)"):
+        make(rollout={"max_staleness": 1, "over_sampling_batch_size": 65})
+    assert make(rollout={"max_staleness": 2, "partial_rollout": True}).rollout.over_sampling_batch_size == 96
     with pytest.raises(ConfigError, match="algo.tis_mode must be one of truncate, mask"):
         make(algo={"tis_mode": "clip"})
     # groups go to the engines one by one through the buffer: any batch size splits

@@ -8,7 +8,7 @@ import torch
 
 from rl.buffer import FINISHED, RolloutBuffer, is_due, sample_from_dict, sample_to_dict
 from rl.collect import Collector, sequences_per_engine
-from rl.config import RewardConfig, RolloutConfig
+from rl.config import Config, DataConfig, ModelConfig, RewardConfig, RolloutConfig, resolve
 from rl.data import Prompt, PromptDataset, Sample, Status
 from rl.parallel import Dist
 from rl.reward import RewardPool
@@ -47,8 +47,9 @@ def test_a_group_is_due_when_the_next_push_would_take_it_past_the_bound():
 def test_sequences_an_engine_is_handed_count_the_groups_in_flight():
     seed = RolloutConfig(rollout_batch_size=64, n_samples_per_prompt=8)
     assert sequences_per_engine(seed, num_engines=1) == 512 and sequences_per_engine(seed, num_engines=3) == 176
-    partial = RolloutConfig(rollout_batch_size=64, n_samples_per_prompt=8, partial_rollout=True, max_staleness=2)
-    assert sequences_per_engine(partial, num_engines=2) == 3 * 64 * 8 // 2
+    partial = resolve(Config(model=ModelConfig(path="m"), data=DataConfig(source="d.jsonl"), rollout=RolloutConfig(
+        rollout_batch_size=64, n_samples_per_prompt=8, partial_rollout=True, max_staleness=2)), 2).rollout
+    assert sequences_per_engine(partial, num_engines=2) == 3 * 64 * 8 // 2  # the groups in flight, by default
 
 
 def test_samples_round_trip_through_the_checkpoint_form_exactly():
@@ -100,7 +101,8 @@ def check_tokens_against_their_versions(sample: Sample, models: dict) -> None:
 @pytest.mark.parametrize("max_staleness", [1, 2])
 def test_partial_rollouts_train_whole_groups_once_within_the_bound(pool, max_staleness):
     ro = RolloutConfig(rollout_batch_size=BATCH, n_samples_per_prompt=N, max_new_tokens=48, stop_token_ids=STOPS,
-                       max_context_len=128, partial_rollout=True, max_staleness=max_staleness)
+                       max_context_len=128, partial_rollout=True, max_staleness=max_staleness,
+                       over_sampling_batch_size=(max_staleness + 1) * BATCH)
     buffer = RolloutBuffer(BATCH, max_staleness)
     trained, lags, partial = set(), [], []
     for version, samples, stats, models in run_rollouts(pool, ro, buffer, rollouts=6):
@@ -118,6 +120,19 @@ def test_partial_rollouts_train_whole_groups_once_within_the_bound(pool, max_sta
         # Nothing is lost: every group drawn was trained or is still in flight.
         assert buffer.admitted == buffer.consumed + len(buffer.groups) == len(trained) + len(buffer.groups)
     assert max(partial) > 0 and max(lags) >= 1  # samples did cross weight pushes
+
+
+def test_a_group_past_the_bound_is_dropped_untrained_and_counted(pool):
+    """A group older than the bound (here: put in flight by hand, as a resume with a lower bound would leave it)
+    never trains; the rollout counts it and the health band reads the fraction."""
+    ro = RolloutConfig(rollout_batch_size=BATCH, n_samples_per_prompt=N, max_new_tokens=48, stop_token_ids=STOPS,
+                       max_context_len=128, partial_rollout=True, max_staleness=1, over_sampling_batch_size=2 * BATCH)
+    buffer = RolloutBuffer(BATCH, 1)
+    buffer.admit([[sample(10_000, [-1, 0]), sample(10_000, [-1], Status.COMPLETED)]])  # oldest token: 2 behind
+    _, samples, stats, _ = next(run_rollouts(pool, ro, buffer, rollouts=1))
+    assert 10_000 not in {s.group_index for s in samples} and len(samples) == BATCH * N
+    assert stats["rollout/dropped_stale"] == 1 and stats["rollout/dropped_stale_frac"] == 1 / (1 + BATCH)
+    assert buffer.admitted == buffer.consumed + len(buffer.groups)
 
 
 def test_staleness_zero_through_the_buffer_is_the_synchronous_rollout(pool):
