@@ -1,8 +1,9 @@
 """Training curves from `metrics.jsonl`, as PNGs, with several runs overlaid.
 
-    python -m rl.plot RUN_DIR [RUN_DIR ...] [--out DIR]
+    python -m rl.plot RUN_DIR [RUN_DIR ...] [--out DIR] [--x minutes]
 
-Draws, against `rollout_id`, one figure per group:
+Draws, against `rollout_id` (or, with `--x minutes`, the minutes of steps before each row: runs that step at
+different speeds compared on wall-clock time), one figure per group:
   reward.png      training reward (after the filter, and over every scored sample) and held-out
                   eval accuracy / pass@k
   length.png      mean response length and truncated fraction
@@ -54,10 +55,10 @@ def read_plottable_rows(path: Path) -> list[dict]:
     return rows
 
 
-def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(rollout_id, value) of the rows that have key, NaN where the value is null or not a finite number:
+def series(rows: list[dict], key: str, x: str = "rollout_id") -> tuple[list[float], list[float]]:
+    """(x, value) of the rows that have key, NaN where the value is null or not a finite number:
     matplotlib breaks a line at NaN, where dropping the point would draw straight across it."""
-    points = [(r["rollout_id"], as_number(r[key])) for r in rows if key in r]
+    points = [(r[x], as_number(r[key])) for r in rows if key in r]
     return [x for x, _ in points], [y for _, y in points]
 
 
@@ -75,36 +76,48 @@ def keys_of(runs: dict[str, list[dict]], predicate) -> list[str]:
     return sorted({k for rows in runs.values() for r in rows for k in r if predicate(k)})
 
 
-def line_panel(ax, runs: dict[str, list[dict]], keys: list[str], title: str) -> bool:
+def with_minutes(rows: list[dict]) -> list[dict]:
+    """The rows (in rollout order), each with "minutes": the sum of perf/step_s of the rows before it, so a
+    row's eval (measured before its step) sits at the time it was taken."""
+    out, seconds = [], 0.0
+    for r in rows:
+        out.append({**r, "minutes": seconds / 60})
+        step = as_number(r.get("perf/step_s", 0.0))
+        seconds += step if math.isfinite(step) else 0.0
+    return out
+
+
+def line_panel(ax, runs: dict[str, list[dict]], keys: list[str], title: str, x: str = "rollout_id") -> bool:
     """One line per (run, key) present; False when nothing was drawn."""
     drawn = False
     for name, rows in runs.items():
         for key in keys:
             if not has_values(rows, key):
                 continue
-            x, y = series(rows, key)
+            xs, y = series(rows, key, x)
             # Memory keys are found in the file, so even a lone one needs its phase in the legend.
             one_fixed_key = len(keys) == 1 and not key.startswith("memory/")
             label = name if one_fixed_key else f"{name}: {key.split('/', 1)[1]}"
-            ax.plot(x, y, marker="." if len(x) < 50 else None, label=label)
+            ax.plot(xs, y, marker="." if len(xs) < 50 else None, label=label)
             drawn = True
     if drawn:
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("rollout_id", fontsize=8)
+        ax.set_xlabel(x, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     return drawn
 
 
-def line_figure(runs: dict[str, list[dict]], panels: list[tuple[str, list[str]]], path: Path) -> bool:
+def line_figure(runs: dict[str, list[dict]], panels: list[tuple[str, list[str]]], path: Path,
+                x: str = "rollout_id") -> bool:
     """A figure of one line panel per (title, keys) that some run has; written only if non-empty."""
     present = [(title, keys) for title, keys in panels if any(has_values(rows, k) for rows in runs.values() for k in keys)]
     if not present:
         return False
     fig, axes = plt.subplots(1, len(present), figsize=(4.5 * len(present), 3.5), squeeze=False)
     for ax, (title, keys) in zip(axes[0], present):
-        line_panel(ax, runs, keys, title)
+        line_panel(ax, runs, keys, title, x)
     save(fig, path)
     return True
 
@@ -139,7 +152,7 @@ def save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_runs(run_dirs: list[Path], out_dirs: list[Path]) -> list[str]:
+def plot_runs(run_dirs: list[Path], out_dirs: list[Path], x: str = "rollout_id") -> list[str]:
     """Draws the figures of the runs (overlaid) into each of out_dirs; returns the file names written.
 
     Raises PlotError naming the file when a run has no metrics rows, or an out dir that cannot be a folder.
@@ -151,7 +164,7 @@ def plot_runs(run_dirs: list[Path], out_dirs: list[Path]) -> list[str]:
         if not rows:
             raise PlotError(f"rl.plot: no metrics rows in {path}")
         name = run_dir.resolve().name
-        runs[name if name not in runs else os.fspath(run_dir)] = sorted(rows, key=lambda r: r["rollout_id"])
+        runs[name if name not in runs else os.fspath(run_dir)] = with_minutes(sorted(rows, key=lambda r: r["rollout_id"]))
     evals = keys_of(runs, lambda k: k.startswith("eval/pass@"))
     memory_phases = keys_of(runs, lambda k: k.startswith("memory/") and k.endswith(("_peak_gb", "_device_used_gb")))
     groups = {
@@ -170,7 +183,7 @@ def plot_runs(run_dirs: list[Path], out_dirs: list[Path]) -> list[str]:
     for out_dir in out_dirs:
         make_folder(out_dir)
         for name, panels in groups.items():
-            if line_figure(runs, panels, out_dir / name):
+            if line_figure(runs, panels, out_dir / name, x):
                 written.append(name)
         if time_figure(runs, out_dir / "time.png"):
             written.append("time.png")
@@ -190,10 +203,12 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m rl.plot", description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run folders, each with a metrics.jsonl")
     parser.add_argument("--out", type=Path, help="write the figures here instead of into each run dir")
+    parser.add_argument("--x", choices=("rollout_id", "minutes"), default="rollout_id",
+                        help="the x axis of the line figures: rollout_id, or minutes of steps before each row")
     args = parser.parse_args(argv)
     out_dirs = [args.out] if args.out else args.run_dirs
     try:
-        written = plot_runs(args.run_dirs, out_dirs)
+        written = plot_runs(args.run_dirs, out_dirs, args.x)
     except PlotError as e:
         print(e, file=sys.stderr)
         sys.exit(2)

@@ -9,7 +9,7 @@ import matplotlib.image
 import matplotlib.pyplot as plt
 import pytest
 
-from rl.plot import PlotError, line_panel, plot_runs, read_plottable_rows
+from rl.plot import PlotError, line_panel, plot_runs, read_plottable_rows, with_minutes
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["length.png", "memory.png", "reward.png", "throughput.png", "time.png", "train.png"]
@@ -105,3 +105,16 @@ def test_out_naming_a_file_is_one_line(runs, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"rl.plot: {out} is a file; the figures need a folder"
     assert out.read_bytes() == b"not a folder"
+
+
+def test_minutes_place_each_row_after_the_steps_before_it(tmp_path):
+    """--x minutes: a row (its eval measured before its step) sits at the sum of the steps before it, so runs of
+    different speeds line up on wall-clock time; a step without a time adds nothing."""
+    rows = [{"rollout_id": 0, "perf/step_s": 60.0, "eval/accuracy": 0.2}, {"rollout_id": 1, "perf/step_s": None},
+            {"rollout_id": 2, "perf/step_s": 120.0}, {"rollout_id": 3, "eval/accuracy": 0.5}]
+    assert [r["minutes"] for r in with_minutes(rows)] == [0.0, 1.0, 1.0, 3.0]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    subprocess.run([sys.executable, "-m", "rl.plot", str(run), "--x", "minutes"], check=True, capture_output=True)
+    assert (run / "reward.png").is_file()
