@@ -144,6 +144,18 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn episodes (rl/env.py): the model's turns alternate with an environment's, which runs in the
+    reward workers (reward.num_workers, reward.memory_limit_mb) and decides the episode's reward."""
+    fn: str = ""  # "pkg.module:function" making an episode from a row: fn(prompt, label, columns); "": one turn
+    max_turns: int = 4  # model turns per episode
+    max_tokens: int = 2048  # an episode ends once it holds this many tokens after its prompt (model + environment)
+    timeout_s: float = 10.0  # per environment step; one past it ends its episode with reward 0 (counted)
+    # tokens (as the tokenizer's vocabulary spells them) that end a model turn besides EOS: "</tool_call>"
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class AlgoConfig:
     """The RL algorithm; README "Algorithms" maps each key to TRL's and verl's names, rl/algo.py has the maths."""
     # grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae (PPO with a critic: [critic])
@@ -254,6 +266,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
@@ -493,6 +506,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     validate_algo(cfg.algo, cfg.model, cfg.rollout)
     validate_reward_and_health(cfg.reward, cfg.train, cfg.weights)
     validate_columns(cfg.data, cfg.reward)
+    validate_env(cfg.env, cfg.rollout)
     validate_run(cfg)
     if world_size is not None:
         validate_layout(cfg.rollout, cfg.train, world_size)
@@ -623,6 +637,17 @@ def validate_columns(data: DataConfig, rw: RewardConfig) -> None:
     _require(bool(data.answer_key) or not uses_math,
              "data.answer_key='' leaves the default reward (math-verify against the answer) nothing to check: "
              "name the answer column, or score with reward.functions, reward.group_fn or reward.user_fn")
+
+
+def validate_env(env: EnvConfig, ro: RolloutConfig) -> None:
+    _require(not env.fn or _is_function_path(env.fn), f"env.fn must name 'pkg.module:function', got {env.fn!r}")
+    _require(env.max_turns >= 1 and env.max_tokens >= 1 and env.timeout_s > 0,
+             f"env.max_turns and env.max_tokens must be >= 1 and env.timeout_s > 0, got {env.max_turns}, "
+             f"{env.max_tokens} and {env.timeout_s}")
+    _require(not env.fn or not (ro.partial_rollout or ro.max_staleness),
+             "env.fn runs the synchronous loop only: set rollout.partial_rollout=false and rollout.max_staleness=0")
+    _require(not env.fn or ro.tensor_parallel_size == 1,
+             f"env.fn needs rollout.tensor_parallel_size=1, got {ro.tensor_parallel_size}")
 
 
 def validate_run(cfg: Config) -> None:

@@ -67,6 +67,8 @@ class Sample:
     # One entry per response token: the weight version that sampled it. A sample continued across weight
     # pushes (partial rollouts) mixes versions; its oldest token bounds its staleness.
     token_versions: list[int] = field(default_factory=list)
+    turns: int = 0  # model turns of a multi-turn episode (env.fn); 0: a single response
+    tool_calls: int = 0  # the environment's turns appended to it (each answers a tool call)
 
     @property
     def prompt_length(self) -> int:

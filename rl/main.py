@@ -111,7 +111,7 @@ def start_up(cfg: Config, dist: parallel.Dist, stop: launch.StopRequests) -> Run
     dataset = PromptDataset.from_config(cfg.data, tokenizer)
     print0(f"data: {len(dataset.prompts)} prompts, {dataset.num_filtered} dropped by max_prompt_len")
     # Only the first rank of each engine scores: the ranks of a TP group hold the same samples.
-    reward_pool = RewardPool(cfg.reward) if dist.rank % cfg.rollout.tensor_parallel_size == 0 else None
+    reward_pool = RewardPool(cfg.reward, cfg.env.fn) if dist.rank % cfg.rollout.tensor_parallel_size == 0 else None
     eval_prompts = held_out_prompts(cfg, tokenizer, dataset) if cfg.eval.source else []
     learner = Learner(cfg, dist)
     health = Health(cfg.train.max_bad_steps, cfg.reward.max_failed_steps, learner.policy.config.vocab_size,
@@ -126,7 +126,7 @@ def start_up(cfg: Config, dist: parallel.Dist, stop: launch.StopRequests) -> Run
     checkpointer.restore_rng()  # after the engine build, which seeds the global generators (vLLM does)
     sync_weights(learner.policy, engine, learner.engine_dtype, cfg.weights.bucket_mb)
     learner.offload()
-    collector = Collector(engine, reward_pool, tokenizer, cfg.rollout, dist, cfg.log.progress, buffer)
+    collector = Collector(engine, reward_pool, tokenizer, cfg.rollout, dist, cfg.log.progress, buffer, cfg.env)
     return Run(cfg, dist, stop, dataset, eval_prompts, SamplingParams.from_config(cfg.rollout, eos_ids), reward_pool,
                learner, health, engine, collector, checkpointer, start, weight_version, restart_stats)
 

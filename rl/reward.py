@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 from rl.answers import format_score, length_penalty, math_correct
 from rl.config import ConfigError, RewardConfig, RunStopped
+from rl.env import EnvOutcome, EnvStep
 
 # ---------------------------------------------------------------------------- one input
 
@@ -216,19 +217,21 @@ class Failures:
                          f"{text.decode(errors='replace').rstrip()}" for i, text in self.printed.items())
 
 
-def log_failures(failures: Failures, timeout_s: float) -> None:
+def log_failures(failures: Failures, timeout_s: float, what: str = "reward") -> None:
+    """`what`: "reward" (inputs scored) or "env" (episode steps, which end their episode with reward 0)."""
     log = logging.getLogger(__name__)
+    unit, cost = ("input", "scored 0.0") if what == "reward" else ("step", "ended its episode with reward 0")
     for message, indices in failures.errors.items():
-        log.warning("reward: %d input(s) scored 0.0 after %s (inputs %s)\n%s",
-                    len(indices), message, indices[:10], failures.tracebacks[message])
+        log.warning("%s: %d %s(s) %s after %s (%ss %s)\n%s", what,
+                    len(indices), unit, cost, message, unit, indices[:10], failures.tracebacks[message])
     if failures.timeouts:
-        log.warning("reward: %d input(s) scored 0.0 after exceeding reward.timeout_s=%g s (inputs %s); "
-                    "their workers were killed and replaced", len(failures.timeouts), timeout_s,
-                    failures.timeouts[:10])
+        log.warning("%s: %d %s(s) %s after exceeding %s.timeout_s=%g s (%ss %s); "
+                    "their workers were killed and replaced", what, len(failures.timeouts), unit, cost, what, timeout_s,
+                    unit, failures.timeouts[:10])
     if failures.printed_bytes:
         kept = sum(len(text) for text in failures.printed.values())
-        log.warning("reward: workers printed %d bytes; the first %d, by input:\n%s",
-                    failures.printed_bytes, kept, failures.output_text())
+        log.warning("%s: workers printed %d bytes; the first %d, by %s:\n%s", what,
+                    failures.printed_bytes, kept, unit, failures.output_text())
 
 
 def read_output(worker: Worker, failures: Failures) -> None:
@@ -263,12 +266,14 @@ class RewardPool:
     that built the pool (a worker dies with the thread that started it).
     """
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, env_fn: str = ""):
         if cfg.num_workers < 1 or cfg.timeout_s <= 0:
             raise ConfigError("reward.num_workers must be >= 1 and reward.timeout_s > 0")
         for key, path in function_paths(cfg):
             load_function(path, key)  # a bad path fails here, in the parent, not as N worker errors
-        self.cfg = cfg
+        if env_fn:  # imported here only to fail early: episodes are made and stepped in the workers
+            load_function(env_fn, "env.fn")
+        self.cfg, self.env_fn = cfg, env_fn
         # Started without waiting: workers import while the caller does other work; `score` waits.
         self.workers = [self.start_worker() for _ in range(cfg.num_workers)]
 
@@ -283,7 +288,7 @@ class RewardPool:
                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         child_conn.close()  # so the parent sees EOF when the worker dies
         os.set_blocking(process.stdout.fileno(), False)
-        parent_conn.send((sys.path, self.cfg))
+        parent_conn.send((sys.path, self.cfg, self.env_fn))
         return Worker(process, parent_conn, started_at)
 
     def retire(self, worker: Worker, failures: Failures) -> str:
@@ -303,18 +308,33 @@ class RewardPool:
         if not self.workers:
             raise RuntimeError("RewardPool.score called after close()")
         units = units_of(inputs, self.cfg)
-        outcomes: list[dict[str, float] | None] = [None] * len(inputs)
         failures = Failures(unit_name="group" if scores_groups(self.cfg) else "input")
-        pending = collections.deque(range(len(units)))
-        while pending or any(w.index is not None for w in self.workers):
-            self.dispatch(inputs, units, pending)
-            self.wait()
-            for worker in list(self.workers):
-                self.collect(worker, units, outcomes, failures)
+        outcomes = self.run_units(inputs, units, self.cfg.timeout_s, failures)
         log_failures(failures, self.cfg.timeout_s)
         return gather(outcomes, len(failures.timeouts), self.cfg)
 
-    def dispatch(self, inputs: list[RewardInput], units: list[list[int]], pending: collections.deque) -> None:
+    def step_envs(self, steps: list[EnvStep], timeout_s: float) -> tuple[list[EnvOutcome | None], int, int]:
+        """One step of each episode (rl/env.py), each bounded by `timeout_s`; None where a step failed. Also
+        the numbers of steps that raised (or crashed their worker) and that timed out."""
+        if not self.workers:
+            raise RuntimeError("RewardPool.step_envs called after close()")
+        failures = Failures(unit_name="step")
+        outcomes = self.run_units(steps, [[i] for i in range(len(steps))], timeout_s, failures)
+        log_failures(failures, timeout_s, "env")
+        return outcomes, sum(o is None for o in outcomes) - len(failures.timeouts), len(failures.timeouts)
+
+    def run_units(self, inputs: list, units: list[list[int]], timeout_s: float, failures: Failures) -> list:
+        """Each unit on a free worker within `timeout_s`; one outcome per input, None where its unit failed."""
+        outcomes: list = [None] * len(inputs)
+        pending = collections.deque(range(len(units)))
+        while pending or any(w.index is not None for w in self.workers):
+            self.dispatch(inputs, units, pending, timeout_s)
+            self.wait()
+            for worker in list(self.workers):
+                self.collect(worker, units, outcomes, failures)
+        return outcomes
+
+    def dispatch(self, inputs: list, units: list[list[int]], pending: collections.deque, timeout_s: float) -> None:
         for worker in self.workers:
             if pending and worker.ready and worker.index is None:
                 index = pending.popleft()
@@ -322,7 +342,7 @@ class RewardPool:
                     worker.conn.send((index, [inputs[i] for i in units[index]]))
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # it died while idle; `collect` sees the closed socket and replaces it
-                worker.index, worker.deadline = index, time.monotonic() + self.cfg.timeout_s
+                worker.index, worker.deadline = index, time.monotonic() + timeout_s
 
     def wait(self) -> None:
         """Blocks until a worker has news (a message, output, its exit) or the nearest deadline passes."""

@@ -1,13 +1,14 @@
 """A reward worker process: `python -u -m rl.reward_worker FD`, started by `rl.reward.RewardPool`.
 
-Its own main module, so a worker imports the standard library, `rl.config`, `rl.answers` and `rl.reward`
+Its own main module, so a worker imports the standard library, `rl.config`, `rl.answers`, `rl.env` and `rl.reward`
 (standard library only), then math_verify and sympy or the user's reward functions: never the
 trainer, torch or transformers. It talks to the pool over the socket FD:
 
-    pool -> worker   (sys_path, RewardConfig)             once, first
+    pool -> worker   (sys_path, RewardConfig, env.fn)     once, first
     worker -> pool   ("ready",) | ("failed", message, traceback)
-    pool -> worker   (index, [RewardInput, ...])          one unit at a time: an input, or a prompt's group
-    worker -> pool   ("ok", index, [terms, ...]) | ("error", index, message, traceback, exiting)
+    pool -> worker   (index, [RewardInput, ...])          one unit at a time: an input, or a prompt's group,
+                     (index, [EnvStep])                   or one step of an episode (rl/env.py)
+    worker -> pool   ("ok", index, [terms or EnvOutcome, ...]) | ("error", index, message, traceback, exiting)
 
 Whatever it prints (stdout and stderr, fd 1 and 2) goes to a pipe the pool reads and caps.
 It runs under an address-space limit of `reward.memory_limit_mb`, so an input that explodes
@@ -26,6 +27,7 @@ from multiprocessing.connection import Connection
 
 from rl.config import RewardConfig
 from rl.answers import math_correct
+from rl.env import EnvStep, step_episode
 from rl.reward import RewardInput, function_paths, load_function, score_one, scores_groups
 from rl.reward_groups import score_group
 
@@ -47,20 +49,23 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def warm_up(cfg: RewardConfig) -> None:
+def warm_up(cfg: RewardConfig, env_fn: str) -> None:
     """Pays the imports before the worker reports ready, so no input's timeout is spent on them."""
-    for key, path in function_paths(cfg):
+    for key, path in function_paths(cfg) + ([("env.fn", env_fn)] if env_fn else []):
         load_function(path, key)
     if not function_paths(cfg):
         math_correct(r"\boxed{\frac{1}{2}}", "0.5")
 
 
-def score_unit(inputs: list[RewardInput], cfg: RewardConfig) -> list[dict]:
-    """The terms of each input: a group scored at once with batched functions, else each input alone."""
+def score_unit(inputs: list, cfg: RewardConfig, env_fn: str) -> list:
+    """The terms of each input: a group scored at once with batched functions, else each input alone; or
+    for episode steps (rl/env.py), each step's outcome."""
+    if inputs and isinstance(inputs[0], EnvStep):
+        return [step_episode(step, load_function(env_fn, "env.fn")) for step in inputs]
     return score_group(inputs, cfg) if scores_groups(cfg) else [score_one(inp, cfg) for inp in inputs]
 
 
-def serve(conn: Connection, cfg: RewardConfig) -> None:
+def serve(conn: Connection, cfg: RewardConfig, env_fn: str) -> None:
     """Scores (index, inputs) messages until the pool closes the socket or memory runs out."""
     while True:
         try:
@@ -68,7 +73,7 @@ def serve(conn: Connection, cfg: RewardConfig) -> None:
         except EOFError:
             return
         try:
-            conn.send(("ok", index, score_unit(inputs, cfg)))
+            conn.send(("ok", index, score_unit(inputs, cfg, env_fn)))
         except MemoryError:
             conn.send(("error", index, f"MemoryError: past reward.memory_limit_mb={cfg.memory_limit_mb}",
                        traceback.format_exc(), True))  # in the same message, so no input is sent to us meanwhile
@@ -84,16 +89,16 @@ def main(fd: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent()
     conn = Connection(fd)
-    sys_path, cfg = conn.recv()
+    sys_path, cfg, env_fn = conn.recv()
     sys.path[:] = sys_path  # the trainer's, so a user function imports as it did there
     try:
         limit_memory(cfg.memory_limit_mb)
-        warm_up(cfg)
+        warm_up(cfg, env_fn)
     except Exception as e:
         conn.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
     conn.send(("ready",))
-    serve(conn, cfg)
+    serve(conn, cfg, env_fn)
 
 
 if __name__ == "__main__":

@@ -67,11 +67,12 @@ class Engine(Protocol):
 
 
 def generate_rollout(engine: Engine, groups: list[list[Sample]], params: SamplingParams, weight_version: int,
-                     tokenizer, progress: bool = False,
-                     until: Callable[[list[Sample]], bool] | None = None) -> list[Sample]:
+                     tokenizer, progress: bool = False, until: Callable[[list[Sample]], bool] | None = None,
+                     prior: list[int] | None = None) -> list[Sample]:
     """Generates every sample of `groups` (whole groups together so prompts can share KV), each where it left
     off. `until(finished samples)`, when given, may end the call early: samples still unfinished come back
-    ABORTED, holding what they generated, to be continued by a later call."""
+    ABORTED, holding what they generated, to be continued by a later call. `prior`: the tokens each sample
+    has spent of max_new_tokens (default: its response; an episode counts only the model's own tokens)."""
     samples = [s for group in groups for s in group]
     bar = tqdm(total=len(samples), desc="rollout", unit="sample", disable=not progress, leave=False)
 
@@ -80,7 +81,7 @@ def generate_rollout(engine: Engine, groups: list[list[Sample]], params: Samplin
         return until is not None and until([samples[i] for i in indices])
 
     completions = engine.generate([s.tokens for s in samples], params, on_finish=on_finish,
-                                  prior=[s.response_length for s in samples])
+                                  prior=prior if prior is not None else [s.response_length for s in samples])
     bar.close()
     for sample, out in zip(samples, completions, strict=True):
         sample.append_response_tokens(out.token_ids, out.logprobs, version=weight_version)

@@ -1,0 +1,1 @@
+"""Built-in environments for `env.fn` (rl/env.py)."""

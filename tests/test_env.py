@@ -1,0 +1,137 @@
+"""Multi-turn episodes (rl/env.py, Collector.run_episodes): the trained sequence is exactly the engine's tokens and
+the environment's, environment tokens train nothing, a failing environment costs its episode and a count, the
+calculator tool, and a 2-rank loop with the native engine."""
+
+import collections
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from rl.collect import Collector
+from rl.config import AlgoConfig, Config, ConfigError, DataConfig, EnvConfig, ModelConfig, RewardConfig, \
+    RolloutConfig, resolve
+from rl.data import Sample, Status
+from rl.envs.calculator import evaluate, make_env
+from rl.parallel import Dist
+from rl.reward import RewardPool
+from rl.rollout import Completion, SamplingParams
+from rl.train import collate, micro_batch_loss, token_logprobs
+from tests.test_distributed import run_loop
+from tests.tiny import tiny_model, tiny_tokenizer
+
+ONE_RANK = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+TOKENIZER = tiny_tokenizer()
+LOGPROB = -0.5
+
+
+class ScriptedEngine:
+    """Answers call k with turns[k] for every prompt, and keeps what it was handed."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.calls = turns, []
+
+    def generate(self, prompts, params, on_finish=None, prior=None):
+        self.calls.append((prompts, prior))
+        out = self.turns[min(len(self.calls) - 1, len(self.turns) - 1)]
+        return [Completion(list(out), [LOGPROB] * len(out), "stop") for _ in prompts]
+
+
+def episodes(env_fn: str, turns: list[list[int]], labels: list[str], max_turns: int = 4, timeout_s: float = 10.0):
+    engine = ScriptedEngine(turns)
+    samples = [Sample(prompt="q", tokens=[40, 41, 42], label=label, raw_prompt="q", group_index=i)
+               for i, label in enumerate(labels)]
+    env = EnvConfig(fn=env_fn, max_turns=max_turns, timeout_s=timeout_s)
+    with RewardPool(RewardConfig(num_workers=2), env_fn) as pool:
+        collector = Collector(engine, pool, TOKENIZER, RolloutConfig(max_new_tokens=32), ONE_RANK, env=env)
+        scored = collector.generate_and_score([[s] for s in samples], SamplingParams(max_new_tokens=32, seed=0), 3,
+                                              (0,), 60.0)
+    return scored, engine
+
+
+# The first turn ends in a lone UTF-8 lead byte (0xC3 of "é"): decoding and re-encoding it does not give it back,
+# as re-rendering a conversation does not give back the tokens a model sampled.
+TURN_1 = TOKENIZER.encode("ab") + TOKENIZER.encode("é")[:1]
+TURN_2 = TOKENIZER.encode("cd") + [TOKENIZER.eos_token_id]
+
+
+@pytest.mark.parametrize("env_fn, appended", [("tests.env_fns:counting", TOKENIZER.encode(" result 1")),
+                                              ("tests.env_fns:counting_ids", [1, 30])])
+def test_trained_sequence_is_the_engine_and_environment_tokens(env_fn, appended):
+    scored, engine = episodes(env_fn, [TURN_1, TURN_2], ["x"])
+    (s,) = scored.samples
+    assert s.tokens == [40, 41, 42] + TURN_1 + appended + TURN_2
+    assert s.loss_mask == [1] * len(TURN_1) + [0] * len(appended) + [1] * len(TURN_2)
+    assert s.rollout_log_probs == [LOGPROB] * len(TURN_1) + [0.0] * len(appended) + [LOGPROB] * len(TURN_2)
+    assert s.token_versions == [3] * len(s.loss_mask)
+    # the engine continued the very tokens it sampled, its prior counting only the model's own
+    assert engine.calls[1] == ([[40, 41, 42] + TURN_1 + appended], [len(TURN_1)])
+    assert (s.reward, s.turns, s.tool_calls, s.status) == (2.0, 2, 1, Status.COMPLETED)
+    assert scored.env_failures == 0 and scored.reward_stats[0]["reward/correct_mean"] == 2.0
+
+
+def test_environment_tokens_carry_no_loss_and_no_gradient():
+    scored, _ = episodes("tests.env_fns:counting", [TURN_1, TURN_2], ["x"])
+    (s,) = scored.samples
+    s.advantage = 1.0
+    mb = collate([s], torch.device("cpu"))
+    model = tiny_model(vocab_size=len(TOKENIZER))
+    logprobs, entropy = token_logprobs(model, mb, 1.0)
+    logprobs.retain_grad()
+    sums = collections.defaultdict(lambda: torch.zeros(()))
+    tokens = float(sum(s.loss_mask))
+    algo = AlgoConfig(entropy_coef=0.1, eps_clip_high=0.2)
+    loss = micro_batch_loss(sums, mb, logprobs, entropy, logprobs.detach(), None, algo, tokens, 1.0)
+    loss.backward()
+    grad = logprobs.grad[0, s.prompt_length - 1 : s.prompt_length - 1 + s.response_length]
+    mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+    assert torch.all(grad[~mask] == 0) and torch.all(grad[mask] != 0)
+    assert sums["tokens"].item() == tokens == len(TURN_1) + len(TURN_2)
+
+
+def test_a_failing_environment_costs_its_episode_and_a_count():
+    labels = ["raise", "hang", "garbage", "bad_ids", "fine"]
+    scored, _ = episodes("tests.env_fns:faulty", [TOKENIZER.encode("ab")], labels, max_turns=2, timeout_s=2.0)
+    by_label = {s.label: s for s in scored.samples}
+    for label in labels[:4]:
+        s = by_label[label]
+        assert (s.reward, s.turns, s.tool_calls, sum(s.loss_mask) == s.response_length) == (0.0, 1, 0, True), label
+    fine = by_label["fine"]
+    assert (fine.reward, fine.turns, fine.tool_calls, fine.status) == (1.0, 2, 1, Status.TRUNCATED)
+    assert scored.env_failures == 4
+    stats = scored.reward_stats[0]
+    assert (stats["reward/num_errors"], stats["reward/num_timeouts"]) == (3.0, 1.0)
+
+
+def test_calculator_answers_calls_and_scores_the_answer():
+    env = make_env(prompt="q", label="84", columns={})
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * (3 + 4)"}}</tool_call>'
+    assert env.step(f"Let me compute. {call}", []) == ("\n<tool_response>84</tool_response>\n", False, 0.0)
+    assert "error: the call is not JSON" in env.step("<tool_call>{12 * 7}</tool_call>", [])[0]
+    assert "error: the only tool" in env.step('<tool_call>{"name": "python"}</tool_call>', [])[0]
+    assert env.step(r"So the answer is \boxed{84}.", []) == ("", True, 1.0)
+    assert env.step(r"So the answer is \boxed{85}.", [])[1:] == (True, 0.0)
+    assert evaluate("7 / 2 - -1") == 4.5 and evaluate("2 ^ 10") == 1024
+    for bad in ("__import__('os').system('true')", "9 ** 9 ** 9", "x + 1", "[1] * 10"):
+        with pytest.raises(ValueError):
+            evaluate(bad)
+
+
+def test_environments_refuse_the_rollout_buffer():
+    base = Config(model=ModelConfig(path="m"), data=DataConfig(source="d.jsonl"), env=EnvConfig(fn="pkg.mod:make"))
+    resolve(base, 1)
+    for rollout in (RolloutConfig(max_staleness=1), RolloutConfig(partial_rollout=True, max_staleness=1)):
+        with pytest.raises(ConfigError, match="env.fn runs the synchronous loop only"):
+            resolve(dataclasses.replace(base, rollout=rollout), 1)
+
+
+def test_multi_turn_loop_two_ranks(tmp_path):
+    stops = json.dumps(list(range(100, 115)))  # a random tiny model ends a turn after a few tokens
+    rows = run_loop(tmp_path, 2, "--train.num_rollout=2", "--env.fn=tests.env_fns:appending", "--env.max_turns=3",
+                    "--rollout.max_new_tokens=24", f"--rollout.stop_token_ids={stops}")
+    assert [r["weight_version"] for r in rows] == [2, 3]
+    for row in rows:
+        assert 1 < row["rollout/turns_mean"] <= 3 and row["rollout/tool_calls_mean"] > 0
+        assert row["rollout/tool_errors"] == 0 and row["perf/env_s"] > 0
+        assert row["rollout/num_samples"] == 8 * 4 and row["train/grad_norm"] > 0
