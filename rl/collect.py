@@ -411,13 +411,17 @@ def dump_rollout(samples: list[Sample], mismatch: dict[int, float], path: Path) 
                                 "advantage": s.advantage, "status": s.status.value,
                                 "response_length": s.response_length, "weight_version": s.weight_version,
                                 "token_versions": version_runs(s.token_versions),
+                                # an episode's turns: [[1, model tokens], [0, environment tokens], ...]
+                                "loss_mask": version_runs(s.loss_mask), "turns": s.turns,
+                                "tool_calls": s.tool_calls,
                                 "rollout_logprob_mean": sum(s.rollout_log_probs) / max(len(s.rollout_log_probs), 1),
                                 "logprob_abs_diff_mean": mismatch.get(s.index)})
                     + "\n")
 
 
 def version_runs(versions: list[int]) -> list[list[int]]:
-    """[[version, tokens], ...] in response order: which weights sampled which stretch of a response."""
+    """[[version, tokens], ...] in response order: which weights sampled which stretch of a response (or, for
+    the loss mask, which stretches the model wrote and which the environment appended)."""
     runs: list[list[int]] = []
     for v in versions:
         if runs and runs[-1][0] == v:

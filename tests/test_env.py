@@ -1,6 +1,6 @@
 """Multi-turn episodes (rl/env.py, Collector.run_episodes): the trained sequence is exactly the engine's tokens and
-the environment's, environment tokens train nothing, a failing environment costs its episode and a count, the
-calculator tool, and a 2-rank loop with the native engine."""
+the environment's (and the sample dump shows which is which), environment tokens train nothing, a failing
+environment costs its episode and a count, the calculator tool, and a 2-rank loop with the native engine."""
 
 import collections
 import dataclasses
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from rl.collect import Collector
+from rl.collect import Collector, dump_rollout
 from rl.config import AlgoConfig, Config, ConfigError, DataConfig, EnvConfig, ModelConfig, RewardConfig, \
     RolloutConfig, resolve
 from rl.data import Sample, Status
@@ -58,7 +58,7 @@ TURN_2 = TOKENIZER.encode("cd") + [TOKENIZER.eos_token_id]
 
 @pytest.mark.parametrize("env_fn, appended", [("tests.env_fns:counting", TOKENIZER.encode(" result 1")),
                                               ("tests.env_fns:counting_ids", [1, 30])])
-def test_trained_sequence_is_the_engine_and_environment_tokens(env_fn, appended):
+def test_trained_sequence_is_the_engine_and_environment_tokens(env_fn, appended, tmp_path):
     scored, engine = episodes(env_fn, [TURN_1, TURN_2], ["x"])
     (s,) = scored.samples
     assert s.tokens == [40, 41, 42] + TURN_1 + appended + TURN_2
@@ -69,6 +69,11 @@ def test_trained_sequence_is_the_engine_and_environment_tokens(env_fn, appended)
     assert engine.calls[1] == ([[40, 41, 42] + TURN_1 + appended], [len(TURN_1)])
     assert (s.reward, s.turns, s.tool_calls, s.status) == (2.0, 2, 1, Status.COMPLETED)
     assert scored.env_failures == 0 and scored.reward_stats[0]["reward/correct_mean"] == 2.0
+    dump_rollout(scored.samples, {}, tmp_path / "rollout_0.jsonl")
+    line = json.loads((tmp_path / "rollout_0.jsonl").read_text())
+    assert line["loss_mask"] == [[1, len(TURN_1)], [0, len(appended)], [1, len(TURN_2)]]
+    assert (line["turns"], line["tool_calls"], line["response"]) == (2, 1, TOKENIZER.decode(s.tokens[3:],
+                                                                                             skip_special_tokens=True))
 
 
 def test_environment_tokens_carry_no_loss_and_no_gradient():
