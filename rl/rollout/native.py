@@ -32,6 +32,16 @@ from rl.rollout.scheduler import PagePool, Request, Scheduler, cdiv
 TAGS = ("weights", "kv_cache")
 MAX_STOP_IDS = 16
 PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (bounds its activation memory)
+PAGE_SIZE = 64  # KV cache tokens per page
+
+
+def kv_cache_pages(kv_cache_tokens: int, max_batch_size: int, max_context_len: int, page_size: int = PAGE_SIZE) -> int:
+    """Pages of the KV cache, the scratch page idle rows attend to included. `kv_cache_tokens` 0: a full batch of
+    the longest sequences fits, each holding a page more than its length needs (its copy of the prompt's last,
+    partial page)."""
+    if kv_cache_tokens:
+        return cdiv(kv_cache_tokens, page_size) + 1
+    return max_batch_size * (cdiv(max_context_len, page_size) + 1) + 1
 
 
 def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float | torch.Tensor | None) -> torch.Tensor:
@@ -126,7 +136,7 @@ class Rows:
 class NativeEngine:
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_batch_size: int = 256,
                  seed: int = 0, *, max_context_len: int = 4096, kv_cache_tokens: int = 0, cuda_graphs: bool = True,
-                 steps_per_poll: int = 16, page_size: int = 64, stable_memory: bool = True,
+                 steps_per_poll: int = 16, page_size: int = PAGE_SIZE, stable_memory: bool = True,
                  batch_invariant: bool = False):
         self.device, self.dtype = torch.device(device), dtype
         self.max_batch_size, self.max_context_len = max_batch_size, max_context_len
@@ -134,12 +144,7 @@ class NativeEngine:
         self.model = DecoderModel(hf_config, self.device, dtype, max_context_len, batch_invariant)
         self.on_gpu = self.device.type == "cuda"  # graphs, Triton sampling and bookkeeping, device syncs
         self.use_graphs = cuda_graphs and self.on_gpu
-        # By default a full batch of the longest sequences fits: each may hold a page more than its
-        # length needs (its copy of the prompt's last, partial page).
-        pages = cdiv(kv_cache_tokens, page_size)
-        if not kv_cache_tokens:
-            pages = max_batch_size * (cdiv(max_context_len, page_size) + 1)
-        self.num_pages = pages + 1  # + the scratch page
+        self.num_pages = kv_cache_pages(kv_cache_tokens, max_batch_size, max_context_len, page_size)
         self.buckets = sorted({*(b for b in (1, 2, 4, 8, *range(16, max_batch_size, 16)) if b < max_batch_size),
                                max_batch_size})
         if self.on_gpu:
