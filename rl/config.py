@@ -212,6 +212,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     offload: bool = False  # park parameters and optimizer state in host memory while the engine runs
+    # On CUDA the start-up memory plan (README "Memory") refuses a run whose estimated peak does not fit one
+    # device, naming the keys that would make it fit; false prints the plan and runs anyway (an estimate is wrong)
+    memory_check: bool = True
     seed: int = 42
     # optimizer steps in a row whose loss or grad norm is not finite (each skipped) before the run stops
     max_bad_steps: int = 3

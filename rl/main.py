@@ -28,6 +28,7 @@ from rl.evaluate import evaluate, load_eval_prompts
 from rl.export import export_policy
 from rl.health import Health, RunStopped
 from rl.learner import Learner, assign_advantages
+from rl.memory import check_memory_plan, stop_on_oom
 from rl.metrics import StepRecord, make_logger
 from rl.parallel import print0
 from rl.reward import RewardPool
@@ -106,8 +107,10 @@ def start_up(cfg: Config, dist: parallel.Dist, stop: launch.StopRequests) -> Run
                f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}, after: {restart_stats['run/restart_cause']}")
     checkpointer = RunCheckpointer(cfg, dist, restarted=restart_stats["run/restarts"] > 0)
     print0(f"rl: world_size={dist.world_size} device={dist.device.type}\n{dump(cfg)}")
+    hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    check_memory_plan(cfg, hf_config, dist.world_size, dist.device)  # a plan that cannot fit stops before any weights
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
-    eos_ids = check_model_and_tokenizer(cfg.model, cfg.rollout, AutoConfig.from_pretrained(cfg.model.path), tokenizer)
+    eos_ids = check_model_and_tokenizer(cfg.model, cfg.rollout, hf_config, tokenizer)
     dataset = PromptDataset.from_config(cfg.data, tokenizer)
     print0(f"data: {len(dataset.prompts)} prompts, {dataset.num_filtered} dropped by max_prompt_len")
     # Only the first rank of each engine scores: the ranks of a TP group hold the same samples.
@@ -124,7 +127,8 @@ def start_up(cfg: Config, dist: parallel.Dist, stop: launch.StopRequests) -> Run
     engine = build_engine(cfg.rollout, cfg.model.path, learner.policy.config, dist.device, dist.rank,
                           cfg.model.batch_invariant)
     checkpointer.restore_rng()  # after the engine build, which seeds the global generators (vLLM does)
-    sync_weights(learner.policy, engine, learner.engine_dtype, cfg.weights.bucket_mb)
+    with stop_on_oom("push", cfg, dist.device):
+        sync_weights(learner.policy, engine, learner.engine_dtype, cfg.weights.bucket_mb)
     learner.offload()
     collector = Collector(engine, reward_pool, tokenizer, cfg.rollout, dist, cfg.log.progress, buffer, cfg.env)
     return Run(cfg, dist, stop, dataset, eval_prompts, SamplingParams.from_config(cfg.rollout, eos_ids), reward_pool,
@@ -136,11 +140,13 @@ def train(run: Run, logger) -> bool:
     cfg, dist = run.cfg, run.dist
     for rollout_id in range(run.start, cfg.train.num_rollout):
         record = StepRecord(dist.device)
-        # Held-out eval of the weights this rollout generates with (rollout 0: before the first update).
-        eval_stats = run_eval(run, rollout_id) if run.eval_prompts and rollout_id % cfg.eval.interval == 0 else {}
-        # Rollout: draw prompt groups, generate on every engine, score, gather, apply the dynamic filter.
-        samples, rollout_stats = run.collector.rollout(run.dataset, run.sampling, run.weight_version, rollout_id,
-                                                       barrier_timeout(run, rollout_id))
+        # A device out-of-memory error in a phase stops the run with one line, before this step's checkpoint.
+        with stop_on_oom("rollout", cfg, dist.device):
+            # Held-out eval of the weights this rollout generates with (rollout 0: before the first update).
+            eval_stats = run_eval(run, rollout_id) if run.eval_prompts and rollout_id % cfg.eval.interval == 0 else {}
+            # Rollout: draw prompt groups, generate on every engine, score, gather, apply the dynamic filter.
+            samples, rollout_stats = run.collector.rollout(run.dataset, run.sampling, run.weight_version, rollout_id,
+                                                           barrier_timeout(run, rollout_id))
         check_rewards(run, logger, rollout_id, rollout_stats)
         # Advantages from each group's rewards (GRPO by default).
         assign_advantages(samples, cfg.algo)
@@ -151,9 +157,11 @@ def train(run: Run, logger) -> bool:
         record.memory_after("asleep")
         # Train: reference and old logprobs where needed, the policy loss, the optimizer steps.
         profile = Path(cfg.log.output_dir) / "profile" / f"train_rollout_{rollout_id}_rank{dist.rank}.txt"
-        result = run.learner.train(samples, record, profile if rollout_id == cfg.log.profile_rollout else None)
+        with stop_on_oom("train", cfg, dist.device):
+            result = run.learner.train(samples, record, profile if rollout_id == cfg.log.profile_rollout else None)
         # Weights into the engine; the version moves when a step was taken.
-        sync_stats = run.learner.push(run.engine, record)
+        with stop_on_oom("push", cfg, dist.device):
+            sync_stats = run.learner.push(run.engine, record)
         run.weight_version += int(result.stats["train/skipped_steps"] < result.num_steps)
         if cfg.log.sample_interval and rollout_id % cfg.log.sample_interval == 0 and dist.is_main:
             dump_rollout(samples, result.mismatch, Path(cfg.log.output_dir) / "samples" / f"rollout_{rollout_id}.jsonl")

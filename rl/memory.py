@@ -1,0 +1,432 @@
+"""Device memory: the plan at start-up, and the one line an out-of-memory error becomes mid-run.
+
+The plan estimates, per rank and per phase, what the config asks of one device, from the model's
+config.json shapes alone (no weights are loaded): the policy's fp32 parameters, gradients and AdamW
+moments sharded by FSDP2 over the ranks, its gathered compute-dtype copy, the activations and logits of
+the largest micro-batch, the engine's weights, KV cache and working memory, the reference and the critic.
+Which of them share the device follows the loop (DESIGN.md, "Memory choreography"): the engine sleeps
+while the learner trains (`rollout.sleep_level`), the training state leaves the device while the engine
+runs only with `train.offload`. On CUDA a plan that cannot fit stops the run before any weights load,
+with one line naming the keys that would make it fit and by how much.
+
+The counts are of the tensors each phase holds at its peak, not a measurement: the allocator's
+fragmentation, the CUDA context and the communication buffers are covered by a reserve of the device
+(`RESERVE`), and `train.memory_check = false` runs a plan the estimate refuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from rl.config import Config, ConfigError, RunStopped
+from rl.parallel import print0
+from rl.rollout import engine_dtype
+from rl.rollout.native import PAGE_SIZE, PREFILL_TOKENS, kv_cache_pages
+from rl.train import FUSED_LOGPROBS, LOGPROB_CHUNK_BYTES
+
+GB = 1e9  # as the memory/ metrics count
+RESERVE = 0.05  # of the device, kept out of the plan: CUDA context, NCCL and cuBLAS workspaces, fragmentation
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory of a decoder-only model depends on, read from its config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    value_head: bool = False  # the critic: lm_head is (hidden -> 1), never tied
+
+    @classmethod
+    def from_hf(cls, config, value_head: bool = False) -> ModelShape:
+        c = config.get_text_config()
+        heads = c.num_attention_heads
+        return cls(c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers, heads,
+                   getattr(c, "num_key_value_heads", None) or heads,
+                   getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   bool(getattr(c, "tie_word_embeddings", False)),
+                   getattr(c, "model_type", "") == "qwen2" or bool(getattr(c, "attention_bias", False)), value_head)
+
+
+@dataclass(frozen=True)
+class Models:
+    policy: ModelShape
+    reference: ModelShape | None = None  # algo.kl_coef > 0
+    critic: ModelShape | None = None  # algo.advantage_estimator = "gae"
+
+
+# ---------------------------------------------------------------------------- shapes -> bytes (pure)
+
+
+def block_params(s: ModelShape) -> int:
+    """One decoder block: q, k, v (and their biases), o, the gated MLP's three matrices, two norms."""
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    attention = s.hidden_size * (q + 2 * kv) + q * s.hidden_size + (q + 2 * kv if s.qkv_bias else 0)
+    return attention + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size
+
+
+def root_params(s: ModelShape) -> int:
+    """What FSDP2's root group holds: the embedding, the final norm and the head (none when tied)."""
+    head = s.hidden_size if s.value_head else 0 if s.tie_word_embeddings else s.vocab_size * s.hidden_size
+    return s.vocab_size * s.hidden_size + s.hidden_size + head
+
+
+def num_params(s: ModelShape) -> int:
+    return root_params(s) + s.num_layers * block_params(s)
+
+
+def gathered_bytes(s: ModelShape, compute_bytes: int, reshard_after_forward: bool) -> int:
+    """FSDP2's unsharded copy in the compute dtype: the whole model when it stays gathered through a step;
+    otherwise the root (FSDP2 keeps the root gathered from forward to backward) and two blocks (the one
+    running and the one prefetched)."""
+    if not reshard_after_forward:
+        return num_params(s) * compute_bytes
+    return (root_params(s) + 2 * block_params(s)) * compute_bytes
+
+
+def grad_bytes(s: ModelShape, dp: int, compute_bytes: int) -> float:
+    """The fp32 gradient shards, and one block's unsharded gradient in the compute dtype with its fp32 copy that
+    FSDP2 reduce-scatters (reduce_dtype float32) during backward."""
+    return FP32 * num_params(s) / dp + block_params(s) * (compute_bytes + FP32)
+
+
+def block_activation_bytes(s: ModelShape, compute_bytes: int) -> int:
+    """Bytes one token leaves saved for backward in one decoder block: each RMSNorm keeps its fp32 input and its
+    output, and the next linear its input (2 x); q and k after RoPE, v, the attention output and its contiguous
+    copy (o_proj's input), SDPA's fp32 log-sum-exp per head; the MLP's gate, silu(gate), up and their product."""
+    q, kv, b = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, compute_bytes
+    norms = 2 * (FP32 * s.hidden_size + 2 * b * s.hidden_size)
+    attention = b * (3 * q + 2 * kv) + FP32 * s.num_heads
+    return norms + attention + 4 * b * s.intermediate_size
+
+
+def activation_bytes(s: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool) -> int:
+    """Saved activations of a micro-batch of `tokens` (padded) tokens at the start of its backward. With gradient
+    checkpointing each block keeps only its input and one block's are rebuilt at a time."""
+    final_norm = FP32 * s.hidden_size + 2 * compute_bytes * s.hidden_size
+    per_token = s.num_layers * block_activation_bytes(s, compute_bytes)
+    if checkpointing:
+        per_token = s.num_layers * compute_bytes * s.hidden_size + block_activation_bytes(s, compute_bytes)
+    return tokens * (per_token + final_norm)
+
+
+def logits_bytes(s: ModelShape, tokens: int, compute_bytes: int, fused: bool) -> int:
+    """The (tokens, vocab) logits, kept for backward, and their gradient (rl/train.py's TokenLogprobs); without
+    the fused kernels it also holds two float32 chunks of LOGPROB_CHUNK_BYTES (softmax rebuilt per chunk)."""
+    vocab = 1 if s.value_head else s.vocab_size
+    chunks = 0 if fused or s.value_head else 2 * min(tokens, max(1, LOGPROB_CHUNK_BYTES // (FP32 * vocab))) * FP32 * vocab
+    return 2 * tokens * vocab * compute_bytes + chunks
+
+
+def forward_bytes(s: ModelShape, tokens: int, compute_bytes: int) -> int:
+    """A no-grad pass (reference logprobs): nothing is saved, the widest point is a block's MLP (gate, up, their
+    product) beside the residual stream and its normalised copy, then the logits."""
+    vocab = 1 if s.value_head else s.vocab_size
+    return tokens * compute_bytes * (2 * s.hidden_size + 3 * s.intermediate_size + vocab)
+
+
+def kv_cache_bytes(s: ModelShape, tokens: int, engine_bytes: int) -> int:
+    """K and V of every layer for `tokens` cache slots."""
+    return tokens * 2 * s.num_layers * s.num_kv_heads * s.head_dim * engine_bytes
+
+
+def engine_workspace_bytes(s: ModelShape, max_batch_size: int, engine_bytes: int) -> int:
+    """The engine's working memory: a prefill forward of PREFILL_TOKENS tokens at its widest (the residual stream,
+    q, k, v, and the MLP's gate, up and product) and a decode step's float32 logits and probabilities."""
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    prefill = PREFILL_TOKENS * engine_bytes * (2 * s.hidden_size + q + 2 * kv + 3 * s.intermediate_size)
+    return prefill + 2 * max_batch_size * s.vocab_size * FP32
+
+
+def push_bytes(s: ModelShape, bucket_bytes: int, engine_bytes: int, dp: int) -> float:
+    """rl/weights.py's gather of one bucket: it closes once past `bucket_bytes`, so it holds up to a bucket plus
+    the largest tensor, gathered, beside this rank's flat shard of it."""
+    largest = max(s.vocab_size * s.hidden_size, s.hidden_size * s.intermediate_size) * engine_bytes
+    return (bucket_bytes + largest) * (1 + 1 / dp)
+
+
+# ---------------------------------------------------------------------------- the config -> the plan
+
+
+def micro_batch_tokens(cfg: Config) -> int:
+    """Padded tokens of the largest micro-batch: the token budget (a longer sequence trains alone), else
+    micro_batch_size rows of the longest sequence."""
+    tr, longest = cfg.train, cfg.rollout.max_context_len
+    return max(tr.micro_batch_tokens, longest) if tr.micro_batch_tokens else tr.micro_batch_size * longest
+
+
+def native_kv_tokens(cfg: Config) -> int:
+    """The native engine's cache slots as rollout.kv_cache_tokens counts them (its scratch page left out)."""
+    ro = cfg.rollout
+    return (kv_cache_pages(ro.kv_cache_tokens, ro.max_batch_size, ro.max_context_len) - 1) * PAGE_SIZE
+
+
+def engine_terms(cfg: Config, s: ModelShape, engine_bytes: int, device_total: float | None) -> dict[str, float]:
+    """The awake engine of this rank (a TP group splits weights and cache). vLLM takes
+    rollout.kv_cache_memory_bytes of cache, else rollout.gpu_memory_utilization of the device for everything."""
+    ro = cfg.rollout
+    weights = num_params(s) * engine_bytes / ro.tensor_parallel_size
+    workspace = engine_workspace_bytes(s, ro.max_batch_size, engine_bytes)
+    if ro.engine != "vllm":
+        kv = kv_cache_bytes(s, native_kv_tokens(cfg) + PAGE_SIZE, engine_bytes)  # + the scratch page
+    elif ro.kv_cache_memory_bytes is not None:
+        kv = ro.kv_cache_memory_bytes
+    else:
+        kv = max(0.0, ro.gpu_memory_utilization * (device_total or 0.0) - weights - workspace)
+    return {"engine weights": weights, "KV cache": kv, "engine workspace": workspace}
+
+
+def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str = "cuda",
+                device_total: float | None = None) -> dict[str, dict[str, float]]:
+    """Phase -> what it holds on one rank, in bytes. `device_total` sizes vLLM's share of the device."""
+    s, dp, ro = models.policy, world_size, cfg.rollout
+    b = 2 if device_type == "cuda" else FP32  # rl/policy.py: bf16 compute on CUDA, fp32 elsewhere
+    eb = engine_dtype(ro.dtype, torch.device(device_type)).itemsize
+    tokens = micro_batch_tokens(cfg)
+    shard = FP32 * num_params(s) / dp
+    resting = {"policy params": shard, "policy AdamW": 2 * shard}  # gradients are freed by each step
+    engine = engine_terms(cfg, s, eb, device_total)
+    kept = {k: engine[k] for k in ("engine weights", "KV cache")} if ro.sleep_level == 0 else {}
+    critic = {}
+    if models.critic is not None:  # its own AdamW; built with reshard_after_forward false (rl/critic.py)
+        c_shard = FP32 * num_params(models.critic) / dp
+        critic = {"resting": 3 * c_shard, "training": 3 * c_shard + grad_bytes(models.critic, dp, b)
+                  + gathered_bytes(models.critic, b, False)
+                  + activation_bytes(models.critic, tokens, b, cfg.model.gradient_checkpointing)
+                  + logits_bytes(models.critic, tokens, b, True)}
+    parked = {} if cfg.train.offload else resting  # train.offload parks the training state while the engine runs
+    critic_parked = {} if cfg.train.offload or not critic else {"critic": critic["resting"]}
+    critic_resting = {"critic": critic["resting"]} if critic else {}
+    plan = {"rollout": {**parked, **critic_parked, **engine}}
+    if models.reference is not None:
+        r = models.reference
+        plan["reference"] = {**resting, **critic_parked, **kept, "reference": FP32 * num_params(r) / dp
+                             + gathered_bytes(r, b, cfg.model.reshard_after_forward) + forward_bytes(r, tokens, b)}
+    plan["train"] = {**resting, "policy grads": grad_bytes(s, dp, b), **critic_resting, **kept,
+                     "policy gathered": gathered_bytes(s, b, cfg.model.reshard_after_forward),
+                     "activations": activation_bytes(s, tokens, b, cfg.model.gradient_checkpointing),
+                     "logits": logits_bytes(s, tokens, b, FUSED_LOGPROBS and device_type == "cuda")}
+    if critic:
+        plan["critic"] = {**resting, **kept, "critic": critic["training"]}
+    plan["push"] = {**resting, **critic_parked, "engine weights": engine["engine weights"],
+                    "push buckets": push_bytes(s, int(cfg.weights.bucket_mb * 2**20), eb, dp),
+                    **({"KV cache": engine["KV cache"]} if ro.sleep_level == 0 else {})}
+    return plan
+
+
+def peaks(plan: dict[str, dict[str, float]]) -> dict[str, float]:
+    return {phase: sum(terms.values()) for phase, terms in plan.items()}
+
+
+def usable_bytes(device_total: float) -> float:
+    return device_total * (1 - RESERVE)
+
+
+def plan_table(plan: dict[str, dict[str, float]], device_total: float | None) -> str:
+    """One column per phase, one row per part, in GB; the device's total and usable memory in the title."""
+    rows = list(dict.fromkeys(k for terms in plan.values() for k in terms))
+    width = max(map(len, rows)) + 2
+    device = f"; device {device_total / GB:.1f} GB, {usable_bytes(device_total) / GB:.1f} usable" if device_total \
+        else ""
+    lines = [f"memory plan per rank (GB{device}):", " " * width + "".join(f"{p:>10}" for p in plan)]
+    for row in rows:
+        cells = (f"{plan[p][row] / GB:.1f}" if plan[p].get(row) else "-" for p in plan)
+        lines.append(f"{row:<{width}}" + "".join(f"{c:>10}" for c in cells))
+    lines.append(f"{'total':<{width}}" + "".join(f"{v / GB:>10.1f}" for v in peaks(plan).values()))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- a plan that cannot fit
+
+
+def models_of(cfg: Config, hf_config) -> Models:
+    """The shapes of every model the run builds: the reference and the critic read their own folder's
+    config.json when they name one (the critic's head is one value per position)."""
+    from transformers import AutoConfig
+
+    policy = ModelShape.from_hf(hf_config)
+    reference = critic = None
+    if cfg.algo.kl_coef > 0:
+        reference = ModelShape.from_hf(AutoConfig.from_pretrained(cfg.model.ref_path)) if cfg.model.ref_path else policy
+    if cfg.algo.advantage_estimator == "gae":
+        critic = ModelShape.from_hf(AutoConfig.from_pretrained(cfg.critic.path) if cfg.critic.path else hf_config,
+                                    value_head=True)
+    return Models(policy, reference, critic)
+
+
+def largest_fitting(fits_at, low: int, high: int) -> int | None:
+    """The largest n in [low, high] with fits_at(n), for a need that grows with n; None when `low` does not fit."""
+    if high < low or not fits_at(low):
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits_at(mid) else (low, mid - 1)
+    return low
+
+
+def _with(cfg: Config, section: str, **values) -> Config:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
+
+
+SWITCHES = (("model", "gradient_checkpointing", True), ("model", "reshard_after_forward", True),
+            ("rollout", "sleep_level", 2), ("train", "offload", True))
+
+
+def fixes(cfg: Config, need_of, world_size: int, usable: float) -> list[str]:
+    """Each key that would shrink the phase furthest over `usable`: by how much, and whether it fits alone; when
+    none does, a set of them that fits together; and how many ranks would. `need_of(cfg, world_size)` is the
+    plan's peak per phase."""
+    now = need_of(cfg, world_size)
+    over = [phase for phase, need in now.items() if need > usable]
+    fits = lambda c, ws=world_size: max(need_of(c, ws).values()) <= usable  # noqa: E731
+
+    def saved(changed: Config) -> tuple[float, str]:  # the most it takes off a phase that is over, and that phase
+        after = need_of(changed, world_size)
+        return max(((now[p] - after[p]) / GB, p) for p in over)
+
+    def saving(changed: Config) -> str:
+        gb, phase = saved(changed)
+        return f"saves {gb:.1f} GB in {phase}"
+
+    switches = [(f"{section}.{key}={str(value).lower()}", section, {key: value}) for section, key, value in SWITCHES
+                if getattr(getattr(cfg, section), key) != value and saved(_with(cfg, section, **{key: value}))[0] > 0.05]
+    out = [f"{name} {saving(changed)}" + (" (enough alone)" if fits(changed) else "")
+           for name, changed in ((name, _with(cfg, section, **kv)) for name, section, kv in switches)]
+    sized = [(name, changed) for name, changed in (largest_size(cfg, knob, fits) for knob in sized_knobs(cfg))
+             if changed is not None]
+    out += [f"{name} {saving(changed)}" for name, changed in sized]
+    if switches and not sized and not any(fix.endswith("(enough alone)") for fix in out):
+        combined = cfg
+        for _, section, kv in switches:
+            combined = _with(combined, section, **kv)
+        name = next((n for n, changed in (largest_size(combined, k, fits) for k in sized_knobs(combined)) if changed),
+                    None)
+        if name:
+            out.append(f"together: {' '.join([n for n, _, _ in switches] + [name])}")
+    ranks = next((n for n in (2 ** k for k in range(1, 11)) if n > world_size and fits(cfg, n)), None)
+    if ranks:
+        out.append(f"{ranks} ranks (the training state shards over them)")
+    return out
+
+
+def largest_size(cfg: Config, knob: tuple, fits) -> tuple[str, Config | None]:
+    """("section.key=value", the config with it) for the largest value of a sized key that fits, else (.., None)."""
+    section, key, low, high, unit = knob
+    value = lambda n: round(n * unit, 2) if isinstance(unit, float) else n * unit  # noqa: E731
+    n = largest_fitting(lambda n: fits(_with(cfg, section, **{key: value(n)})), low, high)
+    if n is None:
+        return f"{section}.{key}", None
+    return f"{section}.{key}={value(n)}", _with(cfg, section, **{key: value(n)})
+
+
+def sized_knobs(cfg: Config) -> list[tuple[str, str, int, int, int | float]]:
+    """(section, key, lowest, highest, unit): sizes searched in units for the largest that fits, below the value now."""
+    tr, ro = cfg.train, cfg.rollout
+    longest = ro.max_context_len
+    knobs = [("train", "micro_batch_tokens", 1, tr.micro_batch_tokens // 64 - 1, 64) if tr.micro_batch_tokens
+             else ("train", "micro_batch_size", 1, tr.micro_batch_size - 1, 1)]
+    if ro.engine == "native":  # room for one sequence at least
+        knobs.append(("rollout", "kv_cache_tokens", math.ceil(longest / PAGE_SIZE) + 1,
+                      native_kv_tokens(cfg) // PAGE_SIZE - 1, PAGE_SIZE))
+    elif ro.kv_cache_memory_bytes is None:
+        knobs.append(("rollout", "gpu_memory_utilization", 1, round(ro.gpu_memory_utilization * 100) - 1, 0.01))
+    return knobs
+
+
+def check_fits(cfg: Config, models: Models, world_size: int, device_total: float, device_type: str = "cuda") -> None:
+    """Raises ConfigError, one line, when a phase of the plan needs more than the usable part of the device."""
+    def need_of(c: Config, ws: int) -> dict[str, float]:
+        return peaks(plan_memory(c, models, ws, device_type, device_total))
+
+    usable = usable_bytes(device_total)
+    need = need_of(cfg, world_size)
+    over = {p: v for p, v in need.items() if v > usable}
+    if not over:
+        return
+    phases = " and ".join(f"{p} ({v / GB:.1f} GB)" for p, v in sorted(over.items(), key=lambda kv: -kv[1]))
+    raise ConfigError(f"memory plan: the {phases} phase{'s' if len(over) > 1 else ''} need{'' if len(over) > 1 else 's'}"
+                      f" more than the {usable / GB:.1f} GB usable per device ({device_total / GB:.1f} GB less "
+                      f"{RESERVE:.0%}; table above); to fit: "
+                      + "; ".join(fixes(cfg, need_of, world_size, usable) + ["or train.memory_check=false to run "
+                                                                            "anyway if the estimate is wrong"]))
+
+
+def check_memory_plan(cfg: Config, hf_config, world_size: int, device: torch.device) -> None:
+    """At start-up, before any weights load: on CUDA, prints the plan against the device and stops one that cannot
+    fit. Off CUDA nothing is printed: a CPU run's memory is the host's, shared with everything else."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    models = models_of(cfg, hf_config)
+    print0(plan_table(plan_memory(cfg, models, world_size, "cuda", total), total))
+    if cfg.train.memory_check:
+        check_fits(cfg, models, world_size, total)
+
+
+# ---------------------------------------------------------------------------- an out-of-memory error mid-run
+
+
+def memory_in_use(device: torch.device) -> dict[str, float] | None:
+    """PyTorch's allocated and reserved bytes and the device's used and total, on CUDA; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
+            "used": total - free, "total": total}
+
+
+def oom_knobs(phase: str, cfg: Config) -> list[str]:
+    """The keys that shrink what `phase` holds, with their values now."""
+    ro, tr, model = cfg.rollout, cfg.train, cfg.model
+    knobs = []
+    if phase == "rollout":
+        if ro.engine == "native":
+            knobs += [f"lower rollout.kv_cache_tokens (now {native_kv_tokens(cfg)})",
+                      f"lower rollout.max_batch_size (now {ro.max_batch_size})"]
+        elif ro.kv_cache_memory_bytes is not None:
+            knobs.append(f"lower rollout.kv_cache_memory_bytes (now {ro.kv_cache_memory_bytes})")
+        else:
+            knobs.append(f"lower rollout.gpu_memory_utilization (now {ro.gpu_memory_utilization})")
+    if phase == "train":
+        knobs.append(f"lower train.micro_batch_tokens (now {tr.micro_batch_tokens})" if tr.micro_batch_tokens
+                     else f"lower train.micro_batch_size (now {tr.micro_batch_size})")
+        knobs += [f"model.{k}=true" for k in ("gradient_checkpointing", "reshard_after_forward") if not getattr(model, k)]
+    if phase == "push":
+        knobs.append(f"lower weights.bucket_mb (now {cfg.weights.bucket_mb:g})")
+    if phase in ("rollout", "push") and not tr.offload:
+        knobs.append("train.offload=true")
+    if phase in ("train", "push") and ro.sleep_level == 0:
+        knobs.append("rollout.sleep_level=2")
+    return knobs + (["more ranks (the training state shards over them)"] if phase == "train" else [])
+
+
+def oom_message(phase: str, cfg: Config, in_use: dict[str, float] | None) -> str:
+    held = "memory in use unknown"
+    if in_use:
+        held = (f"{in_use['allocated'] / GB:.1f} GB allocated by PyTorch, {in_use['reserved'] / GB:.1f} GB reserved, "
+                f"{in_use['used'] / GB:.1f} of {in_use['total'] / GB:.1f} GB of the device in use")
+    return (f"out of device memory in the {phase} phase ({held}): {', '.join(oom_knobs(phase, cfg))}; nothing of this "
+            f"step was saved: the same command resumes from the last checkpoint")
+
+
+@contextlib.contextmanager
+def stop_on_oom(phase: str, cfg: Config, device: torch.device) -> Iterator[None]:
+    """A device out-of-memory error in `phase` becomes RunStopped's one line: the phase, the memory in use and the
+    keys to change. It leaves the loop before the step's checkpoint, so the last one stays the run's state."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        raise RunStopped(oom_message(phase, cfg, memory_in_use(device))) from e

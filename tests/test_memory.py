@@ -1,0 +1,240 @@
+"""The memory plan against numbers worked out by hand, its refusal line, and the out-of-memory stop."""
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from rl import launch, main, memory
+from rl.config import ConfigError, RunStopped, config_from_dict
+from rl.memory import GB, ModelShape, Models
+
+ROOT = Path(__file__).resolve().parents[1]
+H200 = 141e9
+SEVEN_B, HALF_B = 7_615_616_512, 494_032_768  # the parameters Qwen2.5-7B and -0.5B publish
+
+# vocab 10, hidden 4, MLP 8, 2 layers, 2 heads of 2 over 1 KV head, untied head
+TINY = ModelShape(vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
+                  head_dim=2)
+
+
+def make(**sections):
+    raw = {"model": {"path": "m"}, "data": {"source": "d.jsonl"}}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return config_from_dict(raw)
+
+
+def seed_batch(**train):
+    """benchmarks/loop.sh's run: 32 prompts x 8 samples, prompts <= 512 and responses <= 1024 tokens, micro-batches
+    of 32768 tokens, gradient checkpointing, the policy offloaded while the engine runs."""
+    return make(model={"gradient_checkpointing": True}, data={"max_prompt_len": 512},
+                rollout={"rollout_batch_size": 32, "n_samples_per_prompt": 8, "max_new_tokens": 1024,
+                         "max_context_len": 1600},
+                train={"micro_batch_tokens": 32768, "offload": True, **train})
+
+
+def shapes(name: str) -> Models:
+    return Models(ModelShape.from_hf(AutoConfig.from_pretrained(ROOT / "configs" / "models" / name)))
+
+
+def test_parameter_counts_are_the_published_ones():
+    assert memory.num_params(shapes("qwen2.5-7b").policy) == SEVEN_B
+    assert memory.num_params(shapes("qwen2.5-0.5b").policy) == HALF_B
+    # TINY: a block is q, k, v 4 x (4 + 2 + 2) + o 4 x 4 + MLP 3 x 4 x 8 + 2 norms of 4; the root the embedding
+    # 10 x 4, the final norm 4 and the untied head 10 x 4
+    assert memory.block_params(TINY) == 32 + 16 + 96 + 8 == 152
+    assert memory.num_params(TINY) == 40 + 4 + 40 + 2 * 152 == 388
+
+
+def test_activations_and_logits_by_hand():
+    # bf16, per token and block: 2 norms x (fp32 input 16 + output 8 + the next linear's input 8) = 64; q and k after
+    # RoPE, v, the attention output and its copy 2 x (3 x 4 + 2 x 2) + fp32 log-sum-exp 2 x 4 = 40; MLP 4 x 2 x 8 = 64
+    assert memory.block_activation_bytes(TINY, 2) == 64 + 40 + 64 == 168
+    final_norm = 16 + 16
+    assert memory.activation_bytes(TINY, 10, 2, checkpointing=False) == 10 * (2 * 168 + final_norm) == 3680
+    # checkpointed: each block keeps its bf16 input (8 bytes a token), one block is rebuilt at a time
+    assert memory.activation_bytes(TINY, 10, 2, checkpointing=True) == 10 * (2 * 8 + 168 + final_norm) == 2160
+    # logits and their gradient, bf16 (10 tokens x vocab 10); unfused fp32 adds two chunks of the 10 rows
+    assert memory.logits_bytes(TINY, 10, 2, fused=True) == 2 * 10 * 10 * 2 == 400
+    assert memory.logits_bytes(TINY, 10, 4, fused=False) == 2 * 10 * 10 * 4 + 2 * 10 * 10 * 4 == 1600
+
+
+def test_tiny_plan_by_hand():
+    cfg = make(rollout={"max_batch_size": 2, "max_context_len": 128, "kv_cache_tokens": 64, "max_new_tokens": 8},
+               data={"max_prompt_len": 64}, train={"micro_batch_tokens": 128}, weights={"bucket_mb": 1.0})
+    plan = memory.plan_memory(cfg, Models(TINY), world_size=2, device_type="cuda")
+    shard = 4 * 388 / 2  # fp32 over 2 ranks
+    assert plan["train"] == {"policy params": shard, "policy AdamW": 2 * shard,
+                             "policy grads": shard + 152 * (2 + 4),  # + one block's bf16 gradient and fp32 copy
+                             "policy gathered": 388 * 2,  # bf16, kept through the step (reshard_after_forward false)
+                             "activations": 128 * (2 * 168 + 32), "logits": 2 * 128 * 10 * 2}
+    kv_tokens = (1 + 1) * 64  # one page of 64 tokens and the scratch page
+    assert plan["rollout"] == {"policy params": shard, "policy AdamW": 2 * shard, "engine weights": 388 * 2,
+                               "KV cache": kv_tokens * 2 * 2 * 1 * 2 * 2,  # K and V, 2 layers, 1 head of 2, bf16
+                               "engine workspace": 16384 * 2 * (8 + 4 + 4 + 24) + 2 * 2 * 10 * 4}
+    assert plan["push"] == {"policy params": shard, "policy AdamW": 2 * shard, "engine weights": 388 * 2,
+                            "push buckets": (2**20 + 10 * 4 * 2) * (1 + 1 / 2)}
+    # The engine sleeping through training unless rollout.sleep_level = 0; train.offload empties the rollout phase.
+    awake = memory.plan_memory(memory._with(cfg, "rollout", sleep_level=0), Models(TINY), 2)
+    assert awake["train"]["KV cache"] == plan["rollout"]["KV cache"] and "KV cache" not in plan["train"]
+    parked = memory.plan_memory(memory._with(cfg, "train", offload=True), Models(TINY), 2)
+    assert "policy params" not in parked["rollout"] and "policy params" in parked["train"]
+
+
+def test_reference_and_critic_phases():
+    cfg = make(algo={"kl_coef": 0.1, "advantage_estimator": "gae"}, train={"micro_batch_tokens": 128},
+               rollout={"max_context_len": 128, "max_new_tokens": 8}, data={"max_prompt_len": 64})
+    critic = ModelShape(**{**TINY.__dict__, "num_layers": 3, "value_head": True})  # a critic of its own folder
+    plan = memory.plan_memory(cfg, Models(TINY, TINY, critic), world_size=1, device_type="cuda")
+    assert list(plan) == ["rollout", "reference", "train", "critic", "push"]
+    # the value head is (hidden -> 1): the embedding, the final norm, 4 weights and the blocks
+    assert memory.num_params(critic) == 40 + 4 + 4 + 3 * 152 == 504
+    assert plan["reference"]["reference"] == 4 * 388 + 2 * 388 + 128 * 2 * (2 * 4 + 3 * 8 + 10)
+    assert plan["train"]["critic"] == 3 * 4 * 504  # its parameters and moments wait on the device
+    # its state, gradients (one block reduced), its whole bf16 copy (rl/critic.py keeps it gathered), its
+    # activations and one value per token with its gradient
+    assert plan["critic"]["critic"] == (3 * 4 * 504 + 4 * 504 + 152 * 6 + 2 * 504
+                                        + 128 * (3 * 168 + 32) + 2 * 128 * 1 * 2)
+
+
+def test_7b_state_is_16_bytes_a_parameter_on_one_rank():
+    plan = memory.plan_memory(seed_batch(), shapes("qwen2.5-7b"), world_size=1, device_type="cuda",
+                              device_total=H200)["train"]
+    state = plan["policy params"] + plan["policy AdamW"] + plan["policy grads"] - 233_057_792 * 6
+    assert state == 16 * SEVEN_B  # 121.9 GB (113.5 GiB): fp32 parameters, gradients and two moments
+    # checkpointed activations of 32768 tokens: 28 block inputs of 7168 bytes, one block rebuilt (232560 bytes a
+    # token), the final norm's 28672
+    assert memory.block_activation_bytes(shapes("qwen2.5-7b").policy, 2) == 232_560
+    assert plan["activations"] == 32768 * (28 * 7168 + 232_560 + 28_672)
+
+
+def test_7b_seed_batch_on_one_h200_is_refused_with_the_keys_that_fit():
+    models = shapes("qwen2.5-7b")
+    with pytest.raises(ConfigError) as e:
+        memory.check_fits(seed_batch(), models, 1, H200)
+    line = str(e.value)
+    assert "\n" not in line
+    assert line.startswith("memory plan: the train (173.5 GB) phase needs more than the 133.9 GB usable per device")
+    assert "model.reshard_after_forward=true saves 12.1 GB in train;" in line
+    assert "; 2 ranks (the training state shards over them);" in line
+    assert line.endswith("or train.memory_check=false to run anyway if the estimate is wrong")
+    # Together: the switch and the largest micro-batch budget that fits, which fits where 64 tokens more do not.
+    tokens = int(line.split("together: model.reshard_after_forward=true train.micro_batch_tokens=")[1].split(";")[0])
+    together = seed_batch(micro_batch_tokens=tokens)
+    together = memory._with(together, "model", reshard_after_forward=True)
+    memory.check_fits(together, models, 1, H200)
+    with pytest.raises(ConfigError):
+        memory.check_fits(memory._with(together, "train", micro_batch_tokens=tokens + 64), models, 1, H200)
+    memory.check_fits(seed_batch(), models, 2, H200)  # the state shards over two ranks
+
+
+def test_7b_without_checkpointing_names_its_saving():
+    cfg = memory._with(seed_batch(), "model", gradient_checkpointing=False)
+    with pytest.raises(ConfigError) as e:
+        memory.check_fits(cfg, shapes("qwen2.5-7b"), 1, H200)
+    saving = 32768 * (28 * 232_560 - (28 * 7168 + 232_560)) / GB  # every block's activations but one, less inputs
+    assert f"model.gradient_checkpointing=true saves {saving:.1f} GB in train;" in str(e.value)
+
+
+def test_rollout_phase_over_names_the_kv_cache_size_that_fits():
+    cfg = make(rollout={"max_batch_size": 256, "max_context_len": 1600, "max_new_tokens": 1024},
+               data={"max_prompt_len": 512}, train={"micro_batch_tokens": 4096},
+               model={"gradient_checkpointing": True, "reshard_after_forward": True})
+    models, small = shapes("qwen2.5-0.5b"), 12e9
+    with pytest.raises(ConfigError, match=r"the rollout \(13.0 GB\) phase needs .*: train.offload=true saves 5.9 GB "
+                                          r"in rollout \(enough alone\); rollout.kv_cache_tokens=") as e:
+        memory.check_fits(cfg, models, 1, small)
+    assert "micro_batch_tokens" not in str(e.value)  # it does not shrink the rollout
+    tokens = int(str(e.value).split("rollout.kv_cache_tokens=")[1].split(" ")[0])
+    memory.check_fits(memory._with(cfg, "rollout", kv_cache_tokens=tokens), models, 1, small)
+    with pytest.raises(ConfigError):
+        memory.check_fits(memory._with(cfg, "rollout", kv_cache_tokens=tokens + 64), models, 1, small)
+    assert 0.5 * 425_984 < tokens < 425_984  # the default: 256 rows of 26 pages of 64
+
+
+def test_half_b_seed_batch_fits_one_h200():
+    memory.check_fits(seed_batch(), shapes("qwen2.5-0.5b"), 1, H200)
+    memory.check_fits(seed_batch(offload=False), shapes("qwen2.5-0.5b"), 1, H200)
+
+
+def test_start_up_check_prints_on_cuda_refuses_unless_told_and_stays_quiet_off_cuda(monkeypatch, capsys):
+    hf = AutoConfig.from_pretrained(ROOT / "configs" / "models" / "qwen2.5-7b")
+    memory.check_memory_plan(seed_batch(), hf, 1, torch.device("cpu"))
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=H200))
+    with pytest.raises(ConfigError, match="memory plan: the train"):
+        memory.check_memory_plan(seed_batch(), hf, 1, torch.device("cuda"))
+    table = capsys.readouterr().out
+    assert "memory plan per rank (GB; device 141.0 GB, 133.9 usable):" in table
+    assert [line.split()[0] for line in table.splitlines()[2:]] == ["engine", "KV", "engine", "policy", "policy",
+                                                                     "policy", "policy", "activations", "logits",
+                                                                     "push", "total"]
+    memory.check_memory_plan(seed_batch(memory_check=False), hf, 1, torch.device("cuda"))
+    assert "173.5" in capsys.readouterr().out.splitlines()[-1]
+
+
+IN_USE = {"allocated": 128e9, "reserved": 131e9, "used": 139.5e9, "total": 141e9}
+
+
+def test_an_out_of_memory_error_becomes_one_line_naming_phase_memory_and_keys(monkeypatch):
+    monkeypatch.setattr(memory, "memory_in_use", lambda device: IN_USE)
+    cfg = seed_batch()
+    with pytest.raises(RunStopped) as e, memory.stop_on_oom("train", cfg, torch.device("cpu")):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+    assert str(e.value) == (
+        "out of device memory in the train phase (128.0 GB allocated by PyTorch, 131.0 GB reserved, 139.5 of 141.0 GB "
+        "of the device in use): lower train.micro_batch_tokens (now 32768), model.reshard_after_forward=true, more "
+        "ranks (the training state shards over them); nothing of this step was saved: the same command resumes from "
+        "the last checkpoint")
+    with pytest.raises(RunStopped, match=r"in the rollout phase .*lower rollout.kv_cache_tokens \(now 425984\), lower "
+                                         r"rollout.max_batch_size \(now 256\)"), \
+            memory.stop_on_oom("rollout", cfg, torch.device("cpu")):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    # train.offload empties the device of the training state while the engine runs, not while it trains
+    resident = seed_batch(offload=False)
+    assert "train.offload=true" in memory.oom_message("push", resident, None)
+    assert "train.offload" not in memory.oom_message("train", resident, None)
+    assert "(memory in use unknown)" in memory.oom_message("train", resident, None)
+    with pytest.raises(ValueError), memory.stop_on_oom("push", cfg, torch.device("cpu")):
+        raise ValueError("not a memory error: passes through")
+
+
+class Loop:
+    """Just enough of main.Run for main.train to reach each phase; `oom_in` raises the device's OOM error there."""
+
+    def __init__(self, oom_in: str):
+        def phase(name, result):
+            def call(*args, **kwargs):
+                self.calls.append(name)
+                if name == oom_in:
+                    raise torch.OutOfMemoryError("CUDA out of memory")
+                return result
+            return call
+
+        self.calls = []
+        self.cfg = seed_batch()
+        self.dist = types.SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1, is_main=True)
+        self.start, self.weight_version, self.restart_stats, self.eval_prompts = 0, 1, {}, []
+        self.dataset = self.sampling = self.stop = None
+        self.collector = types.SimpleNamespace(rollout=phase("rollout", ([], {"rollout/num_scored": 0})))
+        self.health = types.SimpleNamespace(after_rewards=lambda *a: None)
+        self.engine = types.SimpleNamespace(sleep=phase("sleep", None))
+        self.learner = types.SimpleNamespace(train=phase("train", None), push=phase("push", {}))
+        self.checkpointer = types.SimpleNamespace(maybe_save=phase("save", None))
+
+
+@pytest.mark.parametrize("phase", ["rollout", "train", "push"])
+def test_the_loop_stops_on_out_of_memory_with_its_phase_and_saves_nothing(phase, monkeypatch, capsys):
+    monkeypatch.setattr(memory, "memory_in_use", lambda device: IN_USE)
+    monkeypatch.setattr(main, "assign_advantages", lambda samples, algo: None)
+    run = Loop(oom_in=phase)
+
+    def loop(argv):
+        main.train(run, logger=None)
+
+    assert launch.cli(loop, []) == 1  # RunStopped: one line, exit 1, no traceback
+    assert capsys.readouterr().err.startswith(f"rl: stopped: out of device memory in the {phase} phase (128.0 GB")
+    assert run.calls[-1] == phase and "save" not in run.calls  # the last checkpoint stays the run's state
