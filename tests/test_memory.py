@@ -238,3 +238,12 @@ def test_the_loop_stops_on_out_of_memory_with_its_phase_and_saves_nothing(phase,
     assert launch.cli(loop, []) == 1  # RunStopped: one line, exit 1, no traceback
     assert capsys.readouterr().err.startswith(f"rl: stopped: out of device memory in the {phase} phase (128.0 GB")
     assert run.calls[-1] == phase and "save" not in run.calls  # the last checkpoint stays the run's state
+
+
+def test_the_readme_shows_the_line_the_plan_prints():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Memory"):readme.index("## When things go wrong")]
+    shown = " ".join(section.split("```")[1].split())  # wrapped there to be read
+    with pytest.raises(ConfigError) as e:
+        memory.check_fits(seed_batch(), shapes("qwen2.5-7b"), 1, H200)
+    assert shown == f"rl: error: {e.value}"
