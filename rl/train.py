@@ -192,8 +192,8 @@ def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_s
     (`width_multiple`), never past `max_width` (the context the model was checked for) when it is given.
     With train.packing, each micro-batch is one packed row instead (rl/packing.py).
 
-    Samples whose Sample.index is in `skip` (`skippable_samples`: they add nothing to the loss) run no pass,
-    but still count in the step's token and sequence totals: the loss divides by the same numbers as
+    Samples whose Sample.index is in `skip` (`skippable_samples`: they add nothing to the loss) run no pass
+    (but for the few that even out the ranks' counts), and still count in the step's token and sequence totals: the loss divides by the same numbers as
     without the skip, so the gradient is the same.
 
     Every rank holds the whole rollout, so each one computes every rank's cut and pads its own list
@@ -203,6 +203,10 @@ def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_s
     for start in range(0, len(samples), train.global_batch_size):
         batch = samples[start : start + train.global_batch_size]
         trained = [s for s in batch if s.index not in skip]
+        # The ranks take equal counts: a few skippable samples (the shortest) train after all, at zero advantage,
+        # when the rest do not split evenly (a sample whose reward is its group's mean has advantage 0 too).
+        skipped = sorted((s for s in batch if s.index in skip), key=lambda s: len(s.tokens))
+        trained += skipped[: -len(trained) % world_size]
         parts = parallel.balanced_partition([float(len(s.tokens)) for s in trained], world_size)
         shares = [sorted((trained[i] for i in part), key=lambda s: len(s.tokens)) for part in parts]  # less padding
         cuts, mine = cut_share(shares, rank, train, torch.device(device), max_width,

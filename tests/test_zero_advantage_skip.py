@@ -84,3 +84,20 @@ def test_a_step_with_every_sample_skipped_still_steps_on_zero_gradients():
     grads, out = step_gradients(algo, frozenset(range(12)))
     assert out["rows"] == 1 and out["tokens"] == 0 and out["grad_norm"] == 0
     assert all(g is not None and not g.any() for g in grads)
+
+
+def test_an_odd_number_of_skippable_samples_still_splits_evenly_over_ranks():
+    """A sample whose reward is its group's mean has advantage 0 alone in its group: the skippable count can be
+    odd. Every rank must still take as many samples as the others, so the shortest skippable one trains after
+    all (at zero advantage), and every other sample is trained exactly once."""
+    batch = rollout()
+    batch[0].advantage = 0.0  # 4 + 1 skippable of 12: 7 left, which 2 ranks cannot share evenly
+    skip = skippable_samples(batch, AlgoConfig())
+    train = TrainConfig(global_batch_size=12, micro_batch_size=2)
+    trained = []
+    for rank in range(2):
+        steps, _, _, _ = build_schedule(batch, train, rank, 2, torch.device("cpu"), skip=skip)
+        trained.append([i for mb in steps[0] for i, m in zip(mb.indices, mb.loss_mask.sum(-1)) if m > 0])
+    assert len(trained[0]) == len(trained[1]) == 4
+    everyone = trained[0] + trained[1]
+    assert sorted(set(everyone)) == sorted(everyone) and set(range(12)) - skip <= set(everyone)
