@@ -198,7 +198,7 @@ class Collector:
             scored = self.generate_and_score(groups, sampling, weight_version, (ro.seed, rollout_id, rounds),
                                              barrier_timeout_s, progress=self.progress)
             tally.add(scored, sum(sum(s.loss_mask) for s in scored.samples), finished=[])
-            for group in split_groups(scored.samples, ro.n_samples_per_prompt):
+            for group in split_by_group(scored.samples):
                 (kept if keep_group(group, ro.dynamic_filter) else dropped).append(group)
         tally.scored = [s for group in kept + dropped for s in group]  # the order the reward mean sums in
         return self.batch(kept, dropped, rounds, tally)
@@ -357,10 +357,6 @@ def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: 
         return finished >= target and not due
 
     return until
-
-
-def split_groups(samples: list[Sample], n_samples_per_prompt: int) -> list[list[Sample]]:
-    return [samples[i : i + n_samples_per_prompt] for i in range(0, len(samples), n_samples_per_prompt)]
 
 
 def split_by_group(samples: list[Sample]) -> list[list[Sample]]:

@@ -515,12 +515,8 @@ class NativeEngine:
             for t in r.per_row():
                 t[: len(keep)] = t[keep_index]
         r.clear(len(keep), n)
-        out = []
-        for request, toks, lps in zip(sched.finish(finished_rows), tokens, logprobs):
-            count, prior = request.generated, request.prompt.prior
-            reason = "stop" if toks[count - 1] in stops else "length"
-            out.append((request, Completion(toks[prior:count], lps[prior:count], reason)))
-        return out
+        return [(request, completion(request, toks, lps, "stop" if toks[request.generated - 1] in stops else "length"))
+                for request, toks, lps in zip(sched.finish(finished_rows), tokens, logprobs)]
 
     def _end_early(self, sched: Scheduler) -> list[tuple[Request, Completion]]:
         """Ends the call with requests unfinished: running ones hand back what they generated ("abort"),
@@ -531,11 +527,17 @@ class NativeEngine:
             width = max(request.generated for request in sched.running)
             tokens = self.rows.out_tokens[:n, :width].cpu().tolist()
             logprobs = self.rows.out_logprobs[:n, :width].cpu().tolist()
-            for request, toks, lps in zip(sched.running, tokens, logprobs):
-                count, prior = request.generated, request.prompt.prior
-                out.append((request, Completion(toks[prior:count], lps[prior:count], "abort")))
+            out += [(request, completion(request, toks, lps, "abort"))
+                    for request, toks, lps in zip(sched.running, tokens, logprobs)]
             self.rows.clear(0, n)
         return out
+
+
+def completion(request: Request, tokens: list[int], logprobs: list[float], reason: str) -> Completion:
+    """A request's row read back as its completion: the columns it generated in this call (those before are the
+    prior tokens its prompt already holds)."""
+    start, end = request.prompt.prior, request.generated
+    return Completion(tokens[start:end], logprobs[start:end], reason)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

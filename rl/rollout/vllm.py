@@ -116,6 +116,12 @@ def sampled_logprobs(logprobs, tokens: list[int]) -> list[float]:
     return list(logprobs.logprobs)
 
 
+def completion(token_ids, logprobs, reason: str) -> Completion:
+    """A sequence as vLLM holds it (its token ids and flat logprobs) as a Completion; no tokens, no logprobs."""
+    tokens = list(token_ids)
+    return Completion(tokens, sampled_logprobs(logprobs, tokens) if tokens else [], reason)
+
+
 def _copy_into_parameters(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Runs on vLLM's worker: the model's own loader, which copies each tensor into its parameter."""
     worker.get_model().load_weights(weights)
@@ -232,8 +238,7 @@ class VllmEngine:
                     continue
                 start, _ = run_of.pop(out.request_id)
                 for choice in sorted(out.outputs, key=lambda c: c.index):
-                    tokens = list(choice.token_ids)
-                    results[start + choice.index] = Completion(tokens, sampled_logprobs(choice.logprobs, tokens),
+                    results[start + choice.index] = completion(choice.token_ids, choice.logprobs,
                                                                choice.finish_reason or "abort")
                     finished.append(start + choice.index)
             if finished and on_finish is not None and on_finish(finished):
@@ -250,15 +255,12 @@ class VllmEngine:
             if parent not in run_of:
                 continue
             start = run_of[parent][0]
-            tokens = list(state.detokenizer.output_token_ids)
-            results[start + state.request_index] = Completion(
-                tokens, sampled_logprobs(state.logprobs_processor.logprobs, tokens) if tokens else [], "abort")
+            results[start + state.request_index] = completion(state.detokenizer.output_token_ids,
+                                                              state.logprobs_processor.logprobs, "abort")
             # Samples of the group that did finish wait in the parent request until all of them have.
             for choice in state.parent_req.output_aggregator if state.parent_req is not None else []:
                 if choice is not None and choice.finished():
-                    tokens = list(choice.token_ids)
-                    results[start + choice.index] = Completion(tokens, sampled_logprobs(choice.logprobs, tokens),
-                                                               choice.finish_reason)
+                    results[start + choice.index] = completion(choice.token_ids, choice.logprobs, choice.finish_reason)
         engine.abort_request(list(run_of))
         for start, count in run_of.values():
             for i in range(start, start + count):
