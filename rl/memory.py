@@ -396,21 +396,34 @@ def oom_knobs(phase: str, cfg: Config) -> list[str]:
         if ro.engine == "native":
             knobs += [f"lower rollout.kv_cache_tokens (now {native_kv_tokens(cfg)})",
                       f"lower rollout.max_batch_size (now {ro.max_batch_size})"]
-        elif ro.kv_cache_memory_bytes is not None:
-            knobs.append(f"lower rollout.kv_cache_memory_bytes (now {ro.kv_cache_memory_bytes})")
         else:
-            knobs.append(f"lower rollout.gpu_memory_utilization (now {ro.gpu_memory_utilization})")
+            knobs.append(vllm_memory_knob(ro))
     if phase == "train":
         knobs.append(f"lower train.micro_batch_tokens (now {tr.micro_batch_tokens})" if tr.micro_batch_tokens
                      else f"lower train.micro_batch_size (now {tr.micro_batch_size})")
         knobs += [f"model.{k}=true" for k in ("gradient_checkpointing", "reshard_after_forward") if not getattr(model, k)]
     if phase == "push":
         knobs.append(f"lower weights.bucket_mb (now {cfg.weights.bucket_mb:g})")
+        if ro.engine == "vllm":  # the push ends with the engine's KV cache mapped back
+            knobs.append(vllm_memory_knob(ro))
     if phase in ("rollout", "push") and not tr.offload:
         knobs.append("train.offload=true")
     if phase in ("train", "push") and ro.sleep_level == 0:
         knobs.append("rollout.sleep_level=2")
     return knobs + (["more ranks (the training state shards over them)"] if phase == "train" else [])
+
+
+def vllm_memory_knob(ro) -> str:
+    if ro.kv_cache_memory_bytes is not None:
+        return f"lower rollout.kv_cache_memory_bytes (now {ro.kv_cache_memory_bytes})"
+    return f"lower rollout.gpu_memory_utilization (now {ro.gpu_memory_utilization})"
+
+
+def is_device_oom(error: BaseException) -> bool:
+    """PyTorch's OutOfMemoryError, or the RuntimeError an allocator outside PyTorch's raises (vLLM's sleep-mode
+    allocator: "CUDA Error: out of memory at .../cumem_allocator.cpp")."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
 
 
 def oom_message(phase: str, cfg: Config, in_use: dict[str, float] | None) -> str:
@@ -428,5 +441,7 @@ def stop_on_oom(phase: str, cfg: Config, device: torch.device) -> Iterator[None]
     keys to change. It leaves the loop before the step's checkpoint, so the last one stays the run's state."""
     try:
         yield
-    except torch.OutOfMemoryError as e:
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not is_device_oom(e):
+            raise
         raise RunStopped(oom_message(phase, cfg, memory_in_use(device))) from e

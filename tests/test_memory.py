@@ -1,5 +1,6 @@
 """The memory plan against numbers worked out by hand, its refusal line, and the out-of-memory stop."""
 
+import dataclasses
 import types
 from pathlib import Path
 
@@ -200,6 +201,37 @@ def test_an_out_of_memory_error_becomes_one_line_naming_phase_memory_and_keys(mo
     assert "(memory in use unknown)" in memory.oom_message("train", resident, None)
     with pytest.raises(ValueError), memory.stop_on_oom("push", cfg, torch.device("cpu")):
         raise ValueError("not a memory error: passes through")
+    with pytest.raises(RuntimeError, match="shape mismatch"), memory.stop_on_oom("push", cfg, torch.device("cpu")):
+        raise RuntimeError("shape mismatch: passes through")
+
+
+def test_vllms_out_of_memory_at_wake_up_is_the_same_one_line_naming_its_cache():
+    """vLLM's sleep-mode allocator maps the KV cache back outside PyTorch and raises a plain RuntimeError."""
+    cfg = seed_batch(offload=False)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm",
+                                                               gpu_memory_utilization=0.35))
+    with pytest.raises(RunStopped) as e, memory.stop_on_oom("push", cfg, torch.device("cpu")):
+        raise RuntimeError("CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163")
+    assert str(e.value).startswith("out of device memory in the push phase (memory in use unknown): lower "
+                                   "weights.bucket_mb")
+    assert "lower rollout.gpu_memory_utilization (now 0.35), train.offload=true" in str(e.value)
+
+
+def test_the_vllm_engine_gives_back_the_trainers_cached_blocks_before_it_maps_memory_back(monkeypatch):
+    """A KV cache that fit at start-up must fit after a train phase: PyTorch's cached blocks are returned to the
+    device before vLLM, which allocates outside PyTorch, maps its sleeping memory back."""
+    from rl.rollout import vllm as vllm_engine
+
+    order = []
+    engine = object.__new__(vllm_engine.VllmEngine)
+    engine.llm = types.SimpleNamespace(wake_up=lambda tags: order.append(f"wake_up({','.join(tags)})"))
+    engine.asleep, engine.calls = {"weights": True, "kv_cache": True}, []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("empty_cache"))
+    engine.wake_up(["weights"])
+    engine.wake_up(["kv_cache"])
+    engine.wake_up(["kv_cache"])  # awake already: nothing to map, nothing to give back
+    assert order == ["empty_cache", "wake_up(weights)", "empty_cache", "wake_up(kv_cache)"]
 
 
 class Loop:

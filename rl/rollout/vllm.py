@@ -35,6 +35,10 @@ Departures from vLLM defaults, and why:
   VLLM_ALLREDUCE_USE_SYMM_MEM=0 and VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm unless it sets them.
 - `rollout.vllm_kwargs` is passed to `vllm.LLM` last; a `compilation_config` table in it is merged
   into this file's key by key (its own `pass_config` replaces this file's whole).
+- Before vLLM maps its memory back at a wake-up, the trainer's caching allocator returns the blocks it holds
+  (`torch.cuda.empty_cache`): vLLM allocates outside PyTorch's allocator, so what training used and freed is
+  not free to it until given back, and a KV cache that fit at start-up would not fit after the first train
+  phase. The native engine allocates through PyTorch's allocator and reuses those blocks as they are.
 - Sleep mode is CUDA-only in vLLM (`enable_sleep_mode` is refused on CPU). On CPU the
   same calls still go through vLLM's engine core (scheduler pause, prefix-cache reset),
   whose CPU worker keeps weights and KV resident.
@@ -163,6 +167,8 @@ class VllmEngine:
             raise ValueError(f"unknown wake-up tags {sorted(unknown)}; expected some of {TAGS}")
         self.calls.append(f"wake_up({','.join(tags)})")
         if any(self.asleep[t] for t in tags):
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()  # module docstring: vLLM maps its memory outside PyTorch's allocator
             self.llm.wake_up(tags=[t for t in tags if self.asleep[t]])
         for tag in tags:
             self.asleep[tag] = False
