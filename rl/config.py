@@ -56,7 +56,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     # file.jsonl | file.parquet | reasoning_gym:<task name> | a Hugging Face dataset folder: save_to_disk's,
-    # or the hub's layout (data/<split>-*.parquet, <split>.jsonl, <split>.parquet or <split>/*.parquet)
+    # or the hub's layout (data/<split>-*.parquet, <split>.jsonl, <split>.parquet or <split>/*.parquet) |
+    # hf:<local folder or datasets builder> (datasets.load_dataset(..., split=split, **task_config)) |
+    # python:<pkg.module:function> (the rows that function(split=split, **task_config) returns)
     source: str = ""
     split: str = "train"  # the split read from a dataset folder; a file or a generated task ignores it
     # Column map. The prompt column holds text or a list of chat messages ({"role", "content"}, as in TRL's
@@ -66,7 +68,7 @@ class DataConfig:
     # table column, as verl's parquet files hold their answers: "reward_model.ground_truth"
     answer_key: str = "answer"
     system_prompt_key: str = ""  # a column of per-row system prompts; an empty or null one uses system_prompt
-    task_config: dict[str, Any] = field(default_factory=dict)  # kwargs of a generated task
+    task_config: dict[str, Any] = field(default_factory=dict)  # kwargs of a generated task, hf: or python: source
     num_examples: int = 2000  # rows drawn from a generated task
     prompt_template: str = "{prompt}"  # wraps the raw prompt text before the chat template
     system_prompt: str = ""
@@ -252,7 +254,7 @@ class EvalConfig:
     # a generated task's seed; reasoning-gym draws item i from seed + i, so keep [seed, seed + num_examples)
     # clear of [data.seed, data.seed + data.num_examples)
     seed: int = 1_000_000
-    task_config: dict[str, Any] | None = None  # a generated task's kwargs (default: data.task_config)
+    task_config: dict[str, Any] | None = None  # like data.task_config, for eval.source (default: data.task_config)
 
 
 @dataclass(frozen=True)
@@ -501,7 +503,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     the first problem raises ConfigError naming its keys."""
     _require(bool(cfg.model.path), "model.path is required (a local HF model folder)")
     _require(bool(cfg.data.source),
-             "data.source is required (file.jsonl, file.parquet, a dataset folder or reasoning_gym:<task>)")
+             "data.source is required (file.jsonl, file.parquet, a dataset folder, reasoning_gym:<task>, "
+             "hf:<folder> or python:<pkg.module:function>)")
     validate_engine(cfg.model, cfg.rollout)
     validate_rollout(cfg.rollout, cfg.data)
     validate_train(cfg.train, cfg.rollout)

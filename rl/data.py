@@ -3,7 +3,8 @@
 `Sample` carries one response through rollout, reward and training with the seed's
 fields. `PromptDataset` reads prompts (jsonl, parquet, a reasoning-gym task, or one split of a
 Hugging Face dataset folder: `save_to_disk` arrow files or the hub's file layout, read with
-pyarrow alone so that `datasets` is not needed to train),
+pyarrow alone so that `datasets` is not needed to train; "hf:" hands a folder or builder to
+`datasets.load_dataset`, "python:" calls a function that returns rows),
 applies the prompt template and chat template, drops over-long prompts (counted),
 and hands out whole groups of `n_samples_per_prompt` copies of each prompt, whose
 `group_index`/`index` count on across rollouts, so a number names one sample of the
@@ -252,6 +253,53 @@ def _generate_reasoning_gym(task: str, cfg: DataConfig, keys: SourceKeys) -> lis
             for item in dataset]
 
 
+def _load_with_datasets(target: str, cfg: DataConfig, keys: SourceKeys) -> list[dict[str, Any]]:
+    """Rows of `datasets.load_dataset(target, split=<split>, **task_config)`, for what only `datasets` reads: a
+    local folder whose README.md lists its configs and data files, CSV or text files, or one of its packaged
+    builders ("csv", "json", ...) given `data_files` in the task config. Never the hub: a name that is neither a
+    local folder nor a packaged builder is an error here, not a minute of network retries. Loading scripts are
+    not read (`datasets` 4 and later refuse them); a Python function that returns rows is `python:`.
+    Each process prepares its own copy in a temporary cache and keeps it in memory, so ranks never share a
+    cache folder and nothing is left behind."""
+    import tempfile
+
+    import datasets
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    at = f"{keys.source}=hf:{target}"
+    if not (Path(target).is_dir() or target in _PACKAGED_DATASETS_MODULES):
+        raise ConfigError(f"{at}: not a local folder nor one of the builders of datasets "
+                          f"({', '.join(sorted(_PACKAGED_DATASETS_MODULES))})")
+    datasets.disable_progress_bars()
+    with tempfile.TemporaryDirectory(prefix="rl-datasets-") as cache:
+        try:
+            dataset = datasets.load_dataset(target, split=cfg.split, cache_dir=cache, keep_in_memory=True,
+                                            **cfg.task_config)
+        except Exception as e:  # datasets raises ValueError, FileNotFoundError, DatasetGenerationError, ...
+            raise ConfigError(f"{at} with {keys.split}={cfg.split!r}, {keys.task_config}={cfg.task_config}: "
+                              f"{type(e).__name__}: {e}"[:1000]) from None
+        return dataset.to_list()
+
+
+def _call_builder(target: str, cfg: DataConfig, keys: SourceKeys) -> list[dict[str, Any]]:
+    """Rows returned by `fn(split=<split>, **task_config)` for "python:pkg.module:fn": what a dataset loading
+    script did before `datasets` stopped running them. Any iterable of row tables will do (a list of dicts, a
+    generator, a `datasets.Dataset`)."""
+    from rl.reward import load_function  # the one importer of "pkg.module:function" paths
+
+    fn = load_function(target, keys.source)
+    try:
+        rows = list(fn(split=cfg.split, **cfg.task_config))
+    except Exception as e:
+        raise ConfigError(f"{keys.source}=python:{target} with {keys.split}={cfg.split!r}, "
+                          f"{keys.task_config}={cfg.task_config} raised {type(e).__name__}: {e}"[:1000]) from e
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError(f"{keys.source}=python:{target}: row {i} is {type(row).__name__} {row!r:.200}, "
+                              f"expected a table of columns (a dict)")
+    return rows
+
+
 def _prompt_problem(raw: Any) -> str:
     """What is wrong with a row's prompt ('' if nothing): text, or chat messages with role and content."""
     if isinstance(raw, str):
@@ -268,8 +316,12 @@ def read_source_rows(cfg: DataConfig, keys: SourceKeys = TRAINING_KEYS) -> tuple
     """Returns (rows, prompt_key, answer_key) for the configured source; errors name `keys`."""
     if cfg.source.startswith("reasoning_gym:"):
         return _generate_reasoning_gym(cfg.source.split(":", 1)[1], cfg, keys), "prompt", "answer"
+    kind, colon, target = cfg.source.partition(":")
     path = Path(cfg.source)
-    if path.is_dir():
+    if colon and kind in ("hf", "python"):
+        rows = (_load_with_datasets if kind == "hf" else _call_builder)(target, cfg, keys)
+        where = [f"{keys.source}: {cfg.source} ({keys.split}={cfg.split!r}) row {i}" for i in range(len(rows))]
+    elif path.is_dir():
         rows, where = _read_folder(path, cfg.split, keys)
     elif not path.is_file():
         raise ConfigError(f"{keys.source}: file not found: {path}")
@@ -277,7 +329,7 @@ def read_source_rows(cfg: DataConfig, keys: SourceKeys = TRAINING_KEYS) -> tuple
         rows, where = _read_file(path, keys.source)
     else:
         raise ConfigError(f"{keys.source}: {path} must end in .jsonl or .parquet, be a dataset folder, "
-                          f"or be reasoning_gym:<task>")
+                          f"or be reasoning_gym:<task>, hf:<folder or builder> or python:<pkg.module:function>")
     for row, at in zip(rows, where):
         _check_row(row, at, cfg, keys)
     return rows, cfg.prompt_key, cfg.answer_key
