@@ -7,11 +7,13 @@ up to 512 new tokens, configs/recipes/gsm8k_boxed.toml with a shorter run and a 
     python benchmarks/partial.py table OUT             # one table from the runs under OUT
 
 Modes: `sync` (the synchronous loop), `partial1` / `partial2` (rollout.partial_rollout with max_staleness 1 / 2),
-`ahead1` (max_staleness 1 without partial rollouts); the asynchronous ones weigh tokens by truncated importance
-weights (algo.tis_cap = 2). The table: median rollout tokens/s and step seconds (rollout 1 on: rollout 0 holds
+`ahead1` (max_staleness 1 without partial rollouts), `vllm` / `vllm_partial1` (the same through vLLM, at the
+default train settings: the training state stays on the device); the asynchronous ones weigh tokens by truncated
+importance weights (algo.tis_cap = 2). The table: median rollout tokens/s and step seconds (rollout 1 on: rollout 0 holds
 CUDA-graph captures), mean and max staleness, the fraction of trained samples that crossed a weight push,
-held-out greedy accuracy at the end, and the minutes of steps until the eval first reached the synchronous
-run's final accuracy. Curves: `python -m rl.plot OUT/sync OUT/partial1 ...`.
+held-out greedy accuracy at the end, the minutes of steps until the eval first reached the synchronous
+run's final accuracy, the train phase's peak device memory and the seconds the engine's KV cache took to come
+back after it. Curves: `python -m rl.plot OUT/sync OUT/partial1 ...`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ MODES = {
     "partial1": ["--rollout.partial_rollout=true", "--rollout.max_staleness=1", "--algo.tis_cap=2.0"],
     "partial2": ["--rollout.partial_rollout=true", "--rollout.max_staleness=2", "--algo.tis_cap=2.0"],
     "ahead1": ["--rollout.max_staleness=1", "--algo.tis_cap=2.0"],
+    "vllm": ["--rollout.engine=vllm"],
+    "vllm_partial1": ["--rollout.engine=vllm", "--rollout.partial_rollout=true", "--rollout.max_staleness=1",
+                      "--algo.tis_cap=2.0"],
 }
 
 
@@ -76,8 +81,8 @@ def table(out: Path) -> None:
     runs = {d.name: rows(d) for d in sorted(out.iterdir()) if (d / "metrics.jsonl").is_file()}
     target = next((r["eval/accuracy"] for r in reversed(runs.get("sync", [])) if "eval/accuracy" in r), None)
     print(f"| mode | rollout tokens/s | step s | rollout s | train s | staleness mean / max | partial frac "
-          f"| final eval acc | minutes to sync's final ({target}) | total minutes |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"| final eval acc | minutes to sync's final ({target}) | total minutes | train peak GB | KV wake-up s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, run in runs.items():
         steps = [r for r in run if "perf/step_s" in r and r["rollout_id"] > 0]
 
@@ -93,7 +98,8 @@ def table(out: Path) -> None:
               f"| {statistics.mean(r.get('rollout/partial_frac', 0.0) for r in steps):.2f} "
               f"| {evals[-1] if evals else float('nan'):.3f} "
               f"| {'-' if to_target is None else f'{to_target:.2f}'} "
-              f"| {sum(r.get('perf/step_s', 0.0) for r in run) / 60:.2f} |")
+              f"| {sum(r.get('perf/step_s', 0.0) for r in run) / 60:.2f} "
+              f"| {max(r.get('memory/train_peak_gb', 0.0) for r in steps):.1f} | {median('perf/onload_kv_s'):.2f} |")
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ one), in a child process of its own (vLLM's sleep allocator serves one engine pe
 `--vllm-variants` takes JSON objects of extra `vllm.LLM` arguments (`rollout.vllm_kwargs`), one
 engine per object, e.g. '{}' '{"enable_prefix_caching": false}' '{"enforce_eager": true}'. For each
 vLLM engine the batch is also generated with each of the engine's per-call choices undone (`VLLM_CALLS`:
-without logprobs, with vLLM's per-token logprob dicts), for what each costs.
+without logprobs, with vLLM's per-token logprob dicts, with a generator per request), for what each costs.
 
     python benchmarks/rollout.py --batch-invariant --hf-steps -1   # the same in model.batch_invariant mode
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import statistics
@@ -227,7 +228,9 @@ def time_weight_loads(engine, model, device: torch.device, repeats: int = 5) -> 
 VLLM_CALLS = {  # what the engine's per-call choices cost or save (rl/rollout/vllm.py's docstring): the same batch
     "no logprobs": lambda s: setattr(s, "logprobs", None),
     "logprob dicts": lambda s: setattr(s, "flat_logprobs", False),
+    "a seed per request": lambda s: setattr(s, "seed", next(REQUEST_SEEDS)),
 }
+REQUEST_SEEDS = itertools.count(1)
 
 
 def vllm_call_s(engine, prompts: list[list[int]], params: SamplingParams, change, device: torch.device) -> float:

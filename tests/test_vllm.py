@@ -60,6 +60,7 @@ def test_vllm_generates_syncs_and_matches_trainer_tp1(tmp_path):
         assert r["gap_before"] < GAP and r["gap_after"] < GAP
         assert r["greedy_after"] != r["greedy_before"]  # the optimizer step reached the engine
         assert r["seeded_again_equal"] and r["other_seed_differs"]
+        assert r["rng_untouched"] and r["request_seeds"] == ["None"]
         assert r["calls"] == ["load_weights", "sleep(2)", "wake_up(weights)", "load_weights",
                               "reset_prefix_cache", "wake_up(kv_cache)"]
         # The partial call ended at the first finished group, handing back the others with what they had; after

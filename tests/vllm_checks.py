@@ -51,10 +51,15 @@ def main(out_dir: str, model_dir: str, tp: int) -> None:
     # A call seed: the same call draws the same samples whatever ran between (a resumed run redraws them).
     def draw(seed):
         return [c.token_ids for c in engine.generate(PROMPTS * 4, dataclasses.replace(sampled, seed=seed))]
+    rng = torch.get_rng_state()
     first = draw(7)
+    results["rng_untouched"] = torch.equal(rng, torch.get_rng_state())  # the trainer's stream is its own
     engine.generate(PROMPTS, sampled)
     results["seeded_again_equal"] = draw(7) == first
     results["other_seed_differs"] = draw(8) != first
+    # No request has a generator of its own (vLLM's sampler fills those one request at a time).
+    results["request_seeds"] = sorted({str(sp.seed) for sp in engine.requests(
+        PROMPTS * 4, dataclasses.replace(sampled, seed=7))[1]})
     samples = generate_rollout(engine, groups_of(PROMPTS, 4), sampled, 1, tokenizer)
     results["weight_versions"] = sorted({s.weight_version for s in samples})
     results["tokens"] = [s.tokens for s in samples]

@@ -20,6 +20,13 @@ Departures from vLLM defaults, and why:
   ignores EOS leaves out.
 - A prompt group (identical consecutive prompts) is one request with `n` samples, so
   its KV is prefilled once and shared.
+- A call seed seeds the call, not each request: the call's sampling draws from PyTorch's default generators,
+  seeded with it for the call (and restored after, so the trainer's random state is untouched), and vLLM's
+  requests carry no seed of their own. A request with a seed of its own gets its own generator, which vLLM's
+  sampler fills one request at a time (a loop of ~500 kernel launches in every decode step of a 64 x 8
+  rollout) where unseeded requests take one batched draw. The same call still draws the same samples whatever
+  the engine ran before (a resumed run redraws them), since the same requests in the same order are scheduled
+  the same way.
 - Log-probabilities come back flat (`flat_logprobs`): plain lists per sequence instead of a dict and
   a `Logprob` object per token, which vLLM otherwise builds on the host at every step.
 - CUDA graphs are captured for decode batches up to `max_batch_size` (vLLM's default goes to twice
@@ -53,7 +60,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from rl.config import RolloutConfig
-from rl.rollout import Completion, SamplingParams, derive_seed
+from rl.rollout import Completion, SamplingParams
 
 TAGS = ("weights", "kv_cache")
 
@@ -146,6 +153,7 @@ class VllmEngine:
         logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
 
         self.llm = LLM(**engine_kwargs(model_path, cfg, device, dtype, seed))
+        self.device = device
         self.in_place_loads = device.type == "cuda"  # module docstring: CPU weights are repacked after a load
         self.asleep = {tag: False for tag in TAGS}
         self.calls: list[str] = []  # the order of weight loads and memory transitions, for the tests
@@ -200,9 +208,8 @@ class VllmEngine:
     def requests(self, prompts: list[list[int]], params: SamplingParams,
                  prior: list[int] | None = None) -> tuple[list, list, list[tuple[int, int]]]:
         """vLLM's prompts and sampling parameters for `prompts`, and the runs they stand for: one request per
-        prompt group (module docstring); a continued sample's request asks for the tokens it has left. With a call
-        seed each request draws from its own stream (the call seed and its place in the call), so the same call on
-        a resumed run draws the same samples whatever else the engine has run."""
+        prompt group (module docstring); a continued sample's request asks for the tokens it has left. No request
+        has a seed of its own: the call seed seeds the whole call (module docstring)."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -216,9 +223,8 @@ class VllmEngine:
                                        stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
                                        logprobs=0, flat_logprobs=True, detokenize=False,
                                        skip_special_tokens=False, spaces_between_special_tokens=False,
-                                       seed=None if params.seed is None else derive_seed(params.seed, i),
                                        output_kind=RequestOutputKind.FINAL_ONLY)
-                    for i, (start, count) in enumerate(runs)]
+                    for start, count in runs]
         return requests, sampling, runs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -229,6 +235,14 @@ class VllmEngine:
         from vLLM's output processor, and are aborted (rl/rollout/__init__.py)."""
         if any(self.asleep.values()):
             raise RuntimeError(f"generate on a sleeping engine ({self.asleep}); call wake_up() first")
+        if params.seed is None:
+            return self._generate(prompts, params, on_finish, prior)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(params.seed)  # every device's default generator: the call's own stream
+            return self._generate(prompts, params, on_finish, prior)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams,
+                  on_finish: Callable[[list[int]], bool | None] | None, prior: list[int] | None) -> list[Completion]:
         requests, sampling, runs = self.requests(prompts, params, prior)
         engine = self.llm.llm_engine
         self.call_count += 1
