@@ -13,6 +13,7 @@ from rl.collect import Collector, dump_rollout
 from rl.config import AlgoConfig, Config, ConfigError, DataConfig, EnvConfig, ModelConfig, RewardConfig, \
     RolloutConfig, resolve
 from rl.data import Sample, Status
+from rl.envs import python_tool
 from rl.envs.calculator import evaluate, make_env
 from rl.parallel import Dist
 from rl.reward import RewardPool
@@ -38,15 +39,16 @@ class ScriptedEngine:
         return [Completion(list(out), [LOGPROB] * len(out), "stop") for _ in prompts]
 
 
-def episodes(env_fn: str, turns: list[list[int]], labels: list[str], max_turns: int = 4, timeout_s: float = 10.0):
+def episodes(env_fn: str, turns: list[list[int]], labels: list[str], max_turns: int = 4, timeout_s: float = 10.0,
+             max_new_tokens: int = 32):
     engine = ScriptedEngine(turns)
     samples = [Sample(prompt="q", tokens=[40, 41, 42], label=label, raw_prompt="q", group_index=i)
                for i, label in enumerate(labels)]
     env = EnvConfig(fn=env_fn, max_turns=max_turns, timeout_s=timeout_s)
     with RewardPool(RewardConfig(num_workers=2), env_fn) as pool:
-        collector = Collector(engine, pool, TOKENIZER, RolloutConfig(max_new_tokens=32), ONE_RANK, env=env)
-        scored = collector.generate_and_score([[s] for s in samples], SamplingParams(max_new_tokens=32, seed=0), 3,
-                                              (0,), 60.0)
+        collector = Collector(engine, pool, TOKENIZER, RolloutConfig(max_new_tokens=max_new_tokens), ONE_RANK, env=env)
+        scored = collector.generate_and_score([[s] for s in samples], SamplingParams(max_new_tokens=max_new_tokens,
+                                                                                     seed=0), 3, (0,), 60.0)
     return scored, engine
 
 
@@ -121,6 +123,41 @@ def test_calculator_answers_calls_and_scores_the_answer():
     for bad in ("__import__('os').system('true')", "9 ** 9 ** 9", "x + 1", "[1] * 10"):
         with pytest.raises(ValueError):
             evaluate(bad)
+
+
+def python_call(code: str) -> str:
+    return f'<tool_call>{json.dumps({"name": "python", "arguments": {"code": code}})}</tool_call>'
+
+
+def test_python_tool_runs_calls_in_the_sandbox():
+    env = python_tool.PythonTool("42", timeout_s=1.0)
+    response = python_tool.chat_tool_response
+    assert env.step(f"Let me compute. {python_call('print(6 * 7)')}", []) == (response("42"), False, 0.0)
+    assert env.step('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}', [])[0] == response("1")
+    assert "error: the call is not JSON" in env.step("<tool_call>{print(1)}</tool_call>", [])[0]
+    assert 'error: the only tool is "python"' in env.step(
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>', [])[0]
+    assert 'error: arguments must hold "code"' in env.step('<tool_call>{"name": "python"}</tool_call>', [])[0]
+    opening, closing = response("@@").split("@@")
+    failed = env.step(python_call("print('before')\n1 / 0"), [])[0]
+    assert failed.startswith(opening + "before\nTraceback (most recent call last):")
+    assert failed.endswith("ZeroDivisionError: division by zero" + closing)
+    assert "ran past 1 s and was stopped" in env.step(python_call("while True:\n    pass"), [])[0]
+    assert "(no output" in env.step(python_call("x = 1"), [])[0]
+    long = env.step(python_call("print('x' * 10000)"), [])[0]
+    assert len(long) < len(response("")) + python_tool.MAX_RESPONSE_CHARS + 40 and "characters ..." in long
+    assert env.step(r"So the answer is \boxed{42}.", []) == ("", True, 1.0)
+    assert env.step(r"So the answer is \boxed{41}.", [])[1:] == (True, 0.0)
+
+
+def test_python_tool_episode_in_the_reward_workers():
+    call = TOKENIZER.encode(python_call("print(6 * 7)"))
+    answer = TOKENIZER.encode(r"\boxed{42}") + [TOKENIZER.eos_token_id]
+    scored, _ = episodes("rl.envs.python_tool:make_env", [call, answer], ["42"], max_new_tokens=256)
+    (s,) = scored.samples
+    appended = TOKENIZER.encode(python_tool.chat_tool_response("42"), add_special_tokens=False)
+    assert s.tokens == [40, 41, 42] + call + appended + answer
+    assert (s.reward, s.turns, s.tool_calls, s.status, scored.env_failures) == (1.0, 2, 1, Status.COMPLETED, 0)
 
 
 def test_environments_refuse_the_rollout_buffer():

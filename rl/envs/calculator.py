@@ -5,25 +5,23 @@ The model calls it as Qwen and Hermes chat templates have instruct models call t
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "12 * (3 + 4)"}}</tool_call>
 
-and reads `<tool_response>84</tool_response>` after it. A call that cannot be read (bad JSON, another tool, an
-expression that is not arithmetic) is the model's mistake: it gets an error message as the response and the
-episode goes on. The episode ends when the model answers without a call, scored by math-verify against the row's
-answer. Expressions are evaluated by walking their syntax tree, never by eval: numbers, + - * / // % ** and
-parentheses, with bounded powers so that a call cannot take the worker's memory or time.
+and reads `<tool_response>84</tool_response>` after it. Calls are read as rl/envs/tool_calls.py reads every
+built-in tool's: one that cannot be read (bad JSON, another tool), or an expression that is not arithmetic, is the
+model's mistake: it gets an error message as the response and the episode goes on. The episode ends when the
+model answers without a call, scored by math-verify against the row's answer. Expressions are evaluated by
+walking their syntax tree, never by eval: numbers, + - * / // % ** and parentheses, with bounded powers so that a
+call cannot take the worker's memory or time.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import operator
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from rl.answers import math_correct
+from rl.envs.tool_calls import tool_step
 
-CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 MAX_EXPONENT = 100  # 10 ** 100 is a fine number; 9 ** 9 ** 9 would hold a worker for minutes
@@ -39,24 +37,12 @@ class Calculator:
     label: Any
 
     def step(self, text: str, tokens: list[int]) -> tuple[str, bool, float]:
-        calls = CALL.findall(text)
-        if not calls:  # the final answer
-            return "", True, math_correct(text, self.label)
-        return f"\n<tool_response>{respond(calls[-1])}</tool_response>\n", False, 0.0
+        return tool_step(text, self.label, "calculator", "expression", calculate,
+                         lambda response: f"\n<tool_response>{response}</tool_response>\n")
 
 
-def respond(call: str) -> str:
-    """The tool's answer to one call, or an error message the model can read."""
-    try:
-        request = json.loads(call.strip())
-    except json.JSONDecodeError as e:
-        return f"error: the call is not JSON ({e.msg})"
-    if not isinstance(request, dict) or request.get("name") != "calculator":
-        return 'error: the only tool is "calculator"'
-    expression = (request.get("arguments") or {}).get("expression") if isinstance(request.get("arguments"),
-                                                                                  dict) else None
-    if not isinstance(expression, str) or not expression.strip():
-        return 'error: arguments must hold "expression", a string'
+def calculate(expression: str) -> str:
+    """The tool's answer to one expression, or an error message the model can read."""
     try:
         return format_number(evaluate(expression))
     except (ValueError, ZeroDivisionError, OverflowError, SyntaxError) as e:

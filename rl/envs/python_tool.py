@@ -1,0 +1,88 @@
+"""A Python tool for math word problems: `env.fn = "rl.envs.python_tool:make_env"`, `env.stop = ["</tool_call>"]`,
+and SYSTEM_PROMPT as the rows' system prompt (it describes the tool as Qwen2.5's chat template does).
+
+The model calls it as Qwen and Hermes chat templates have instruct models call tools (read by
+rl/envs/tool_calls.py, as the calculator's calls are):
+
+    <tool_call>{"name": "python", "arguments": {"code": "print(48 / 2 + 48)"}}</tool_call>
+
+Each call's code runs in rl/sandbox.py: a fresh interpreter in a temporary directory (nothing carries over from
+one call to the next), TIMEOUT_S seconds of wall clock and of CPU, MEMORY_MB of address space, no network, no new
+processes. The response is what the code printed; after an error, also the end of its traceback; after the
+timeout, a line saying so; MAX_RESPONSE_CHARS at most. It is appended as Qwen2.5's template renders a tool
+message, so that an instruct model reads it as it was trained to: the assistant's turn closed, a user turn
+holding `<tool_response>...</tool_response>`, a new assistant turn opened. A call that cannot be read is the
+model's mistake (an error message as the response); the episode ends at the first turn without a call, scored
+by math-verify against the row's answer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from rl.envs.tool_calls import tool_step
+from rl.sandbox import SandboxResult, run_python
+
+TIMEOUT_S = 5.0  # per call, below env.timeout_s (10 s by default), which bounds the whole step
+MEMORY_MB = 512
+MAX_RESPONSE_CHARS = 1000  # of what a call appends: tool output is context the model's later turns pay for
+
+TOOL = {"type": "function", "function": {
+    "name": "python",
+    "description": "Runs Python 3 code in a fresh interpreter and returns what it prints. Use print() to see "
+                   "results; nothing is kept between calls.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "the code to run"}},
+                   "required": ["code"]}}}
+# Qwen2.5's chat template renders a system message and `tools` as this (tools need no template support then).
+SYSTEM_PROMPT = (
+    "You are a helpful assistant. Solve the math problem. Use the python tool to compute, then give the final "
+    "answer in \\boxed{}.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    f"{json.dumps(TOOL)}\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def make_env(prompt: Any, label: Any, columns: dict) -> PythonTool:
+    return PythonTool(label)
+
+
+@dataclass
+class PythonTool:
+    label: Any
+    timeout_s: float = TIMEOUT_S
+    memory_mb: int = MEMORY_MB
+
+    def step(self, text: str, tokens: list[int]) -> tuple[str, bool, float]:
+        return tool_step(text, self.label, "python", "code", self.run, chat_tool_response)
+
+    def run(self, code: str) -> str:
+        return respond(run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb), self.timeout_s)
+
+
+def respond(result: SandboxResult, timeout_s: float) -> str:
+    """What the model reads after a call: the output, then what went wrong, if anything."""
+    parts = [result.stdout.strip("\n")] if result.stdout.strip() else []
+    if result.timed_out:
+        parts.append(f"error: the code ran past {timeout_s:g} s and was stopped")
+    elif result.exit_code != 0:
+        parts.append(result.stderr.strip("\n") or f"error: exit code {result.exit_code}")
+    elif not parts:
+        parts = ["(no output: print() what you want to see)"]
+    return clipped("\n".join(parts), MAX_RESPONSE_CHARS)
+
+
+def clipped(text: str, limit: int) -> str:
+    """The start and the end of a long text (an error's last line is at the end)."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters ...]\n{text[-half:]}"
+
+
+def chat_tool_response(response: str) -> str:
+    """A tool message as Qwen2.5's chat template renders it, between the model's call and its next turn."""
+    return (f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{response}\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n")
