@@ -4,6 +4,7 @@ A checkpoint is one folder `<output_dir>/checkpoints/rollout_<N>/` holding every
 loop needs to continue after rollout N as if it had never stopped:
 - `model_optim/`: the policy and AdamW state, sharded with `torch.distributed.checkpoint`
   (DCP): each rank writes its own FSDP2 shards, and a later load reshards to any rank count;
+  with LoRA the adapters and their AdamW state alone (the frozen base is `model.path`'s weights);
 - `trainer_state.json`: rollout_id, weight_version, the data cursor, the LR schedule, the
   health counters and the resolved config (rank 0);
 - `rng/rank_<r>.pt`: every rank's torch (and CUDA) and Python RNG states;
@@ -49,10 +50,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from rl import parallel
 from rl.config import ConfigError
+from rl.lora import adapted_layers
 from rl.metrics import read_metric_rows
 from rl.parallel import print0
 
@@ -287,8 +289,16 @@ def damage(path: Path) -> str:
     return ""
 
 
+def _options(model: torch.nn.Module) -> StateDictOptions:
+    """A model with frozen parameters (LoRA's base) keeps only what trains: the frozen ones are the model
+    folder's weights, which the policy loads again at start-up, so a checkpoint holds the adapters and their
+    AdamW state alone (and a load leaves the loaded base as it is)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def _state_dicts(model: torch.nn.Module, optimizer, critic: tuple[torch.nn.Module, Any] | None) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     out = {"model": model_sd, "optim": optim_sd}
     if critic is not None:
         out["critic"], out["critic_optim"] = get_state_dict(*critic)
@@ -308,12 +318,25 @@ def load(path: Path, model: torch.nn.Module, optimizer, critic: tuple[torch.nn.M
     if critic is None and state.critic_scheduler is not None:
         print0(f"checkpoint: {path} holds a critic (algo.advantage_estimator={saved!r} there); this run has none, "
                f"so it is not restored")
+    check_lora(path, state.config.get("lora", {}), model)
     sds = _state_dicts(model, optimizer, critic)
     dcp.load(sds, checkpoint_id=str(path / "model_optim"))
-    set_state_dict(model, optimizer, model_state_dict=sds["model"], optim_state_dict=sds["optim"])
+    set_state_dict(model, optimizer, model_state_dict=sds["model"], optim_state_dict=sds["optim"],
+                   options=_options(model))
     if critic is not None:
         set_state_dict(*critic, model_state_dict=sds["critic"], optim_state_dict=sds["critic_optim"])
     return state
+
+
+def check_lora(path: Path, saved: dict[str, Any], model: torch.nn.Module) -> None:
+    """A checkpoint of adapters resumes only into the same adapters (a full-parameter one only without)."""
+    layers = adapted_layers(model)
+    now = (next(iter(layers.values())).rank if layers else 0, sorted({p.rpartition(".")[2] for p in layers}))
+    then = (saved.get("rank", 0), sorted(set(saved.get("target_modules", []))) if saved.get("rank", 0) else [])
+    if now != then:
+        raise ConfigError(f"checkpoint {path} was trained with lora.rank={then[0]} on {then[1] or 'no layers'}, and "
+                          f"this run has lora.rank={now[0]} on {now[1] or 'no layers'}: resume with the checkpoint's "
+                          f"[lora] keys, or start afresh in another log.output_dir")
 
 
 def restore_rng(path: Path, state: TrainerState) -> None:

@@ -225,6 +225,21 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA (rl/lora.py): low-rank adapters trained on the policy's linear layers, the base weights frozen."""
+    rank: int = 0  # > 0: adapters of this rank on target_modules; 0: full-parameter training
+    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input, in the passes that train (never in no-grad logprob passes)
+    # the linear layers that get adapters, by the last part of their module path (Qwen2/Llama attention and MLP)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # also write the adapter alone, as PEFT loads it, to <output_dir>/final_adapter (final/ is always the merged model)
+    export_adapter: bool = False
+
+
 @dataclass(frozen=True)
 class WeightsConfig:
     bucket_mb: float = 512.0  # parameters gathered and pushed to the engine per collective
@@ -279,6 +294,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -514,6 +530,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     validate_columns(cfg.data, cfg.reward)
     validate_env(cfg.env, cfg.rollout)
     validate_run(cfg)
+    validate_lora(cfg.lora, cfg.model)
     if world_size is not None:
         validate_layout(cfg.rollout, cfg.train, world_size)
 
@@ -682,6 +699,19 @@ def validate_run(cfg: Config) -> None:
     _require(bool(ck.resume), "checkpoint.resume must be 'auto', 'never' or a checkpoint folder")
     _require(ck.export_dtype in ("auto", "float32", "bfloat16", "float16"),
              f"checkpoint.export_dtype must be auto, float32, bfloat16 or float16, got {ck.export_dtype!r}")
+
+
+def validate_lora(lora: LoraConfig, model: ModelConfig) -> None:
+    _require(lora.rank >= 0, f"lora.rank must be >= 0 (0: off), got {lora.rank}")
+    _require(lora.alpha > 0, f"lora.alpha must be > 0, got {lora.alpha}")
+    _require(0 <= lora.dropout < 1, f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    if not lora.rank:
+        return
+    _require(bool(lora.target_modules), "lora.target_modules must name at least one layer (e.g. \"q_proj\")")
+    bad = [t for t in lora.target_modules if not t.isidentifier()]
+    _require(not bad, f"lora.target_modules must be module names like \"q_proj\" (the last part of a path), got {bad}")
+    _require(not model.batch_invariant, "lora.rank > 0 and model.batch_invariant: the batch-invariant forward "
+                                        "replaces the linear layers the adapters sit on; turn one off")
 
 
 def validate_layout(ro: RolloutConfig, tr: TrainConfig, world_size: int) -> None:

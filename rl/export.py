@@ -1,10 +1,14 @@
 """The policy as a Hugging Face folder: at the end of every run, and from any checkpoint.
 
-    python -m rl.export CHECKPOINT OUT [--dtype auto|float32|bfloat16|float16] [--overwrite]
+    python -m rl.export CHECKPOINT OUT [--dtype auto|float32|bfloat16|float16] [--overwrite] [--adapter]
 
 A folder that `AutoModelForCausalLM.from_pretrained` and vLLM load as they are:
 safetensors shards with an index, config.json, generation_config.json and the
-tokenizer. `auto` writes the dtype of the model's config.json (what it was released
+tokenizer. With LoRA the adapters are merged into their layers (W + alpha/rank * B @ A);
+a LoRA checkpoint holds the adapters alone, so its offline export reads the base weights
+from the run's `model.path` again. `--adapter` (and `lora.export_adapter` for the run's
+`<output_dir>/final_adapter`) writes the adapter alone as PEFT loads it instead:
+adapter_config.json and adapter_model.safetensors. `auto` writes the dtype of the model's config.json (what it was released
 in), float32 when it names none. The run's final export gathers the FSDP2 shards a
 bucket at a time, so rank 0 holds one shard file's worth of the model, never all of
 it; the offline export of a checkpoint loads the whole model into host memory once.
@@ -37,7 +41,8 @@ import torch
 from safetensors.torch import save_file
 
 from rl.checkpoint import HF_FILES, copy_hf_files
-from rl.config import ConfigError
+from rl.config import ConfigError, LoraConfig
+from rl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_names, merged_weights, peft_config, peft_name
 
 SHARD_BYTES = 2 << 30
 MARKER = "rl_export.json"
@@ -53,8 +58,9 @@ def export_dtype(name: str, config: dict) -> torch.dtype:
 
 
 def saved_names(model: torch.nn.Module) -> set[str]:
-    """The tensors a HF folder holds: the state dict's, less a tied lm_head (transformers re-ties it)."""
-    names = set(model.state_dict().keys())
+    """The tensors a HF folder holds: the state dict's, less a tied lm_head (transformers re-ties it) and LoRA's
+    adapters (merged into their layers' weights)."""
+    names = set(model.state_dict().keys()) - adapter_names(model)
     if getattr(model.config, "tie_word_embeddings", False):
         names.discard("lm_head.weight")
     return names
@@ -98,6 +104,27 @@ def write_hf_folder(tensors: Iterable[tuple[str, torch.Tensor]], hf_sources: lis
         copy_hf_files(hf_sources, tmp)
         set_config_dtype(tmp, dtype)
         (tmp / MARKER).write_text(json.dumps({"source": source, "dtype": dtype_label(dtype)}, indent=2))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    move_into_place(tmp, out)
+    return out
+
+
+def write_adapter_folder(tensors: Iterable[tuple[str, torch.Tensor]], lora: LoraConfig, base_model: str, out: Path,
+                         dtype: torch.dtype, source: str) -> Path:
+    """Writes LoRA's (name, full tensor) pairs in the layout PEFT loads: adapter_model.safetensors under PEFT's
+    names and adapter_config.json naming `base_model`, with the marker; written aside and renamed like an export."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = hidden_sibling(out, "tmp")
+    tmp.mkdir()
+    try:
+        save_file({peft_name(n): t.detach().to("cpu", dtype).contiguous() for n, t in tensors},
+                  str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, base_model), indent=2))
+        (tmp / MARKER).write_text(json.dumps({"source": source, "dtype": dtype_label(dtype), "adapter": True},
+                                             indent=2))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -173,7 +200,7 @@ def export_policy(model: torch.nn.Module, hf_sources: list[Path], out: Path, dty
                   is_main: bool) -> Path | None:
     """Gathers the sharded policy (a collective: every rank calls it) and writes it from rank 0. `out` (the
     run's `final/`) may hold an earlier export, which it replaces; anything else there stops the run."""
-    from rl.weights import iter_full_weights
+    from rl.weights import iter_merged_weights
 
     # Every rank checks, before the gathers: a refusal on rank 0 alone would leave the others waiting in them.
     check_out(out, overwrite=True, remedy="the trained policy was not exported: move that folder away, then "
@@ -181,12 +208,29 @@ def export_policy(model: torch.nn.Module, hf_sources: list[Path], out: Path, dty
               unmarked_export_ok=True)  # the run's own final/ of an earlier version
     dtype = export_dtype(dtype_name, json.loads((hf_sources[0] / "config.json").read_text()))
     keep = saved_names(model)
-    tensors = ((n, t) for n, t in iter_full_weights(model, dtype, SHARD_BYTES) if n in keep)
+    tensors = ((n, t) for n, t in iter_merged_weights(model, dtype, SHARD_BYTES) if n in keep)
     if not is_main:
         for _ in tensors:  # every rank takes part in every gather
             pass
         return None
     return write_hf_folder(tensors, hf_sources, out, dtype, source=f"the end of the run in {out.parent}")
+
+
+def export_adapter(model: torch.nn.Module, lora: LoraConfig, base_model: str, out: Path, dtype_name: str,
+                   config: dict, is_main: bool) -> Path | None:
+    """LoRA's adapters alone, gathered (a collective) and written from rank 0 as PEFT loads them; `out` (the run's
+    `final_adapter/`) may hold an earlier export; `config`: the model's config.json, for the `auto` dtype."""
+    from rl.weights import iter_full_weights
+
+    check_out(out, overwrite=True, remedy="the adapter was not exported: move that folder away, then export the "
+                                          "last checkpoint with python -m rl.export --adapter")
+    dtype = export_dtype(dtype_name, config)
+    tensors = iter_full_weights(model, dtype, SHARD_BYTES, only=adapter_names(model))
+    if not is_main:
+        for _ in tensors:
+            pass
+        return None
+    return write_adapter_folder(tensors, lora, base_model, out, dtype, source=f"the end of the run in {out.parent}")
 
 
 # ---------------------------------------------------------------------------- from a checkpoint
@@ -207,8 +251,10 @@ def load_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
-def export_checkpoint(checkpoint: Path, out: Path, dtype_name: str = "auto", overwrite: bool = False) -> Path:
-    """Writes the checkpoint's policy to `out`; ConfigError for a checkpoint or an `out` it cannot use."""
+def export_checkpoint(checkpoint: Path, out: Path, dtype_name: str = "auto", overwrite: bool = False,
+                      adapter: bool = False) -> Path:
+    """Writes the checkpoint's policy to `out` (`adapter`: a LoRA checkpoint's adapter alone, as PEFT loads it);
+    ConfigError for a checkpoint or an `out` it cannot use."""
     checkpoint, out = Path(checkpoint), Path(os.path.abspath(out))  # "." has no name to put a sibling beside
     if not (checkpoint / "model_optim").is_dir() or not (checkpoint / "hf" / "config.json").is_file():
         raise ConfigError(f"{checkpoint} is not a complete checkpoint folder "
@@ -216,11 +262,40 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_name: str = "auto", ove
     check_out(out, overwrite, remedy="export into a new or empty folder")
     config = json.loads((checkpoint / "hf" / "config.json").read_text())
     state = load_model_state(checkpoint)
+    dtype = export_dtype(dtype_name, config)
+    lora = run_config = None
+    if any(n.endswith(".lora_A") for n in state):  # LoRA: the checkpoint holds the adapters alone
+        run_config = json.loads((checkpoint / "trainer_state.json").read_text())["config"]
+        lora = LoraConfig(**run_config["lora"])
+    if adapter:
+        if lora is None:
+            raise ConfigError(f"--adapter: {checkpoint} is a full-parameter checkpoint (its run had lora.rank=0)")
+        return write_adapter_folder(sorted(state.items()), lora, run_config["model"]["path"], out, dtype,
+                                    source=str(checkpoint.resolve()))
+    if lora is not None:  # the frozen base is the run's model.path
+        state = merged_state(state, run_config["model"]["path"], lora, checkpoint)
     if config.get("tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    dtype = export_dtype(dtype_name, config)
     tensors = ((n, t.to(dtype)) for n, t in sorted(state.items()))
     return write_hf_folder(tensors, [checkpoint / "hf"], out, dtype, source=str(checkpoint.resolve()))
+
+
+def merged_state(adapters: dict[str, torch.Tensor], base_path: str, lora: LoraConfig, checkpoint: Path
+                 ) -> dict[str, torch.Tensor]:
+    """The base model's weights read from `base_path` with the checkpoint's adapters merged in."""
+    from safetensors import safe_open
+
+    from rl.policy import weight_files
+
+    if not (Path(base_path).expanduser() / "config.json").is_file():
+        raise ConfigError(f"{checkpoint} holds LoRA adapters, and the base model of its run (model.path "
+                          f"{base_path!r}) is not there to merge them into: run the export where that path resolves")
+    base: dict[str, torch.Tensor] = {}
+    for file in weight_files(base_path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            base.update({k: f.get_tensor(k).float() for k in f.keys() if not k.endswith("rotary_emb.inv_freq")})
+    scales = {n.removesuffix(".lora_A"): lora.alpha / lora.rank for n in adapters if n.endswith(".lora_A")}
+    return dict(merged_weights(list(base.items()) + list(adapters.items()), scales))
 
 
 def main(argv: list[str]) -> None:
@@ -229,9 +304,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out", help="the Hugging Face folder to write")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it holds an earlier export")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA checkpoint's adapter alone, as PEFT loads it (default: the merged model)")
     args = parser.parse_args(argv)
     try:
-        written = export_checkpoint(Path(args.checkpoint), Path(args.out), args.dtype, args.overwrite)
+        written = export_checkpoint(Path(args.checkpoint), Path(args.out), args.dtype, args.overwrite, args.adapter)
     except ConfigError as e:
         raise SystemExit(f"rl.export: {e}") from None
     print(f"rl.export: wrote {written}")

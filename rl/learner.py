@@ -47,7 +47,8 @@ class Learner:
     def __init__(self, cfg: Config, dist: parallel.Dist):
         self.cfg, self.dist = cfg, dist
         t = time.perf_counter()
-        self.policy = build_policy(cfg.model, dist.mesh, dist.device, cfg.train.seed, cfg.rollout.max_context_len)
+        self.policy = build_policy(cfg.model, dist.mesh, dist.device, cfg.train.seed, cfg.rollout.max_context_len,
+                                   lora=cfg.lora)
         print0(f"policy: built, sharded and loaded in {time.perf_counter() - t:.1f} s; host memory peak of rank 0 "
                f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
         self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)
@@ -67,6 +68,10 @@ class Learner:
                     use_packed_attention(model)
         self.offloader = HostOffloader(self.policy, self.optimizer) if cfg.train.offload else None
         self.engine_dtype = engine_dtype(cfg.rollout.dtype, dist.device)
+        # LoRA: the base never changes, so once the engine holds it a push sends the adapted layers alone, unless the
+        # engine drops its weights while asleep (sleep level 2) or vLLM's CPU reload rebuilds every layer.
+        self.push_changed_only = bool(cfg.lora.rank) and cfg.rollout.sleep_level < 2 and not (
+            cfg.rollout.engine == "vllm" and dist.device.type == "cpu")
         if (cfg.rollout.partial_rollout or cfg.rollout.max_staleness) and not cfg.algo.tis_cap:
             print0(f"train: rollout.max_staleness={cfg.rollout.max_staleness} with algo.tis_cap=0: tokens sampled by "
                    f"older weights train without an importance weight against them; algo.tis_cap (e.g. 2) adds it")
@@ -159,7 +164,7 @@ class Learner:
         may have dropped its copy), the training state back to host memory, and the engine's KV cache back."""
         with record.timed("perf/onload_weights_s"):
             engine.wake_up(["weights"])
-        stats = sync_weights(self.policy, engine, self.engine_dtype, self.cfg.weights.bucket_mb)
+        stats = sync_weights(self.policy, engine, self.engine_dtype, self.cfg.weights.bucket_mb, self.push_changed_only)
         with record.timed("perf/offload_train_s"):
             if self.offloader:
                 self.offloader.offload()

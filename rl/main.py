@@ -10,6 +10,7 @@ resume and saves, rl/checkpointer.py); stop requests, restarts and the CLI are r
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -25,7 +26,7 @@ from rl.collect import Collector, dump_rollout, rollout_metrics
 from rl.config import Config, ConfigError, check_paths, dump, load_config, resolve
 from rl.data import PromptDataset
 from rl.evaluate import evaluate, load_eval_prompts
-from rl.export import export_policy
+from rl.export import export_adapter, export_policy
 from rl.health import Health, RunStopped
 from rl.learner import Learner, assign_advantages
 from rl.memory import check_memory_plan, stop_on_oom
@@ -238,6 +239,12 @@ def export(run: Run) -> None:
     written = export_policy(run.learner.policy, run.checkpointer.hf_sources, Path(run.cfg.log.output_dir) / "final",
                             run.cfg.checkpoint.export_dtype, run.dist.is_main)
     print0(f"rl: the trained policy is in {written} (exported in {time.perf_counter() - start:.1f} s)")
+    if run.cfg.lora.rank and run.cfg.lora.export_adapter:
+        config = json.loads((run.checkpointer.hf_sources[0] / "config.json").read_text())
+        written = export_adapter(run.learner.policy, run.cfg.lora, run.cfg.model.path,
+                                 Path(run.cfg.log.output_dir) / "final_adapter", run.cfg.checkpoint.export_dtype,
+                                 config, run.dist.is_main)
+        print0(f"rl: the LoRA adapter alone, as PEFT loads it, is in {written}")
 
 
 def stop_requested(stop: launch.StopRequests) -> bool:

@@ -2,8 +2,8 @@
 
 The plan estimates, per rank and per phase, what the config asks of one device, from the model's
 config.json shapes alone (no weights are loaded): the policy's fp32 parameters, gradients and AdamW
-moments sharded by FSDP2 over the ranks, its gathered compute-dtype copy, the activations and logits of
-the largest micro-batch, the engine's weights, KV cache and working memory, the reference and the critic.
+moments sharded by FSDP2 over the ranks (with LoRA, gradients and moments of the adapters alone), its
+gathered compute-dtype copy, the activations and logits of the largest micro-batch, the engine's weights, KV cache and working memory, the reference and the critic.
 Which of them share the device follows the loop (DESIGN.md, "Memory choreography"): the engine sleeps
 while the learner trains (`rollout.sleep_level`), the training state leaves the device while the engine
 runs only with `train.offload`. On CUDA a plan that cannot fit stops the run before any weights load,
@@ -86,6 +86,28 @@ def root_params(s: ModelShape) -> int:
 
 def num_params(s: ModelShape) -> int:
     return root_params(s) + s.num_layers * block_params(s)
+
+
+LORA_SHAPES = {"q_proj": ("hidden", "q"), "k_proj": ("hidden", "kv"), "v_proj": ("hidden", "kv"), "o_proj": ("q", "hidden"),
+               "gate_proj": ("hidden", "inter"), "up_proj": ("hidden", "inter"), "down_proj": ("inter", "hidden")}
+
+
+def lora_block_params(s: ModelShape, rank: int, targets: list[str]) -> int:
+    """One block's LoRA adapters: rank * (in + out) for each targeted projection (rl/lora.py; a target outside
+    the attention and MLP projections is not counted)."""
+    size = {"hidden": s.hidden_size, "q": s.num_heads * s.head_dim, "kv": s.num_kv_heads * s.head_dim,
+            "inter": s.intermediate_size}
+    return sum(rank * (size[a] + size[b]) for name, (a, b) in LORA_SHAPES.items() if name in targets)
+
+
+def lora_activation_bytes(s: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool, rank: int,
+                          targets: list[str], dropout: bool) -> int:
+    """What the adapters add to the saved activations: each targeted layer's rank-wide x @ A.T, and with dropout
+    its dropped input (in features), per token; one block's worth when checkpointing recomputes them."""
+    size = {"hidden": s.hidden_size, "q": s.num_heads * s.head_dim, "kv": s.num_kv_heads * s.head_dim,
+            "inter": s.intermediate_size}
+    per_token = sum(rank + (size[a] if dropout else 0) for name, (a, _) in LORA_SHAPES.items() if name in targets)
+    return tokens * per_token * compute_bytes * (1 if checkpointing else s.num_layers)
 
 
 def gathered_bytes(s: ModelShape, compute_bytes: int, reshard_after_forward: bool) -> int:
@@ -196,8 +218,11 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
     b = 2 if device_type == "cuda" else FP32  # rl/policy.py: bf16 compute on CUDA, fp32 elsewhere
     eb = engine_dtype(ro.dtype, torch.device(device_type)).itemsize
     tokens = micro_batch_tokens(cfg)
-    shard = FP32 * num_params(s) / dp
-    resting = {"policy params": shard, "policy AdamW": 2 * shard}  # gradients are freed by each step
+    lora = cfg.lora
+    adapters = s.num_layers * lora_block_params(s, lora.rank, lora.target_modules) if lora.rank else 0
+    shard = FP32 * (num_params(s) + adapters) / dp
+    trained = FP32 * adapters / dp if lora.rank else shard  # LoRA: the frozen base has no gradients nor moments
+    resting = {"policy params": shard, "policy AdamW": 2 * trained}  # gradients are freed by each step
     engine = engine_terms(cfg, s, eb, device_total)
     kept = {k: engine[k] for k in ("engine weights", "KV cache")} if ro.sleep_level == 0 else {}
     critic = {}
@@ -215,9 +240,15 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
         r = models.reference
         plan["reference"] = {**resting, **critic_parked, **kept, "reference": FP32 * num_params(r) / dp
                              + gathered_bytes(r, b, cfg.model.reshard_after_forward) + forward_bytes(r, tokens, b)}
-    plan["train"] = {**resting, "policy grads": grad_bytes(s, dp, b), **critic_resting, **kept,
+    grads = trained + lora_block_params(s, lora.rank, lora.target_modules) * (b + FP32) if lora.rank \
+        else grad_bytes(s, dp, b)
+    activations = activation_bytes(s, tokens, b, cfg.model.gradient_checkpointing)
+    if lora.rank:
+        activations += lora_activation_bytes(s, tokens, b, cfg.model.gradient_checkpointing, lora.rank,
+                                             lora.target_modules, lora.dropout > 0)
+    plan["train"] = {**resting, "policy grads": grads, **critic_resting, **kept,
                      "policy gathered": gathered_bytes(s, b, cfg.model.reshard_after_forward),
-                     "activations": activation_bytes(s, tokens, b, cfg.model.gradient_checkpointing),
+                     "activations": activations,
                      "logits": logits_bytes(s, tokens, b, FUSED_LOGPROBS and device_type == "cuda")}
     if critic:
         plan["critic"] = {**resting, **kept, "critic": critic["training"]}

@@ -23,18 +23,20 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from rl.config import ConfigError, ModelConfig, TrainConfig
+from rl.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from rl.invariant import make_batch_invariant
+from rl.lora import adapter_names, apply_lora, init_adapters, trainable
 from rl.rope import fuse_rope
 
 
 def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_context_len: int,
-                 value_head: bool = False) -> torch.nn.Module:
+                 value_head: bool = False, lora: LoraConfig | None = None) -> torch.nn.Module:
     """The sharded policy with its weights: meta model -> (batch-invariant patch) -> fully_shard -> to_empty ->
     each rank loads its rows from the safetensors. `model.random_init` instead builds the whole model on the
     CPU from `seed` (identical on every rank) and shards it. `max_context_len` sizes the batch-invariant
     RoPE tables. `value_head`: the critic of PPO, the same body with `lm_head` replaced by a zero-initialised
-    (hidden -> 1) projection, so its "logits" are one value per position (every value starts at 0)."""
+    (hidden -> 1) projection, so its "logits" are one value per position (every value starts at 0). `lora` with
+    rank > 0: the base frozen, adapters on its target layers (rl/lora.py), initialised from `seed` after the load."""
     hf_config = AutoConfig.from_pretrained(cfg.path)
     if cfg.random_init:
         torch.manual_seed(seed)  # the same weights on every rank
@@ -49,16 +51,20 @@ def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_co
                                         device="cpu" if cfg.random_init else "meta")
     if cfg.batch_invariant:  # patches forwards and builds its tables on the CPU: works on a meta model
         model = make_batch_invariant(model, max_context_len)
+    if lora is not None and lora.rank:
+        apply_lora(model, lora)  # before sharding: FSDP2 records which parameters train
     model = shard_policy(model, mesh, device, cfg.gradient_checkpointing, cfg.compile, cfg.reshard_after_forward)
     if not cfg.random_init:
         model.to_empty(device=device)
         init_non_persistent_buffers(model)
-        load_safetensors(model, cfg.path, skip={"lm_head.weight"} if value_head else set())
+        load_safetensors(model, cfg.path, skip=({"lm_head.weight"} if value_head else set()) | adapter_names(model))
         if (Path(cfg.path).expanduser() / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(cfg.path)
     if value_head:
         with torch.no_grad():
             model.lm_head.weight.zero_()
+    if lora is not None and lora.rank:
+        init_adapters(model, seed)
     return model
 
 
@@ -218,11 +224,12 @@ def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_ch
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool | None = None):
-    """AdamW and its warm-up schedule. `fused` (default: on CUDA) takes torch's single-kernel AdamW, 2% of
-    the train step faster than the multi-tensor one at 1.5B on one H200 (benchmarks/ARCHIVE.md)."""
+    """AdamW over the parameters that train (with LoRA the adapters alone: the frozen base gets no moments), and
+    its warm-up schedule. `fused` (default: on CUDA) takes torch's single-kernel AdamW, 2% of the train step
+    faster than the multi-tensor one at 1.5B on one H200 (benchmarks/ARCHIVE.md)."""
     if fused is None:
         fused = next(model.parameters()).device.type == "cuda"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    optimizer = torch.optim.AdamW(trainable(model), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay, fused=fused)
     warmup = cfg.lr_warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(

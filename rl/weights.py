@@ -6,6 +6,8 @@ size, flattened into one buffer and gathered with a single collective; the full
 tensors are cut out of the gathered buffer, handed to the engine and freed before
 the next bucket. Tied parameters are gathered once and yielded under every name.
 Buffers (e.g. rotary tables) are not sharded and are pushed as they are.
+With LoRA (rl/lora.py) the engine gets each adapted layer's merged weight (W + scale * B @ A),
+never the adapters; once it holds the base, a push may send the adapted layers alone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+
+from rl.lora import changed_names, merged_weights, scales_of
 
 
 def _shard_rows(param: DTensor) -> int:
@@ -60,12 +64,15 @@ def _check_placement(name: str, param: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected an FSDP2 Shard(0) DTensor, got placements {param.placements}")
 
 
-def iter_full_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int
+def iter_full_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int, only: set[str] | None = None
                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, full tensor in `dtype`) for every parameter name and buffer of `model`."""
+    """Yields (name, full tensor in `dtype`) for every parameter name and buffer of `model`; `only`: the
+    parameters of those names alone, and no buffers (every rank must pass the same set)."""
     names_of: dict[int, list[str]] = {}
     unique: list[torch.Tensor] = []
     for name, param in model.named_parameters(remove_duplicate=False):
+        if only is not None and name not in only:
+            continue
         _check_placement(name, param)
         if id(param) not in names_of:
             names_of[id(param)] = []
@@ -95,18 +102,28 @@ def iter_full_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: 
                 bucket, size = [], 0
         if bucket:
             yield from flush()
-        for name, buf in model.named_buffers(remove_duplicate=False):
+        for name, buf in model.named_buffers(remove_duplicate=False) if only is None else ():
             yield name, buf.detach()
 
 
-def sync_weights(model: torch.nn.Module, engine, dtype: torch.dtype, bucket_mb: float) -> dict[str, float]:
-    """Pushes the trained weights into the engine; returns timing for the metrics."""
+def iter_merged_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int, changed_only: bool = False
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """What an engine or a Hugging Face folder holds: `iter_full_weights` with LoRA's adapters merged into their
+    layers' weights (the same stream for a full-parameter model). `changed_only`: the adapted layers alone."""
+    only = changed_names(model) if changed_only else None
+    return merged_weights(iter_full_weights(model, dtype, bucket_bytes, only), scales_of(model))
+
+
+def sync_weights(model: torch.nn.Module, engine, dtype: torch.dtype, bucket_mb: float,
+                 changed_only: bool = False) -> dict[str, float]:
+    """Pushes the trained weights into the engine (`changed_only`: the layers training changes, for an engine that
+    still holds the rest); returns timing for the metrics."""
     start = time.perf_counter()
     pushed = 0
 
     def counted():
         nonlocal pushed
-        for name, tensor in iter_full_weights(model, dtype, int(bucket_mb * 2**20)):
+        for name, tensor in iter_merged_weights(model, dtype, int(bucket_mb * 2**20), changed_only):
             pushed += tensor.numel() * tensor.element_size()
             yield name, tensor
 

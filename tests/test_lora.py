@@ -1,0 +1,273 @@
+"""LoRA (rl/lora.py): the adapted layer against a hand-built LoRA forward, the frozen base, the merged weights the
+engine receives, and a 2-rank run that resumes exactly and exports a merged folder and a PEFT adapter."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rl.config import ConfigError, LoraConfig, TrainConfig
+from rl.data import Sample
+from rl.lora import LoRALinear, adapted_layers, apply_lora, init_adapters, merge
+from rl.policy import build_optimizer
+from rl.rollout import SamplingParams
+from rl.rollout.native import NativeEngine
+from rl.train import collate, token_logprobs
+from rl.weights import iter_merged_weights, sync_weights
+from tests.test_checkpoint import launch, rows
+from tests.test_distributed import ROOT
+from tests.tiny import save_tiny_model_dir, tiny_model, write_arithmetic_jsonl
+
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+def lora_model(seed: int = 0, cfg: LoraConfig = LORA, **kwargs) -> torch.nn.Module:
+    """The tiny model with adapters whose B is random too (B starts at zero: the update would be invisible)."""
+    model = tiny_model(seed, **kwargs)
+    apply_lora(model, cfg)
+    init_adapters(model, seed)
+    randomize_b(model, seed)
+    return model
+
+
+def randomize_b(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for layer in adapted_layers(model).values():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=generator) * 0.05)
+
+
+def test_the_adapted_layer_is_the_hand_built_lora_forward_with_its_gradients():
+    torch.manual_seed(0)
+    base = torch.nn.Linear(16, 24)
+    layer = LoRALinear(base, rank=4, alpha=8.0, dropout=0.0)
+    with torch.no_grad():
+        layer.lora_A.copy_(torch.randn(4, 16))
+        layer.lora_B.copy_(torch.randn(24, 4))
+    x = torch.randn(3, 5, 16)
+    # y = x @ W.T + b + scale * (x @ A.T) @ B.T, scale = alpha / rank, on leaf copies of every tensor
+    w, b = base.weight.detach().clone(), base.bias.detach().clone()
+    a_ref = layer.lora_A.detach().clone().requires_grad_()
+    b_ref = layer.lora_B.detach().clone().requires_grad_()
+    expected = x @ w.T + b + (8.0 / 4) * (x @ a_ref.T) @ b_ref.T
+    out = layer(x)
+    torch.testing.assert_close(out, expected)
+    upstream = torch.randn_like(out)
+    (out * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    torch.testing.assert_close(layer.lora_A.grad, a_ref.grad)
+    torch.testing.assert_close(layer.lora_B.grad, b_ref.grad)
+    assert layer.weight.grad is None and layer.bias.grad is None  # the base is frozen: no gradient is ever built
+    assert layer.weight is base.weight  # the replaced layer's own tensor, not a copy
+    torch.testing.assert_close(merge(w, a_ref.detach(), b_ref.detach(), 2.0), w + 2.0 * b_ref.detach() @ a_ref.detach())
+
+
+def test_adapters_start_as_the_base_and_merge_into_the_same_model():
+    ids = torch.tensor([[1, 5, 9, 13, 40, 41, 7]])
+    plain = tiny_model(0)
+    adapted = tiny_model(0)
+    names = apply_lora(adapted, LORA)
+    assert len(names) == 2 * 7 and all(n.rpartition(".")[2] in LORA.target_modules for n in names)
+    init_adapters(adapted, seed=3)
+    again = tiny_model(0)
+    apply_lora(again, LORA)
+    init_adapters(again, seed=3)
+    for (_, a), (_, b) in zip(adapted_layers(adapted).items(), adapted_layers(again).items()):
+        assert torch.equal(a.lora_A, b.lora_A) and a.lora_A.abs().max() > 0 and not a.lora_B.any()
+    with torch.no_grad():
+        assert torch.equal(adapted(ids).logits, plain(ids).logits)  # B = 0: the base model exactly
+        randomize_b(adapted, 3)
+        merged = dict(iter_merged_weights(adapted, torch.float32, 1 << 16))  # several buckets
+        assert set(merged) == set(plain.state_dict()) | {n for n, _ in plain.named_buffers()}
+        plain.load_state_dict({n: t for n, t in merged.items() if n in plain.state_dict()})
+        torch.testing.assert_close(plain(ids).logits, adapted(ids).logits, rtol=1e-5, atol=1e-5)
+        assert (plain(ids).logits - tiny_model(0)(ids).logits).abs().max() > 1e-3
+
+
+def test_the_optimizer_holds_the_adapters_alone_and_the_base_never_moves():
+    model = lora_model()
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = {id(p) for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))}
+    optimizer, _ = build_optimizer(model, TrainConfig(lr=1e-2), fused=False)
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]} == adapters
+    model(torch.tensor([[1, 5, 9, 13]])).logits.square().mean().backward()
+    optimizer.step()
+    assert {id(p) for p in optimizer.state} == adapters
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == (id(p) in adapters), name
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)
+
+
+def test_bad_lora_keys_and_a_resume_into_other_adapters_are_one_line_each(tmp_path):
+    from rl.checkpoint import check_lora
+    from rl.config import config_from_dict
+
+    base = {"model": {"path": "m"}, "data": {"source": "d.jsonl"}}
+    for lora, key in (({"rank": -1}, "lora.rank"), ({"rank": 4, "dropout": 1.0}, "lora.dropout"),
+                      ({"rank": 4, "alpha": 0}, "lora.alpha"), ({"rank": 4, "target_modules": []}, "lora.target_modules")):
+        with pytest.raises(ConfigError, match=key):
+            config_from_dict({**base, "lora": lora})
+    with pytest.raises(ConfigError, match=r"lora.target_modules: no layer of Qwen2ForCausalLM is named \['qkv'\]"):
+        apply_lora(tiny_model(0), LoraConfig(rank=4, target_modules=["qkv", "q_proj"]))
+    with pytest.raises(ConfigError, match="tied"):
+        apply_lora(tiny_model(0, tie=True), LoraConfig(rank=4, target_modules=["lm_head"]))
+    model = lora_model()
+    check_lora(tmp_path, {"rank": 4, "target_modules": list(LORA.target_modules)}, model)
+    with pytest.raises(ConfigError, match="was trained with lora.rank=8 .* this run has lora.rank=4"):
+        check_lora(tmp_path, {"rank": 8, "target_modules": list(LORA.target_modules)}, model)
+    with pytest.raises(ConfigError, match="lora.rank=0 on no layers"):
+        check_lora(tmp_path, {}, model)
+
+
+class Recorder:
+    """An engine in front of the native one that remembers the names each push sent."""
+
+    def __init__(self, engine):
+        self.engine, self.names = engine, []
+
+    def load_weights(self, weights):
+        self.names.append([])
+
+        def seen():
+            for name, tensor in weights:
+                self.names[-1].append(name)
+                yield name, tensor
+        self.engine.load_weights(seen())
+
+
+def engine_vs_trainer(engine: NativeEngine, model: torch.nn.Module) -> float:
+    """The largest |engine logprob - trainer logprob| over 4 sampled responses."""
+    prompts = [[1, 5 + i, 9, 13] for i in range(4)]
+    samples = []
+    for i, (p, o) in enumerate(zip(prompts, engine.generate(prompts, SamplingParams(max_new_tokens=6)))):
+        s = Sample(prompt="", tokens=list(p), index=i, group_index=i)
+        s.append_response_tokens(o.token_ids, o.logprobs)
+        samples.append(s)
+    mb = collate(samples, torch.device("cpu"))
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, mb, 1.0)
+    return float(((lp - mb.rollout_logprobs).abs() * mb.loss_mask).max())
+
+
+def test_the_engine_generates_with_the_merged_weights_after_a_full_and_a_changed_only_push():
+    model = lora_model()
+    engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=8, seed=0)
+    pushes = Recorder(engine)
+    sync_weights(model, pushes, torch.float32, bucket_mb=0.05)
+    assert engine_vs_trainer(engine, model) < 1e-4
+    randomize_b(model, 7)  # the adapters move; the base does not
+    before = engine_vs_trainer(engine, model)
+    sync_weights(model, pushes, torch.float32, bucket_mb=0.05, changed_only=True)
+    assert before > 1e-3 and engine_vs_trainer(engine, model) < 1e-4
+    adapted = set(adapted_layers(model))
+    assert sorted(pushes.names[1]) == sorted(f"{p}.weight" for p in adapted)  # merged weights, no adapters
+    assert len(pushes.names[0]) > len(pushes.names[1]) and not any("lora" in n for n in pushes.names[0])
+
+
+# ---------------------------------------------------------------------------- 2 ranks: the run, its resume, exports
+
+RUN = ("--lora.rank=4", "--lora.alpha=8", "--lora.dropout=0.1", "--lora.export_adapter=true", "--train.lr=1e-2",
+       "--model.gradient_checkpointing=true", "--train.packing=true", "--train.micro_batch_tokens=256",
+       "--rollout.sleep_level=1", "--checkpoint.interval=1")
+COMPARED = ["rollout_id", "weight_version", "rollout/reward_mean", "train/loss", "train/grad_norm"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """2 rollouts straight, and the same run resumed from the straight run's first checkpoint in a new folder."""
+    root = tmp_path_factory.mktemp("lora")
+    inputs = save_tiny_model_dir(root / "model"), write_arithmetic_jsonl(root / "train.jsonl")
+    straight, resumed = root / "straight", root / "resumed"
+    launch(inputs, straight, 2, "--train.num_rollout=2", *RUN)
+    launch(inputs, resumed, 2, "--train.num_rollout=2", *RUN,
+           f"--checkpoint.resume={straight / 'checkpoints' / 'rollout_0'}")
+    return inputs[0], straight, resumed
+
+
+def test_a_lora_run_on_two_ranks_resumes_exactly_from_a_checkpoint_of_adapters_alone(runs):
+    _, straight, resumed = runs
+    a, b = rows(straight), rows(resumed)
+    assert [r["rollout_id"] for r in a] == [0, 1] and [r["rollout_id"] for r in b] == [1]
+    assert {k: a[1][k] for k in COMPARED} == {k: b[0][k] for k in COMPARED}
+    assert all(r["train/grad_norm"] > 0 for r in a)
+    for folder, file in (("final_adapter", "adapter_model.safetensors"), ("final", "model.safetensors")):
+        wa, wb = load_file(straight / folder / file), load_file(resumed / folder / file)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), folder
+    import torch.distributed.checkpoint as dcp
+    saved = dcp.FileSystemReader(str(straight / "checkpoints" / "rollout_1" / "model_optim")).read_metadata()
+    tensors = [k for k in saved.state_dict_metadata if not k.startswith("optim.param_groups")]
+    assert tensors and all(".lora_A" in k or ".lora_B" in k for k in tensors)  # no base weight, no base moments
+
+
+def trainer_logits(base_dir, adapter_dir, ids: torch.Tensor) -> torch.Tensor:
+    """The trainer's LoRA forward (base + LoRALinear layers) with the exported adapter's A and B."""
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    apply_lora(model, LoraConfig(rank=config["r"], alpha=config["lora_alpha"], target_modules=config["target_modules"]))
+    saved = load_file(adapter_dir / "adapter_model.safetensors")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(saved[f"base_model.model.{name}.weight"])
+        return model(ids).logits
+
+
+def test_the_merged_export_loads_with_transformers_as_the_trained_lora_model(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    base, straight, _ = runs
+    ids = torch.tensor([[1, 5, 9, 13, 40, 41, 7, 3]])
+    with torch.no_grad():
+        final = AutoModelForCausalLM.from_pretrained(straight / "final").eval()(ids).logits
+        initial = AutoModelForCausalLM.from_pretrained(base).eval()(ids).logits
+    torch.testing.assert_close(final, trainer_logits(base, straight / "final_adapter", ids), rtol=1e-5, atol=1e-5)
+    assert (final - initial).abs().max() > 1e-3  # trained, not the base
+    assert not any("lora" in k for k in load_file(straight / "final" / "model.safetensors"))
+    # Offline, from the last checkpoint: the base read from model.path again, the same folder bit for bit.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    last = straight / "checkpoints" / "rollout_1"
+    for out, extra, folder, file in ((tmp_path / "merged", [], "final", "model.safetensors"),
+                                     (tmp_path / "adapter", ["--adapter"], "final_adapter", "adapter_model.safetensors")):
+        subprocess.run([sys.executable, "-m", "rl.export", str(last), str(out), *extra], cwd=ROOT, check=True, env=env)
+        got, want = load_file(out / file), load_file(straight / folder / file)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), folder
+
+
+def test_peft_loads_the_exported_adapter(runs):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    base, straight, _ = runs
+    ids = torch.tensor([[1, 5, 9, 13, 40, 41, 7, 3]])
+    with torch.no_grad():
+        model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), straight / "final_adapter")
+        adapted = model.eval()(ids).logits
+        final = AutoModelForCausalLM.from_pretrained(straight / "final").eval()(ids).logits
+    torch.testing.assert_close(adapted, final, rtol=1e-5, atol=1e-5)
+
+
+def test_the_memory_plan_counts_gradients_and_moments_of_the_adapters_alone():
+    from rl import memory
+    from rl.config import config_from_dict
+    from tests.test_memory import H200, TINY, seed_batch, shapes
+
+    cfg = config_from_dict({"model": {"path": "m"}, "data": {"source": "d.jsonl"}, "lora": {"rank": 2}})
+    # TINY (hidden 4, MLP 8, 2 heads of 2, 1 KV head), rank 2, per block: q 2 x (4 + 4), k and v 2 x (4 + 2) each,
+    # o 2 x (4 + 4), gate and up 2 x (4 + 8) each, down 2 x (8 + 4): 128; 2 blocks: 256
+    assert memory.lora_block_params(TINY, 2, cfg.lora.target_modules) == 16 + 12 + 12 + 16 + 24 + 24 + 24 == 128
+    train = memory.plan_memory(cfg, memory.Models(TINY), world_size=1, device_type="cuda")["train"]
+    assert train["policy params"] == 4 * (388 + 256)  # the base stays, fp32, beside the adapters
+    assert train["policy AdamW"] == 2 * 4 * 256
+    assert train["policy grads"] == 4 * 256 + 128 * (2 + 4)  # fp32 shards + one block's bf16 and fp32 copies
+    # 7B on one H200 at the seed batch: refused full-parameter, fits with rank-64 adapters
+    lora = dataclasses.replace(seed_batch(), lora=LoraConfig(rank=64))
+    with pytest.raises(ConfigError):
+        memory.check_fits(seed_batch(), shapes("qwen2.5-7b"), 1, H200)
+    memory.check_fits(lora, shapes("qwen2.5-7b"), 1, H200)
