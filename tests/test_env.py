@@ -13,7 +13,7 @@ from rl.collect import Collector, dump_rollout
 from rl.config import AlgoConfig, Config, ConfigError, DataConfig, EnvConfig, ModelConfig, RewardConfig, \
     RolloutConfig, resolve
 from rl.data import Sample, Status
-from rl.envs import python_tool
+from rl.envs import guess_number, python_tool
 from rl.envs.calculator import evaluate, make_env
 from rl.parallel import Dist
 from rl.reward import RewardPool
@@ -158,6 +158,38 @@ def test_python_tool_episode_in_the_reward_workers():
     appended = TOKENIZER.encode(python_tool.chat_tool_response("42"), add_special_tokens=False)
     assert s.tokens == [40, 41, 42] + call + appended + answer
     assert (s.reward, s.turns, s.tool_calls, s.status, scored.env_failures) == (1.0, 2, 1, Status.COMPLETED, 0)
+    # Qwen2.5's rendering of a tool message: the call's turn closed, the response as a user turn, the next turn open
+    assert python_tool.chat_tool_response("42") == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n"
+                                                    "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_guess_number_answers_each_guess(tmp_path):
+    game = guess_number.make_env(prompt="q", label="37", columns={"low": 1, "high": 100, "max_guesses": 4})
+    assert game.step("50", []) == (guess_number.user_turn("50 is too high. 3 guesses left."), False, 0.0)
+    assert game.step("Then 1-25.", [])[0] == guess_number.user_turn("25 is too low. 2 guesses left.")
+    assert game.step("no idea", [])[0] == guess_number.user_turn("That is not a number from 1 to 100. 1 guess left.")
+    assert game.step("37", []) == ("", True, 1.0)
+    lost = guess_number.make_env(prompt="q", label="37", columns={"max_guesses": 2})
+    assert lost.step("99", [])[1:] == (False, 0.0) and lost.step("98", []) == ("", True, 0.0)
+    guess_number.write_rows(tmp_path, train=200, eval_=50)
+    train, held_out = ([json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+                       for name in ("train", "eval"))
+    assert len(train) == 200 and train == guess_number.rows(200, 0, range(1, 500))  # seeded
+    for row in train + held_out:
+        assert row["low"] <= int(row["answer"]) <= row["high"] and 2 ** row["max_guesses"] > row["high"] - row["low"]
+        assert f"from {row['low']} to {row['high']}" in row["prompt"][0]["content"]
+    assert min(r["low"] for r in held_out) > max(r["low"] for r in train)  # held out by construction
+
+
+def test_guess_number_episode_in_the_reward_workers():
+    first, second = TOKENIZER.encode("50") + [TOKENIZER.eos_token_id], TOKENIZER.encode("37") + [TOKENIZER.eos_token_id]
+    scored, _ = episodes("rl.envs.guess_number:make_env", [first, second], ["37"])
+    (s,) = scored.samples
+    feedback = TOKENIZER.encode(guess_number.user_turn("50 is too high. 6 guesses left."), add_special_tokens=False)
+    assert s.tokens == [40, 41, 42] + first + feedback + second
+    # ChatML's user turn after the model's (which its end-of-turn token closed), then the assistant's
+    assert guess_number.user_turn("x") == "\n<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
+    assert (s.reward, s.turns, s.tool_calls, s.status) == (1.0, 2, 1, Status.COMPLETED)
 
 
 def test_environments_refuse_the_rollout_buffer():
