@@ -1,4 +1,4 @@
-"""Multi-turn episodes (rl/env.py, Collector.run_episodes): the trained sequence is exactly the engine's tokens and
+"""Multi-turn episodes (rl/env.py, rl/episodes.py): the trained sequence is exactly the engine's tokens and
 the environment's (and the sample dump shows which is which), environment tokens train nothing, a failing
 environment costs its episode and a count, the calculator tool, and a 2-rank loop with the native engine."""
 

@@ -1,0 +1,123 @@
+"""The turn loop of multi-turn episodes (rl/env.py): generate every live episode's next turn, step the
+environments, append what they return, until each episode ends.
+
+Each turn is one engine call over the live episodes, each continuing its own sequence (`prior` counts only the
+model's tokens, so rollout.max_new_tokens bounds the model's tokens over all turns). The turns go to the
+environments in the reward workers (RewardPool.step_envs), and what they return is appended untrained (loss mask
+0, logprob 0) as tokens: text tokenized once on its own, never re-rendered from the conversation, so the trained
+sequence is exactly the engine's tokens and the environment's. The episode's reward is the environment's.
+Between turns the engine holds nothing of an episode: each turn's call prefills the whole sequence again, which
+an engine with a prefix cache (vLLM) mostly serves from the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from rl.config import ConfigError, EnvConfig, RolloutConfig
+from rl.data import Sample, Status
+from rl.env import EnvOutcome, EnvStep
+from rl.parallel import print0
+from rl.reward import RewardPool
+from rl.rollout import SamplingParams, derive_seed, generate_rollout
+
+
+class EpisodeLoop:
+    """Runs episodes to their end on one engine, stepping their environments in `pool`'s workers."""
+
+    def __init__(self, engine, pool: RewardPool, tokenizer, ro: RolloutConfig, env: EnvConfig):
+        self.engine, self.pool, self.tokenizer, self.ro, self.env = engine, pool, tokenizer, ro, env
+        self.stop_ids = env_stop_ids(env.stop, tokenizer)
+
+    def run(self, samples: list[Sample], params: SamplingParams, weight_version: int, tally: EpisodeTally) -> None:
+        """Turns until every episode is done or out of turns, tokens or context: each turn generates the
+        live episodes' next turns at once, steps their environments, and appends what they return untrained."""
+        params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys([*params.stop_token_ids,
+                                                                                 *self.stop_ids])))
+        # Keyed by identity: a sample's index need not be unique (samples built outside a dataset leave it -1).
+        episodes: dict[int, bytes | None] = {id(s): None for s in samples}
+        for s in samples:
+            s.reward, s.turns, s.tool_calls = 0.0, 0, 0
+        live = samples
+        for turn in range(self.env.max_turns):
+            for s in live:
+                if not self.room_for_turn(s, params.max_new_tokens):
+                    s.status = Status.TRUNCATED
+            live = [s for s in live if s.status != Status.TRUNCATED]
+            if not live:
+                break
+            before = [s.response_length for s in live]
+            # A stream of its own for each turn: the same seed again would replay the first turn's draws.
+            seeded = params if params.seed is None else dataclasses.replace(params, seed=derive_seed(params.seed, turn))
+            generate_rollout(self.engine, [live], seeded, weight_version, self.tokenizer,
+                             prior=[sum(s.loss_mask) for s in live])  # max_new_tokens counts the model's tokens
+            turns = [s.tokens[len(s.tokens) - s.response_length + b :] for s, b in zip(live, before)]
+            steps = [EnvStep(s.raw_prompt, s.label, s.columns, episodes[id(s)],
+                             self.tokenizer.decode(turn, skip_special_tokens=True), tuple(turn))
+                     for s, turn in zip(live, turns)]
+            start = time.perf_counter()
+            outcomes, errors, timeouts = self.pool.step_envs(steps, self.env.timeout_s)
+            tally.env_s += time.perf_counter() - start
+            tally.errors, tally.timeouts = tally.errors + errors, tally.timeouts + timeouts
+            last = turn == self.env.max_turns - 1
+            live = [s for s, out in zip(live, outcomes)
+                    if self.take_step(s, out, episodes, weight_version, tally, last)]
+        for s in samples:
+            s.response = self.tokenizer.decode(s.tokens[s.prompt_length :], skip_special_tokens=True)
+
+    def take_step(self, sample: Sample, out: EnvOutcome | None, episodes: dict[int, bytes | None],
+                  weight_version: int, tally: EpisodeTally, last: bool) -> bool:
+        """Applies one environment step to its episode; whether the episode goes on (`last`: no turn follows)."""
+        sample.turns += 1
+        if out is None:  # the step failed (counted in the pool): the episode ends with reward 0
+            sample.reward = 0.0
+            return False
+        sample.reward, episodes[id(sample)] = out.reward, out.episode
+        if out.done or sample.status == Status.TRUNCATED:  # ended, or the model spent its max_new_tokens
+            return False
+        if last:  # out of turns with the environment still waiting for one
+            sample.status = Status.TRUNCATED
+            return False
+        ids = self.tokenizer.encode(out.append, add_special_tokens=False) if isinstance(out.append, str) else out.append
+        if any(t >= len(self.tokenizer) for t in ids):
+            print0(f"env: an environment returned token ids past the vocabulary ({len(self.tokenizer)}); its "
+                   f"episode ends with reward 0")
+            sample.reward, tally.errors = 0.0, tally.errors + 1
+            return False
+        sample.append_response_tokens(ids, [0.0] * len(ids), trainable=False, version=weight_version)
+        sample.tool_calls += 1
+        return True
+
+    def room_for_turn(self, sample: Sample, max_new_tokens: int) -> bool:
+        """Whether an episode may take another turn: model tokens left, env.max_tokens not reached, and room in
+        the engine's context for a turn of all the model tokens left."""
+        model_tokens = sum(sample.loss_mask)
+        return (model_tokens < max_new_tokens and sample.response_length < self.env.max_tokens
+                and len(sample.tokens) - model_tokens + max_new_tokens <= self.ro.max_context_len)
+
+
+@dataclasses.dataclass
+class EpisodeTally:
+    """One rank's environment steps in one generate pass: seconds waited, steps that raised and that timed out."""
+
+    env_s: float = 0.0
+    errors: int = 0
+    timeouts: int = 0
+
+
+def episode_reward_stats(samples: list[Sample], episodes: EpisodeTally) -> dict[str, float]:
+    """The reward metrics of episodes the environments scored: a failed step counts as a failed reward."""
+    return {"reward/correct_mean": sum(s.reward for s in samples) / len(samples),
+            "reward/num_inputs": float(len(samples)), "reward/num_errors": float(episodes.errors),
+            "reward/num_timeouts": float(episodes.timeouts)}
+
+
+def env_stop_ids(stop: list[str], tokenizer) -> tuple[int, ...]:
+    """The ids of env.stop's tokens, which end a model turn so that the environment answers it."""
+    vocab = tokenizer.get_vocab()
+    missing = [token for token in stop if token not in vocab]
+    if missing:
+        raise ConfigError(f"env.stop: {missing} are not tokens of the tokenizer; name single tokens as its "
+                          f"vocabulary spells them")
+    return tuple(vocab[token] for token in stop)
