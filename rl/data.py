@@ -263,10 +263,12 @@ def _load_with_datasets(target: str, cfg: DataConfig, keys: SourceKeys) -> list[
     cache folder and nothing is left behind."""
     import tempfile
 
-    import datasets
-    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
-
     at = f"{keys.source}=hf:{target}"
+    try:
+        import datasets
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+    except ImportError as e:
+        raise ConfigError(f"{at} needs the datasets package (pip install datasets): {e}") from None
     if not (Path(target).is_dir() or target in _PACKAGED_DATASETS_MODULES):
         raise ConfigError(f"{at}: not a local folder nor one of the builders of datasets "
                           f"({', '.join(sorted(_PACKAGED_DATASETS_MODULES))})")

@@ -143,3 +143,11 @@ def test_a_two_rank_run_trains_on_a_card_folder_and_evaluates_a_python_builder(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data: 32 prompts" in proc.stdout and "eval: 8 held-out prompts (0 dropped" in proc.stdout
     assert strict_rows(tmp_path / "run")[-1]["eval/num_prompts"] == 8
+
+
+def test_hf_without_the_datasets_package_is_one_line(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed
+    with pytest.raises(ConfigError, match=r"^data.source=hf:.* needs the datasets package \(pip install datasets\)"):
+        read_source_rows(config(f"hf:{card_folder(tmp_path / 'card')}"))
