@@ -10,9 +10,10 @@ an unclosed last block (a truncated response) counts up to the end.
 
 The candidate is imported as a module (solution.py: setup, then its code), so an `if __name__ == "__main__":`
 block of its own does not run, and the tests run as the main program after `from solution import *`. The score
-is all-pass: 1.0 when that program exits 0 within TIMEOUT_S seconds, else 0.0 (a wrong answer, an exception, a
-syntax error, a hang, a crash, memory past MEMORY_MB). Not the fraction of tests passed: HumanEval's tests are one
-function of asserts that stops at the first failure.
+is all-pass: 1.0 when that program runs to its end (a mark printed after the tests: what the program prints past
+the sandbox's 64 KB is dropped, the mark with it) and exits 0 within TIMEOUT_S seconds, else 0.0 (a wrong answer,
+an exception, a syntax error, an exit before the tests, a hang, a crash, memory past MEMORY_MB). Not the fraction
+of tests passed: HumanEval's tests are one function of asserts that stops at the first failure.
 
 The sandbox's wall-clock limit sits inside the reward worker's (`reward.timeout_s`, which should exceed TIMEOUT_S
 by a few seconds of interpreter start-up): a response that hangs scores 0 here and its worker goes on, instead of
@@ -23,6 +24,7 @@ worker that imports it.
 from __future__ import annotations
 
 import re
+import secrets
 from typing import Any
 
 from rl.sandbox import run_python
@@ -41,11 +43,15 @@ def extract_code(response: str) -> str:
     return "\n\n".join(blocks) if blocks else response
 
 
-def run_tests(code: str, tests: str, setup: str = "", timeout_s: float = TIMEOUT_S):
-    """The sandbox's result of `tests` run against `code` (imported as solution.py after `setup`)."""
+def passes(code: str, tests: str, setup: str = "", timeout_s: float = TIMEOUT_S) -> bool:
+    """Whether `tests` run to their end against `code` (imported as solution.py after `setup`). The end is a
+    mark printed after the last test, drawn afresh for each call, so code that exits 0 before the tests run
+    (`sys.exit(0)` or `os._exit(0)` on import) fails."""
+    mark = secrets.token_hex(16)
     solution = f"{setup}\n\n{code}\n" if setup else f"{code}\n"
-    return run_python(f"from solution import *\n\n{tests}\n", files={"solution.py": solution},
-                      timeout_s=timeout_s, memory_mb=MEMORY_MB)
+    result = run_python(f"from solution import *\n\n{tests}\n\nprint({mark!r})\n", files={"solution.py": solution},
+                        timeout_s=timeout_s, memory_mb=MEMORY_MB)
+    return result.ok and mark in result.stdout
 
 
 def all_tests_pass(prompt: str, response: str, label: Any, metadata: dict[str, Any]) -> float:
@@ -53,4 +59,4 @@ def all_tests_pass(prompt: str, response: str, label: Any, metadata: dict[str, A
     tests = metadata.get("tests")
     if not isinstance(tests, str) or not tests.strip():
         raise ValueError(f"the row has no 'tests' column of Python code (its columns: {sorted(metadata)})")
-    return float(run_tests(extract_code(response), tests, metadata.get("setup") or "").ok)
+    return float(passes(extract_code(response), tests, metadata.get("setup") or ""))

@@ -40,6 +40,8 @@ def test_a_right_solution_scores_1_and_a_wrong_or_missing_one_0():
     assert score(WRONG) == 0.0
     assert score("```python\n" + ROW["setup"] + "```") == 0.0  # the statement alone: a docstring returns None
     assert score("I cannot solve this.") == 0.0  # not Python
+    for leave in ("import sys\nsys.exit(0)", "import os\nos._exit(0)"):  # exit 0 before the tests run
+        assert score(f"```python\n{leave}\n\ndef total(xs):\n    return 0\n```") == 0.0
     # The setup's imports serve a response that leaves them out; its own __main__ block does not run.
     uses_list = "```python\ndef total(xs: List[int]):\n    return sum(xs)\n\nif __name__ == '__main__':\n    raise SystemExit(1)\n```"
     assert score(uses_list) == 1.0
