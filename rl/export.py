@@ -4,14 +4,16 @@
 
 A folder that `AutoModelForCausalLM.from_pretrained` and vLLM load as they are:
 safetensors shards with an index, config.json, generation_config.json and the
-tokenizer. With LoRA the adapters are merged into their layers (W + alpha/rank * B @ A);
-a LoRA checkpoint holds the adapters alone, so its offline export reads the base weights
-from the run's `model.path` again. `--adapter` (and `lora.export_adapter` for the run's
-`<output_dir>/final_adapter`) writes the adapter alone as PEFT loads it instead:
-adapter_config.json and adapter_model.safetensors. `auto` writes the dtype of the model's config.json (what it was released
+tokenizer. `auto` writes the dtype of the model's config.json (what it was released
 in), float32 when it names none. The run's final export gathers the FSDP2 shards a
 bucket at a time, so rank 0 holds one shard file's worth of the model, never all of
 it; the offline export of a checkpoint loads the whole model into host memory once.
+
+With LoRA the adapters are merged into their layers (W + alpha/rank * B @ A). A LoRA
+checkpoint holds the adapters alone, so its offline export reads the base weights from
+the run's `model.path` again. `--adapter` (and `lora.export_adapter` for the run's
+`<output_dir>/final_adapter`) writes the adapter alone, as PEFT loads it:
+adapter_config.json and adapter_model.safetensors.
 
 An export never deletes what it did not write. Every export holds `rl_export.json`
 (where it came from, its dtype), and that file is how an earlier export is recognised:

@@ -69,9 +69,8 @@ class Learner:
         self.offloader = HostOffloader(self.policy, self.optimizer) if cfg.train.offload else None
         self.engine_dtype = engine_dtype(cfg.rollout.dtype, dist.device)
         # LoRA: the base never changes, so once the engine holds it a push sends the adapted layers alone, unless the
-        # engine drops its weights while asleep (sleep level 2) or vLLM's CPU reload rebuilds every layer.
-        self.push_changed_only = bool(cfg.lora.rank) and cfg.rollout.sleep_level < 2 and not (
-            cfg.rollout.engine == "vllm" and dist.device.type == "cpu")
+        # engine drops its weights while asleep (sleep level 2).
+        self.push_changed_only = bool(cfg.lora.rank) and cfg.rollout.sleep_level < 2
         if (cfg.rollout.partial_rollout or cfg.rollout.max_staleness) and not cfg.algo.tis_cap:
             print0(f"train: rollout.max_staleness={cfg.rollout.max_staleness} with algo.tis_cap=0: tokens sampled by "
                    f"older weights train without an importance weight against them; algo.tis_cap (e.g. 2) adds it")

@@ -3,7 +3,8 @@
 The plan estimates, per rank and per phase, what the config asks of one device, from the model's
 config.json shapes alone (no weights are loaded): the policy's fp32 parameters, gradients and AdamW
 moments sharded by FSDP2 over the ranks (with LoRA, gradients and moments of the adapters alone), its
-gathered compute-dtype copy, the activations and logits of the largest micro-batch, the engine's weights, KV cache and working memory, the reference and the critic.
+gathered compute-dtype copy, the activations and logits of the largest micro-batch, the engine's weights,
+KV cache and working memory, the reference and the critic.
 Which of them share the device follows the loop (DESIGN.md, "Memory choreography"): the engine sleeps
 while the learner trains (`rollout.sleep_level`), the training state leaves the device while the engine
 runs only with `train.offload`. On CUDA a plan that cannot fit stops the run before any weights load,
@@ -88,8 +89,8 @@ def num_params(s: ModelShape) -> int:
     return root_params(s) + s.num_layers * block_params(s)
 
 
-LORA_SHAPES = {"q_proj": ("hidden", "q"), "k_proj": ("hidden", "kv"), "v_proj": ("hidden", "kv"), "o_proj": ("q", "hidden"),
-               "gate_proj": ("hidden", "inter"), "up_proj": ("hidden", "inter"), "down_proj": ("inter", "hidden")}
+LORA_SHAPES = {"q_proj": ("hidden", "q"), "k_proj": ("hidden", "kv"), "v_proj": ("hidden", "kv"),
+               "o_proj": ("q", "hidden"), "gate_proj": ("hidden", "inter"), "up_proj": ("hidden", "inter"), "down_proj": ("inter", "hidden")}
 
 
 def lora_block_params(s: ModelShape, rank: int, targets: list[str]) -> int:

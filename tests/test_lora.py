@@ -2,10 +2,8 @@
 engine receives, and a 2-rank run that resumes exactly and exports a merged folder and a PEFT adapter."""
 
 import dataclasses
+import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,14 +11,14 @@ from safetensors.torch import load_file
 
 from rl.config import ConfigError, LoraConfig, TrainConfig
 from rl.data import Sample
-from rl.lora import LoRALinear, adapted_layers, apply_lora, init_adapters, merge
+from rl.export import export_checkpoint
+from rl.lora import ADAPTER_WEIGHTS, LoRALinear, adapted_layers, apply_lora, init_adapters, merge
 from rl.policy import build_optimizer
 from rl.rollout import SamplingParams
 from rl.rollout.native import NativeEngine
 from rl.train import collate, token_logprobs
 from rl.weights import iter_merged_weights, sync_weights
 from tests.test_checkpoint import launch, rows
-from tests.test_distributed import ROOT
 from tests.tiny import save_tiny_model_dir, tiny_model, write_arithmetic_jsonl
 
 LORA = LoraConfig(rank=4, alpha=8.0)
@@ -109,7 +107,8 @@ def test_bad_lora_keys_and_a_resume_into_other_adapters_are_one_line_each(tmp_pa
 
     base = {"model": {"path": "m"}, "data": {"source": "d.jsonl"}}
     for lora, key in (({"rank": -1}, "lora.rank"), ({"rank": 4, "dropout": 1.0}, "lora.dropout"),
-                      ({"rank": 4, "alpha": 0}, "lora.alpha"), ({"rank": 4, "target_modules": []}, "lora.target_modules")):
+                      ({"rank": 4, "alpha": 0}, "lora.alpha"),
+                      ({"rank": 4, "target_modules": []}, "lora.target_modules")):
         with pytest.raises(ConfigError, match=key):
             config_from_dict({**base, "lora": lora})
     with pytest.raises(ConfigError, match=r"lora.target_modules: no layer of Qwen2ForCausalLM is named \['qkv'\]"):
@@ -230,12 +229,11 @@ def test_the_merged_export_loads_with_transformers_as_the_trained_lora_model(run
     torch.testing.assert_close(final, trainer_logits(base, straight / "final_adapter", ids), rtol=1e-5, atol=1e-5)
     assert (final - initial).abs().max() > 1e-3  # trained, not the base
     assert not any("lora" in k for k in load_file(straight / "final" / "model.safetensors"))
-    # Offline, from the last checkpoint: the base read from model.path again, the same folder bit for bit.
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Offline, from the last checkpoint (`python -m rl.export [--adapter]`): the base read from model.path again, the
+    # same folders bit for bit.
     last = straight / "checkpoints" / "rollout_1"
-    for out, extra, folder, file in ((tmp_path / "merged", [], "final", "model.safetensors"),
-                                     (tmp_path / "adapter", ["--adapter"], "final_adapter", "adapter_model.safetensors")):
-        subprocess.run([sys.executable, "-m", "rl.export", str(last), str(out), *extra], cwd=ROOT, check=True, env=env)
+    for adapter, folder, file in ((False, "final", "model.safetensors"), (True, "final_adapter", ADAPTER_WEIGHTS)):
+        out = export_checkpoint(last, tmp_path / folder, adapter=adapter)
         got, want = load_file(out / file), load_file(straight / folder / file)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), folder
 
@@ -271,3 +269,16 @@ def test_the_memory_plan_counts_gradients_and_moments_of_the_adapters_alone():
     with pytest.raises(ConfigError):
         memory.check_fits(seed_batch(), shapes("qwen2.5-7b"), 1, H200)
     memory.check_fits(lora, shapes("qwen2.5-7b"), 1, H200)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_generates_with_the_merged_weights_after_each_push(tmp_path):
+    from tests.test_distributed import run_loop
+
+    rows = run_loop(tmp_path, 2, "--train.num_rollout=2", "--rollout.engine=vllm",
+                    "--rollout.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction",
+                    "--lora.rank=4", "--lora.alpha=32", "--train.lr=1e-2", "--rollout.sleep_level=1")
+    assert [r["weight_version"] for r in rows] == [2, 3]
+    # sleep level 1: the engine keeps the base, and the push after rollout 0 sends the adapted layers alone, merged
+    for row in rows:  # rollout 1 samples from the weights merged after rollout 0's update
+        assert row["rollout/logprob_abs_diff_max"] < 1e-3

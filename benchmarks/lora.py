@@ -1,0 +1,140 @@
+"""Full-parameter training against LoRA on the same loop, one table: build time, rollout and train tokens/s,
+train MFU, weight push time, step time, peak device and host memory.
+
+    python benchmarks/lora.py MODEL_DIR [--tokenizer DIR] [--rank 64] [--gpus 1] [--rollouts 4]
+                              [--engines native vllm] [--random-init] [-- --section.key=value ...]
+    python benchmarks/lora.py MODEL_DIR --smoke        # CPU: the tiny test batch on one gloo rank, 2 rollouts
+
+On GPUs each variant runs the seed's scenario of `benchmarks/loop.sh` (32 prompts x 8 samples, prompts <= 512
+tokens, responses <= 1024, micro-batches of 32768 tokens, compiled blocks, gradient checkpointing, the training
+state offloaded while the engine runs) on `--gpus` ranks: full-parameter, then LoRA of `--rank` on the attention
+and MLP projections, each with every engine of `--engines`. A variant whose memory plan does not fit is not run:
+its row shows the plan's one line (7B full-parameter on one H200 is refused that way). `--random-init` takes a
+config-only folder (configs/models/...) with random weights; without `--tokenizer` a word-level one is written
+for the prompts. Medians are over every rollout but the first (compiles, captures graphs, pins host memory). The
+MFU counts the full model's FLOPs per token (6N) in both columns: LoRA skips the base's weight gradients, so its
+MFU is of the same model work, not of the arithmetic done. Runs land in runs/lora/<variant>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from loop_breakdown import write_data, write_tokenizer  # noqa: E402
+
+SEED_SCENARIO = ["--data.max_prompt_len=512", "--rollout.max_context_len=1600", "--rollout.max_new_tokens=1024",
+                 "--rollout.rollout_batch_size=32", "--rollout.n_samples_per_prompt=8", "--reward.num_workers=4",
+                 "--train.micro_batch_tokens=32768", "--model.compile=true", "--model.gradient_checkpointing=true",
+                 "--train.offload=true", "--train.lr=1e-6"]
+SMOKE = ["--data.max_prompt_len=64", "--rollout.max_context_len=128", "--rollout.max_new_tokens=8",
+         "--rollout.rollout_batch_size=8", "--rollout.n_samples_per_prompt=4", "--reward.num_workers=1",
+         "--train.lr=1e-4"]
+ROWS = [("policy build s", "build_s"), ("rollout tok/s", "perf/rollout_tokens_per_s"),
+        ("train tok/s", "perf/train_tokens_per_s"), ("train MFU", "perf/train_mfu"), ("train s", "perf/train_s"),
+        ("weight push s", "perf/weight_sync_s"), ("weight push GB/s", "perf/weight_sync_gbps"),
+        ("step s", "perf/step_s"), ("rollout peak GB", "memory/rollout_peak_gb"),
+        ("train peak GB", "memory/train_peak_gb"), ("host peak GB (largest rank)", "host_peak_gb"),
+        ("checkpoint MB", "checkpoint_mb")]
+
+
+def run_variant(name: str, model: str, tokenizer: str, data: Path, nproc: int, overrides: list[str]) -> dict:
+    """One loop run; its medians, or {"refused": line} when it stopped with a one-line error."""
+    out = ROOT / "runs" / "lora" / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "rl.main", "--config", str(ROOT / "configs/tiny.toml"), f"--model.path={model}",
+           f"--model.tokenizer={tokenizer}", f"--data.source={data}",
+           "--reward.user_fn=tests.reward_fns:digit_fraction",
+           "--log.progress=false", "--checkpoint.resume=never", f"--log.output_dir={out}", *overrides]
+    if out.exists():
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    print(f"lora benchmark: {name}: {' '.join(cmd[4:])}", flush=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    host_peak = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024 / 1e9  # KiB on Linux
+    log = proc.stdout + proc.stderr
+    (ROOT / "runs" / "lora").mkdir(parents=True, exist_ok=True)
+    (ROOT / "runs" / "lora" / f"{name}.log").write_text(log)
+    if proc.returncode != 0:
+        lines = [line for line in log.splitlines() if line.startswith(("rl: error:", "rl: stopped:"))]
+        return {"refused": lines[0] if lines else f"exit {proc.returncode}; see runs/lora/{name}.log"}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    use = rows[1:] or rows
+    medians = {key: statistics.median([r[key] for r in use if key in r] or [float("nan")]) for _, key in ROWS}
+    built = re.search(r"policy: built, sharded and loaded in ([\d.]+) s", log)
+    medians["build_s"] = float(built.group(1)) if built else float("nan")
+    medians["host_peak_gb"] = host_peak
+    saved = sorted((out / "checkpoints").glob("rollout_*"))
+    medians["checkpoint_mb"] = sum(f.stat().st_size for f in saved[-1].rglob("*") if f.is_file()) / 1e6 \
+        if saved else float("nan")
+    return medians
+
+
+def _env() -> dict:
+    import os
+
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def table(results: dict[str, dict]) -> str:
+    lines = ["| median over rollouts 1.. | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
+    for label, key in ROWS:
+        cells = ["refused" if "refused" in r else f"{r.get(key, float('nan')):.4g}" for r in results.values()]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    refusals = [f"{name}: {r['refused']}" for name, r in results.items() if "refused" in r]
+    return "\n".join(lines + [""] + refusals)
+
+
+def main(argv: list[str]) -> None:
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(prog="python benchmarks/lora.py", description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a Hugging Face model folder (with --random-init: a config folder)")
+    parser.add_argument("--tokenizer", default="", help="a tokenizer folder (default: the model's, else one written)")
+    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--rollouts", type=int, default=4)
+    parser.add_argument("--engines", nargs="+", default=["native"], choices=["native", "vllm"])
+    parser.add_argument("--random-init", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="CPU: the tiny test batch on one rank, 2 rollouts")
+    args = parser.parse_args(argv)
+    work = ROOT / "runs" / "lora"
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "prompts.jsonl"
+    tokenizer = args.tokenizer or args.model
+    if args.smoke:
+        from tests.tiny import write_arithmetic_jsonl
+
+        write_arithmetic_jsonl(data)
+        scenario, nproc, rollouts = SMOKE, 1, 2
+    else:
+        write_data(str(data))
+        scenario, nproc, rollouts = SEED_SCENARIO, args.gpus, args.rollouts
+        if not (Path(tokenizer) / "tokenizer_config.json").is_file():
+            tokenizer = str(work / "tokenizer")
+            write_tokenizer(tokenizer)
+    common = [*scenario, f"--train.num_rollout={rollouts}", "--checkpoint.interval=0", "--checkpoint.keep_last=1",
+              *(["--model.random_init=true"] if args.random_init else []), *extra]
+    results = {}
+    for engine in args.engines:
+        engine_keys = ["--rollout.engine=vllm", "--rollout.gpu_memory_utilization=0.3"] if engine == "vllm" else []
+        if engine == "vllm" and args.smoke:
+            engine_keys = ["--rollout.engine=vllm", "--rollout.kv_cache_memory_bytes=33554432"]
+        for variant, keys in (("full", []), (f"lora{args.rank}", [f"--lora.rank={args.rank}",
+                                                                   f"--lora.alpha={2 * args.rank}"])):
+            name = f"{Path(args.model).name}-{args.gpus if not args.smoke else 'cpu'}-{engine}-{variant}"
+            results[name] = run_variant(name, args.model, tokenizer, data, nproc, [*common, *engine_keys, *keys])
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
