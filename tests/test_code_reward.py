@@ -101,11 +101,11 @@ def test_a_two_rank_run_scores_with_the_code_reward(tmp_path):
     inputs = (save_tiny_model_dir(tmp_path / "model"), tmp_path / "code.jsonl")
     proc = run(inputs, tmp_path / "run", "--data.prompt_key=prompt", "--data.answer_key=",
                "--reward.user_fn=rl.code_reward:all_tests_pass", f"--reward.timeout_s={TIMEOUT_S + 10}",
-               "--reward.num_workers=2", "--rollout.rollout_batch_size=4", "--train.num_rollout=1",
+               "--reward.num_workers=2", "--rollout.rollout_batch_size=2", "--train.num_rollout=1",
                "--log.sample_interval=1", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = strict_rows(tmp_path / "run")
-    assert row["reward/num_inputs"] == 16 and row["reward/num_errors"] == row["reward/num_timeouts"] == 0
+    assert row["reward/num_inputs"] == 8 and row["reward/num_errors"] == row["reward/num_timeouts"] == 0
     samples = [json.loads(line) for line in (tmp_path / "run/samples/rollout_0.jsonl").read_text().splitlines()]
     by_prompt = {f"Write add {i}.": p for i, p in enumerate(problems)}
     for s in samples:  # each reward is the code reward of its response against its own row's tests
