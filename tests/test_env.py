@@ -20,6 +20,7 @@ from rl.reward import RewardPool
 from rl.rollout import Completion, SamplingParams
 from rl.train import collate, micro_batch_loss, token_logprobs
 from tests.test_distributed import run_loop
+from tests.test_vllm import GAP, RANKS, needs_vllm
 from tests.tiny import tiny_model, tiny_tokenizer
 
 ONE_RANK = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
@@ -209,3 +210,27 @@ def test_multi_turn_loop_two_ranks(tmp_path):
         assert 1 < row["rollout/turns_mean"] <= 3 and row["rollout/tool_calls_mean"] > 0
         assert row["rollout/tool_errors"] == 0 and row["perf/env_s"] > 0
         assert row["rollout/num_samples"] == 8 * 4 and row["train/grad_norm"] > 0
+
+
+STOPS = json.dumps(list(range(100, 115)))
+SYSTEM = "You are a helpful assistant."  # every prompt opens with a full block (32 tokens) of it
+
+
+@needs_vllm
+def test_multi_turn_loop_two_ranks_vllm(tmp_path):
+    """The same loop through in-process vLLM: each turn is a new request over the whole sequence so far, its prefix
+    served from vLLM's prefix cache (32-token blocks, CPU attention's smallest), and the engine's logprobs of the
+    model's tokens, between the environment's, are those the trainer computes. Without sleep (which would drop the
+    cache), only the weight push's reset keeps the second rollout from reading KV computed under the first
+    weights."""
+    rows = run_loop(tmp_path, RANKS, "--train.num_rollout=2", "--rollout.engine=vllm",
+                    "--rollout.kv_cache_memory_bytes=33554432", "--env.fn=tests.env_fns:appending",
+                    "--env.max_turns=3", "--rollout.max_new_tokens=24", f"--rollout.stop_token_ids={STOPS}",
+                    "--rollout.vllm_kwargs={block_size=32}", f"--data.system_prompt={SYSTEM}",
+                    "--data.max_prompt_len=96", "--rollout.max_context_len=192", "--rollout.sleep_level=0")
+    assert [r["weight_version"] for r in rows] == [2, 3]
+    for row in rows:
+        assert 1 < row["rollout/turns_mean"] <= 3 and row["rollout/tool_calls_mean"] > 0
+        assert row["rollout/tool_errors"] == 0 and row["perf/env_s"] > 0
+        assert row["rollout/num_samples"] == 8 * 4 and row["train/grad_norm"] > 0
+        assert row["rollout/logprob_abs_diff_max"] < GAP, row["rollout/logprob_abs_diff_max"]
