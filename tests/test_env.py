@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from rl.collect import Collector, dump_rollout
-from rl.config import AlgoConfig, Config, ConfigError, DataConfig, EnvConfig, ModelConfig, RewardConfig, \
-    RolloutConfig, resolve
-from rl.data import Sample, Status
+from rl.config import AlgoConfig, Config, ConfigError, DataConfig, EnvConfig, EvalConfig, ModelConfig, \
+    RewardConfig, RolloutConfig, resolve
+from rl.data import Prompt, Sample, Status
 from rl.envs import guess_number, python_tool
 from rl.envs.calculator import evaluate, make_env
+from rl.evaluate import evaluate as run_eval
 from rl.parallel import Dist
 from rl.reward import RewardPool
 from rl.rollout import Completion, SamplingParams
@@ -162,6 +163,19 @@ def test_python_tool_episode_in_the_reward_workers():
     # Qwen2.5's rendering of a tool message: the call's turn closed, the response as a user turn, the next turn open
     assert python_tool.chat_tool_response("42") == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n"
                                                     "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_eval_reports_accuracy_with_tools_and_the_tool_call_rate():
+    call = TOKENIZER.encode(python_call("print(6 * 7)"))
+    answer = TOKENIZER.encode(r"\boxed{42}") + [TOKENIZER.eos_token_id]
+    prompts = [Prompt(text="q", token_ids=[40, 41, 42], label=label, metadata={}, raw="q") for label in ("42", "41")]
+    env = EnvConfig(fn="rl.envs.python_tool:make_env")
+    with RewardPool(RewardConfig(num_workers=2), env.fn) as pool:
+        collector = Collector(ScriptedEngine([call, call, answer]), pool, TOKENIZER, RolloutConfig(max_new_tokens=256),
+                              ONE_RANK, env=env)
+        stats = run_eval(collector, prompts, EvalConfig(), SamplingParams(max_new_tokens=256), 1, 60.0, None)
+    assert stats["eval/accuracy"] == 0.5  # the answer is right for one label of two
+    assert (stats["eval/turns_mean"], stats["eval/tool_calls_mean"], stats["eval/tool_call_frac"]) == (3.0, 2.0, 1.0)
 
 
 def test_guess_number_answers_each_guess(tmp_path):
