@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from rl import parallel  # noqa: E402
 from rl.config import ConfigError, ModelConfig  # noqa: E402
 from rl.invariant import make_batch_invariant  # noqa: E402
-from rl.policy import build_policy, shard_policy, weight_files  # noqa: E402
+from rl.policy import build_policy, init_non_persistent_buffers, init_random_weights, shard_policy, weight_files  # noqa: E402,E501
 from rl.weights import iter_full_weights  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 9, 13, 20, 40, 7, 2, 250, 258], [3, 3, 100, 101, 102, 17, 9, 1, 0, 4]])
@@ -59,12 +59,27 @@ def check_folder(path: Path, d: parallel.Dist) -> dict:
 
 
 def check_random_init(path: Path, d: parallel.Dist) -> dict:
+    """The sharded random weights against the same draws on one unsharded CPU model: the same on every rank and
+    for any number of ranks, with Hugging Face's scales."""
     policy = build_policy(ModelConfig(path=str(path), random_init=True), d.mesh, d.device, seed=5, max_context_len=64)
-    torch.manual_seed(5)
-    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reference.to_empty(device="cpu")
+    init_non_persistent_buffers(reference)
+    init_random_weights(reference, 5, config.initializer_range)
     expected = dict(reference.named_parameters(remove_duplicate=False))
     gathered = dict(iter_full_weights(policy, torch.float32, 1 << 30))
-    return {"weights_differ": sorted(n for n in expected if not torch.equal(gathered[n].cpu(), expected[n]))}
+    other_seed = build_policy(ModelConfig(path=str(path), random_init=True), d.mesh, d.device, seed=6,
+                              max_context_len=64)
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    return {"weights_differ": sorted(n for n in expected if not torch.equal(gathered[n].cpu(), expected[n])),
+            "q_proj_std": float(gathered[q_proj].std()), "initializer_range": config.initializer_range,
+            "norms_one": bool((gathered["model.norm.weight"] == 1).all()),
+            "biases_zero": all(bool((t == 0).all()) for n, t in gathered.items() if n.endswith("bias")),
+            "other_seed_differs": not torch.equal(dict(iter_full_weights(other_seed, torch.float32, 1 << 30))[q_proj],
+                                                  gathered[q_proj]),
+            "logits_finite": bool(torch.isfinite(logits(policy, d.device)).all())}
 
 
 def check_batch_invariant(path: Path, d: parallel.Dist) -> dict:
