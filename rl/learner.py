@@ -29,7 +29,7 @@ from rl.metrics import StepRecord, graphs_compiled, profiled
 from rl.packing import use_packed_attention
 from rl.parallel import print0
 from rl.policy import HostOffloader, build_optimizer, build_policy
-from rl.reference import Reference
+from rl.reference import BaseOfPolicy, Reference
 from rl.rollout import engine_dtype
 from rl.train import (MicroBatch, build_schedule, kl_rows, logprobs_by_sample, response_kl_sums, skippable_samples,
                       train_metrics, train_on_rollout)
@@ -53,7 +53,10 @@ class Learner:
                f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
         self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)
         self.reference = None
-        if cfg.algo.kl_coef > 0:
+        if cfg.algo.kl_coef > 0 and cfg.lora.rank and not cfg.model.ref_path:
+            self.reference = BaseOfPolicy(self.policy)
+            print0("reference: the policy's frozen base (its LoRA adapters switched off), not built again")
+        elif cfg.algo.kl_coef > 0:
             t = time.perf_counter()
             self.reference = Reference(cfg.model, dist.mesh, dist.device, cfg.train.seed, cfg.rollout.max_context_len)
             print0(f"reference: {cfg.model.ref_path or 'the initial policy'}, built in {time.perf_counter() - t:.1f} "

@@ -14,13 +14,17 @@ base exists once, in the policy; nothing copies it.
 The engines never see A and B: `merged_weights` turns the stream of gathered tensors into the base's names,
 W + scale * B @ A for each adapted layer (computed in fp32, cast once). The base never changes, so after the
 first push only the adapted layers need to go (`changed_names`), while the engine keeps its weights.
+With a KL term and no `model.ref_path` the reference is this same base, the policy run under `adapters_off`,
+so the base is not built a second time for it.
+
 Departures from PEFT: dropout acts only in passes that build a graph (the no-grad logprob passes are the
 deterministic model the engine samples from), and the parameter names are `<layer>.lora_A` / `<layer>.lora_B`
-(PEFT's `<layer>.lora_A.weight`, written by `peft_state`).
+(PEFT's `<layer>.lora_A.weight`, which `peft_name` writes in an adapter export).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -39,6 +43,7 @@ class LoRALinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.rank, self.scale, self.dropout = rank, alpha / rank, dropout
+        self.enabled = True  # False: the base layer alone (`adapters_off`)
         # The adapters are registered first, so a bucketed push meets them before the weight they merge into.
         self.lora_A = torch.nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
         self.lora_B = torch.nn.Parameter(torch.empty(base.out_features, rank, device=base.weight.device))
@@ -49,6 +54,8 @@ class LoRALinear(torch.nn.Module):
             self.bias.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
+        if not self.enabled:
+            return F.linear(x, self.weight, self.bias)
         h = F.dropout(x, self.dropout, training=self.training and torch.is_grad_enabled()) if self.dropout else x
         return F.linear(x, self.weight, self.bias) + self.scale * F.linear(F.linear(h, self.lora_A), self.lora_B)
 
@@ -117,6 +124,19 @@ def _copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
     start = target.device_mesh.get_local_rank() * rows
     if local.shape[0]:
         local.copy_(full[start : start + local.shape[0]])
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """The base model inside the block: every adapted layer computes x @ W.T + b alone (the KL reference)."""
+    layers = adapted_layers(model).values()
+    for layer in layers:
+        layer.enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enabled = True
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -291,7 +291,7 @@ def models_of(cfg: Config, hf_config) -> Models:
 
     policy = ModelShape.from_hf(hf_config)
     reference = critic = None
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.kl_coef > 0 and not (cfg.lora.rank and not cfg.model.ref_path):  # LoRA's is the policy's own base
         reference = ModelShape.from_hf(AutoConfig.from_pretrained(cfg.model.ref_path)) if cfg.model.ref_path else policy
     if cfg.algo.advantage_estimator == "gae":
         critic = ModelShape.from_hf(AutoConfig.from_pretrained(cfg.critic.path) if cfg.critic.path else hf_config,

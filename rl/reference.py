@@ -4,7 +4,9 @@ It is the initial policy unless `model.ref_path` names another folder, built by 
 FSDP2 path as the policy (so at the first update the policy-vs-reference KL is exactly 0),
 and never receives gradients. It comes onto the device only for the one forward pass per
 rollout that gives the reference logprobs of every sample of this rank, and goes back to
-pinned host memory before the engine wakes. Nothing is built when kl_coef = 0.
+pinned host memory before the engine wakes. Nothing is built when kl_coef = 0. With LoRA
+(and no `model.ref_path`) nothing is built either: the initial policy is the frozen base the
+policy holds, and `BaseOfPolicy` runs the policy with its adapters switched off.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 import torch
 
 from rl.config import ModelConfig
+from rl.lora import adapters_off
 from rl.policy import HostOffloader, build_policy
 from rl.train import MicroBatch, logprobs_by_sample
 
@@ -35,3 +38,15 @@ class Reference:
             return logprobs_by_sample(self.model, micro_batches, temperature)
         finally:
             self.parking.offload()
+
+
+class BaseOfPolicy:
+    """The reference of a LoRA policy: the policy's own frozen base, its adapters switched off for the pass."""
+
+    def __init__(self, policy: torch.nn.Module):
+        self.model = policy
+
+    def logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> dict[int, torch.Tensor]:
+        """Sample.index -> the base model's logprobs row; every rank calls it with as many micro-batches."""
+        with adapters_off(self.model):
+            return logprobs_by_sample(self.model, micro_batches, temperature)

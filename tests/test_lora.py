@@ -65,6 +65,23 @@ def test_the_adapted_layer_is_the_hand_built_lora_forward_with_its_gradients():
     torch.testing.assert_close(merge(w, a_ref.detach(), b_ref.detach(), 2.0), w + 2.0 * b_ref.detach() @ a_ref.detach())
 
 
+def test_dropout_acts_only_in_the_passes_that_train():
+    torch.manual_seed(0)
+    layer = LoRALinear(torch.nn.Linear(16, 24), rank=4, alpha=8.0, dropout=0.5)
+    with torch.no_grad():
+        layer.lora_A.copy_(torch.randn(4, 16))
+        layer.lora_B.copy_(torch.randn(24, 4))
+    x = torch.randn(8, 16)
+    layer.train()
+    with torch.no_grad():  # old-logprob and reference passes: the deterministic model the engine samples from
+        first, second = layer(x), layer(x)
+    layer.eval()
+    plain = layer(x).detach()
+    layer.train()
+    assert torch.equal(first, second) and torch.equal(first, plain)
+    assert not torch.equal(layer(x), plain)  # a pass that builds a graph drops inputs of the adapters
+
+
 def test_adapters_start_as_the_base_and_merge_into_the_same_model():
     ids = torch.tensor([[1, 5, 9, 13, 40, 41, 7]])
     plain = tiny_model(0)
@@ -123,6 +140,27 @@ def test_bad_lora_keys_and_a_resume_into_other_adapters_are_one_line_each(tmp_pa
         check_lora(tmp_path, {}, model)
 
 
+def test_the_kl_reference_of_a_lora_policy_is_its_own_base_with_the_adapters_off():
+    from rl.reference import BaseOfPolicy
+    from rl.train import logprobs_by_sample
+
+    model = lora_model()
+    samples = []
+    for i, tokens in enumerate([[1, 5, 9, 13, 40, 41], [1, 7, 7, 3]]):
+        s = Sample(prompt="", tokens=tokens[:3], index=i, group_index=i)
+        s.append_response_tokens(tokens[3:], [0.0] * len(tokens[3:]))
+        samples.append(s)
+    micro_batches = [collate(samples, torch.device("cpu"))]
+    adapted = logprobs_by_sample(model, micro_batches, 1.0)
+    reference = BaseOfPolicy(model).logprobs(micro_batches, 1.0)
+    base = logprobs_by_sample(tiny_model(0), micro_batches, 1.0)
+    assert reference.keys() == base.keys() == {0, 1}
+    assert all(torch.equal(reference[i], base[i]) for i in base)
+    assert max(float((adapted[i] - base[i]).abs().max()) for i in base) > 1e-3  # the adapters did something
+    again = logprobs_by_sample(model, micro_batches, 1.0)  # and are back on after the reference pass
+    assert all(torch.equal(again[i], adapted[i]) for i in adapted)
+
+
 class Recorder:
     """An engine in front of the native one that remembers the names each push sent."""
 
@@ -172,7 +210,7 @@ def test_the_engine_generates_with_the_merged_weights_after_a_full_and_a_changed
 
 RUN = ("--lora.rank=4", "--lora.alpha=8", "--lora.dropout=0.1", "--lora.export_adapter=true", "--train.lr=1e-2",
        "--model.gradient_checkpointing=true", "--train.packing=true", "--train.micro_batch_tokens=256",
-       "--rollout.sleep_level=1", "--checkpoint.interval=1")
+       "--rollout.sleep_level=1", "--checkpoint.interval=1", "--algo.kl_coef=0.01")
 COMPARED = ["rollout_id", "weight_version", "rollout/reward_mean", "train/loss", "train/grad_norm"]
 
 
@@ -194,6 +232,8 @@ def test_a_lora_run_on_two_ranks_resumes_exactly_from_a_checkpoint_of_adapters_a
     assert [r["rollout_id"] for r in a] == [0, 1] and [r["rollout_id"] for r in b] == [1]
     assert {k: a[1][k] for k in COMPARED} == {k: b[0][k] for k in COMPARED}
     assert all(r["train/grad_norm"] > 0 for r in a)
+    # The KL reference is the policy's base with the adapters off: 0 before the first update, then not
+    assert a[0]["train/kl_ref"] == 0 and a[1]["train/kl_ref"] > 0
     for folder, file in (("final_adapter", "adapter_model.safetensors"), ("final", "model.safetensors")):
         wa, wb = load_file(straight / folder / file), load_file(resumed / folder / file)
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), folder
@@ -201,6 +241,18 @@ def test_a_lora_run_on_two_ranks_resumes_exactly_from_a_checkpoint_of_adapters_a
     saved = dcp.FileSystemReader(str(straight / "checkpoints" / "rollout_1" / "model_optim")).read_metadata()
     tensors = [k for k in saved.state_dict_metadata if not k.startswith("optim.param_groups")]
     assert tensors and all(".lora_A" in k or ".lora_B" in k for k in tensors)  # no base weight, no base moments
+
+
+def test_a_resume_into_other_adapters_stops_with_one_line(runs, tmp_path):
+    import shutil
+
+    base, straight, _ = runs
+    copy = tmp_path / "run"
+    shutil.copytree(straight, copy)
+    proc = launch((base, straight.parent / "train.jsonl"), copy, 2, "--train.num_rollout=3", *RUN, "--lora.rank=8",
+                  check=False)
+    assert proc.returncode != 0
+    assert "was trained with lora.rank=4" in proc.stdout + proc.stderr
 
 
 def trainer_logits(base_dir, adapter_dir, ids: torch.Tensor) -> torch.Tensor:
