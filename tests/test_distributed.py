@@ -63,6 +63,29 @@ def test_main_loop_two_ranks(tmp_path):
         assert row["train/grad_norm"] > 0
 
 
+def test_the_seeds_layout_of_eight_ranks(tmp_path):
+    """The seed's 8 ranks (gloo on CPU): FSDP over all eight, an engine on each, the rollout's groups split over the
+    engines, each prompt's samples generated once, on one engine."""
+    data = tmp_path / "distinct.jsonl"  # 64 different prompts, so that a prompt drawn twice shows
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1)}) + "\n"
+                            for i in range(64)))
+    rows = run_loop(tmp_path, 8, "--train.num_rollout=2", "--reward.user_fn=tests.reward_fns:digit_fraction",
+                    "--log.sample_interval=1", "--rollout.temperature=1.5", f"--data.source={data}")
+    assert [(r["rollout_id"], r["weight_version"]) for r in rows] == [(0, 2), (1, 3)]
+    for row in rows:
+        assert row["rollout/num_samples"] == 8 * 4 and row["train/grad_norm"] > 0
+    for rollout in range(2):
+        samples = [json.loads(line) for line in
+                   (tmp_path / f"run/samples/rollout_{rollout}.jsonl").read_text().splitlines()]
+        groups = {}
+        for s in samples:
+            groups.setdefault(s["group_index"], []).append(s)
+        assert len(groups) == 8 and all(len(g) == 4 for g in groups.values())
+        assert len({g[0]["prompt"] for g in groups.values()}) == 8  # 8 different prompts, none drawn twice
+        # a group's samples are sampled, not copies of one
+        assert all(len({s["response"] for s in g}) > 1 for g in groups.values())
+
+
 def test_main_loop_compiled_blocks_train_as_eager_on_two_ranks(tmp_path):
     """model.compile under FSDP2 on two ranks (compiled block forwards, FSDP2's hooks eager around them): the
     same losses and grad norms as the eager loop over two rollouts, the second trained on the weights the
