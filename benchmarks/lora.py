@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,13 @@ ROWS = [("policy build s", "build_s"), ("rollout tok/s", "perf/rollout_tokens_pe
         ("checkpoint MB", "checkpoint_mb")]
 
 
+# Runs the command and prints the largest resident set of its process tree (each rank waits for what it
+# starts): this process's own children would carry the peak of an earlier variant.
+HOST_PEAK = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+             "print('host peak KiB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+             "sys.exit(code)")
+
+
 def run_variant(name: str, model: str, tokenizer: str, data: Path, nproc: int, overrides: list[str]) -> dict:
     """One loop run; its medians, or {"refused": line} when it stopped with a one-line error."""
     out = ROOT / "runs" / "lora" / name
@@ -58,10 +64,11 @@ def run_variant(name: str, model: str, tokenizer: str, data: Path, nproc: int, o
     if out.exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
     print(f"lora benchmark: {name}: {' '.join(cmd[4:])}", flush=True)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
-    host_peak = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024 / 1e9  # KiB on Linux
+    proc = subprocess.run([sys.executable, "-c", HOST_PEAK, *cmd], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True)
     log = proc.stdout + proc.stderr
+    peak = re.search(r"host peak KiB (\d+)", log)
+    host_peak = int(peak.group(1)) * 1024 / 1e9 if peak else float("nan")
     (ROOT / "runs" / "lora").mkdir(parents=True, exist_ok=True)
     (ROOT / "runs" / "lora" / f"{name}.log").write_text(log)
     if proc.returncode != 0:
