@@ -136,6 +136,10 @@ def test_python_tool_runs_calls_in_the_sandbox():
     response = python_tool.chat_tool_response
     assert env.step(f"Let me compute. {python_call('print(6 * 7)')}", []) == (response("42"), False, 0.0)
     assert env.step('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}', [])[0] == response("1")
+    fenced = '<tool_call>\n```json\n{"name": "python", "arguments": {"code": "print(2)"}}\n```\n</tool_call>'
+    assert env.step(fenced, [])[0] == response("2")
+    assert env.step('<tool_call>{"name": "python", "arguments": {"code": "print(3)"}} and then</tool_call>',
+                    [])[0] == response("3")
     assert "error: the call is not JSON" in env.step("<tool_call>{print(1)}</tool_call>", [])[0]
     assert 'error: the only tool is "python"' in env.step(
         '<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>', [])[0]

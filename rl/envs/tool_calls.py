@@ -3,10 +3,11 @@ built-in tool:
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "12 * 7"}}</tool_call>
 
-A turn's last call counts (a call cut off by the end of the turn is read up to there). A call that cannot be read
-(not JSON, another tool's name, the argument missing or not a string) is the model's mistake: `read_call` turns
-it into an error message the model sees as the tool's response, and the episode goes on. A turn without a call
-is the final answer, scored by math-verify against the row's answer (`tool_step`).
+A turn's last call counts (a call cut off by the end of the turn is read up to there); its JSON may sit in a code
+fence, be followed by other text, and hold its arguments as a JSON string, as small models write them. A call
+that cannot be read (not JSON, another tool's name, the argument missing or not a string) is the model's
+mistake: `read_call` turns it into an error message the model sees as the tool's response, and the episode goes
+on. A turn without a call is the final answer, scored by math-verify against the row's answer (`tool_step`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Callable
 from rl.answers import math_correct
 
 CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+FENCE = re.compile(r"^\s*```[a-z]*\s*|\s*```\s*$")
 
 
 class CallError(ValueError):
@@ -32,8 +34,9 @@ def last_call(text: str) -> str | None:
 
 def read_call(call: str, tool: str, argument: str) -> str:
     """The string argument `argument` of a call to `tool`; CallError, with a message for the model, otherwise."""
+    body = FENCE.sub("", call).strip()  # a JSON object, or one inside a ```json fence
     try:
-        request = json.loads(call.strip())
+        request, _ = json.JSONDecoder().raw_decode(body)  # text after the object is not the call's
     except json.JSONDecodeError as e:
         raise CallError(f"error: the call is not JSON ({e.msg})") from None
     if not isinstance(request, dict) or request.get("name") != tool:
