@@ -125,8 +125,9 @@ def start_up(cfg: Config, dist: parallel.Dist, stop: launch.StopRequests) -> Run
         buffer = RolloutBuffer(cfg.rollout.rollout_batch_size, cfg.rollout.max_staleness)
     checkpointer.attach(learner, dataset, health, buffer)
     start, weight_version = checkpointer.resume()
-    engine = build_engine(cfg.rollout, cfg.model.path, learner.policy.config, dist.device, dist.rank,
-                          cfg.model.batch_invariant)
+    with stop_on_oom("engine start-up", cfg, dist.device):
+        engine = build_engine(cfg.rollout, cfg.model.path, learner.policy.config, dist.device, dist.rank,
+                              cfg.model.batch_invariant)
     checkpointer.restore_rng()  # after the engine build, which seeds the global generators (vLLM does)
     with stop_on_oom("push", cfg, dist.device):
         sync_weights(learner.policy, engine, learner.engine_dtype, cfg.weights.bucket_mb)

@@ -424,7 +424,7 @@ def oom_knobs(phase: str, cfg: Config) -> list[str]:
     """The keys that shrink what `phase` holds, with their values now."""
     ro, tr, model = cfg.rollout, cfg.train, cfg.model
     knobs = []
-    if phase == "rollout":
+    if phase in ("rollout", "engine start-up"):
         if ro.engine == "native":
             knobs += [f"lower rollout.kv_cache_tokens (now {native_kv_tokens(cfg)})",
                       f"lower rollout.max_batch_size (now {ro.max_batch_size})"]
@@ -438,7 +438,7 @@ def oom_knobs(phase: str, cfg: Config) -> list[str]:
         knobs.append(f"lower weights.bucket_mb (now {cfg.weights.bucket_mb:g})")
         if ro.engine == "vllm":  # the push ends with the engine's KV cache mapped back
             knobs.append(vllm_memory_knob(ro))
-    if phase in ("rollout", "push") and not tr.offload:
+    if phase in ("rollout", "push", "engine start-up") and not tr.offload:
         knobs.append("train.offload=true")
     if phase in ("train", "push") and ro.sleep_level == 0:
         knobs.append("rollout.sleep_level=2")
@@ -452,10 +452,12 @@ def vllm_memory_knob(ro) -> str:
 
 
 def is_device_oom(error: BaseException) -> bool:
-    """PyTorch's OutOfMemoryError, or the RuntimeError an allocator outside PyTorch's raises (vLLM's sleep-mode
-    allocator: "CUDA Error: out of memory at .../cumem_allocator.cpp")."""
+    """PyTorch's OutOfMemoryError, or the RuntimeError an allocator outside PyTorch's raises: vLLM's sleep-mode
+    allocator ("CUDA Error: out of memory at .../cumem_allocator.cpp") and the native engine's address-keeping
+    memory ("cuMemCreate of 12.38 GiB on cuda:0 failed: CUDA_ERROR_OUT_OF_MEMORY", rl/rollout/vmem.py)."""
+    text = str(error).lower()
     return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+        isinstance(error, RuntimeError) and ("out of memory" in text or "out_of_memory" in text))
 
 
 def oom_message(phase: str, cfg: Config, in_use: dict[str, float] | None) -> str:

@@ -215,6 +215,13 @@ def test_vllms_out_of_memory_at_wake_up_is_the_same_one_line_naming_its_cache():
     assert str(e.value).startswith("out of device memory in the push phase (memory in use unknown): lower "
                                    "weights.bucket_mb")
     assert "lower rollout.gpu_memory_utilization (now 0.35), train.offload=true" in str(e.value)
+    # the native engine's memory that keeps its addresses (rl/rollout/vmem.py), at start-up or at a wake-up
+    native = seed_batch(offload=False)
+    with pytest.raises(RunStopped) as e, memory.stop_on_oom("engine start-up", native, torch.device("cpu")):
+        raise RuntimeError("cuMemCreate of 12.38 GiB on cuda:0 failed: CUDA_ERROR_OUT_OF_MEMORY")
+    assert str(e.value).startswith("out of device memory in the engine start-up phase (memory in use unknown): lower "
+                                   "rollout.kv_cache_tokens")
+    assert "train.offload=true" in str(e.value)
 
 
 def test_the_vllm_engine_gives_back_the_trainers_cached_blocks_before_it_maps_memory_back(monkeypatch):
