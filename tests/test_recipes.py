@@ -3,6 +3,7 @@ the answers of the data it names (generated offline, or a small folder laid out 
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ def test_every_recipe_loads_validates_and_is_in_the_readme():
     for path in RECIPES:
         cfg = load_config(["--config", str(path)])
         assert cfg.model.path and cfg.data.source and cfg.log.output_dir == f"runs/{path.stem}"
-        assert "Not yet measured here" in path.read_text()  # until a run here gives it a number
+        text = path.read_text()  # the figure it reached here, or that it has none yet
+        assert "Not yet measured here" in text or re.search(r"Measured on one H200 .* -> ", text, re.DOTALL)
         assert f"configs/recipes/{path.name}" in readme
 
 
