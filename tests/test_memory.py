@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 from rl import launch, main, memory
 from rl.config import ConfigError, RunStopped, config_from_dict
-from rl.memory import GB, ModelShape, Models
+from rl.memory import FP32, GB, ModelShape, Models
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = 141e9
@@ -286,3 +286,33 @@ def test_the_readme_shows_the_line_the_plan_prints():
     with pytest.raises(ConfigError) as e:
         memory.check_fits(seed_batch(), shapes("qwen2.5-7b"), 1, H200)
     assert shown == f"rl: error: {e.value}"
+
+
+def test_the_plan_against_what_the_tiny_model_holds():
+    """The plan's counts against the tensors a real model holds: its parameters, AdamW's state after a step (16
+    bytes a parameter in fp32), and the activations its forward saves for backward (by PyTorch's own hooks, every
+    storage once), within 20% (no gradient checkpointing, fp32 on the CPU, SDPA attention)."""
+    from rl.memory import activation_bytes, num_params
+    from tests.tiny import tiny_model
+
+    model = tiny_model(0)
+    shape = ModelShape.from_hf(model.config)
+    assert num_params(shape) == sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.randint(0, model.config.vocab_size, (1, 16))).logits.float().pow(2).mean().backward()
+    optimizer.step()
+    state = sum(t.nbytes for p in model.parameters() for t in (p, p.grad, *(v for v in optimizer.state[p].values()
+                                                                            if v.dim() > 0)))
+    assert state == 16 * num_params(shape)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for tokens in (64, 256):
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.model(input_ids=torch.randint(0, model.config.vocab_size, (1, tokens)))
+        measured = sum(n for ptr, n in saved.items() if ptr not in weights)
+        assert abs(activation_bytes(shape, tokens, FP32, checkpointing=False) / measured - 1) < 0.2, (tokens, measured)
