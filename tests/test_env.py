@@ -135,11 +135,20 @@ def test_python_tool_runs_calls_in_the_sandbox():
     env = python_tool.PythonTool("42", timeout_s=1.0)
     response = python_tool.chat_tool_response
     assert env.step(f"Let me compute. {python_call('print(6 * 7)')}", []) == (response("42"), False, 0.0)
-    assert env.step('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}', [])[0] == response("1")
+    as_string = '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+    assert env.step(as_string, [])[0] == response("1")
     fenced = '<tool_call>\n```json\n{"name": "python", "arguments": {"code": "print(2)"}}\n```\n</tool_call>'
     assert env.step(fenced, [])[0] == response("2")
     assert env.step('<tool_call>{"name": "python", "arguments": {"code": "print(3)"}} and then</tool_call>',
                     [])[0] == response("3")
+    # a call without the tags (in a fence, as the whole turn, a list of one) ends the model's turn itself
+    untagged = ['```json\n{"name": "python", "arguments": {"code": "print(4)"}}\n```',
+                '{"name": "python", "arguments": {"code": "print(4)"}}',
+                'I will compute.\n```\n[{"name": "python", "arguments": {"code": "print(4)"}}]\n```']
+    for text in untagged:
+        assert env.step(text, []) == (response("4", turn_open=False), False, 0.0), text
+    assert response("4", turn_open=False) == response("4")[len("<|im_end|>"):]
+    assert env.step('```json\n{"name": "add", "arguments": {"a": 40, "b": 2}}\n```\n\\boxed{42}', []) == ("", True, 1.0)
     assert "error: the call is not JSON" in env.step("<tool_call>{print(1)}</tool_call>", [])[0]
     assert 'error: the only tool is "python"' in env.step(
         '<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>', [])[0]

@@ -38,7 +38,7 @@ class Calculator:
 
     def step(self, text: str, tokens: list[int]) -> tuple[str, bool, float]:
         return tool_step(text, self.label, "calculator", "expression", calculate,
-                         lambda response: f"\n<tool_response>{response}</tool_response>\n")
+                         lambda response, _: f"\n<tool_response>{response}</tool_response>\n")
 
 
 def calculate(expression: str) -> str:

@@ -82,7 +82,8 @@ def clipped(text: str, limit: int) -> str:
     return f"{text[:half]}\n[... {len(text) - 2 * half} characters ...]\n{text[-half:]}"
 
 
-def chat_tool_response(response: str) -> str:
-    """A tool message as Qwen2.5's chat template renders it, between the model's call and its next turn."""
-    return (f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{response}\n</tool_response><|im_end|>\n"
-            "<|im_start|>assistant\n")
+def chat_tool_response(response: str, turn_open: bool = True) -> str:
+    """A tool message as Qwen2.5's chat template renders it, between the model's call and its next turn; the
+    model's turn closed first unless its end-of-turn token already closed it (`turn_open` false)."""
+    return (f"{'<|im_end|>' if turn_open else ''}\n<|im_start|>user\n<tool_response>\n{response}\n"
+            "</tool_response><|im_end|>\n<|im_start|>assistant\n")
