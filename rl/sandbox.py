@@ -226,7 +226,8 @@ def communicate(proc: subprocess.Popen, stdin: bytes, deadline: float) -> Sandbo
     kept, sizes = {out_fd: bytearray(), err_fd: bytearray()}, {out_fd: 0, err_fd: 0}
     timed_out, sent = False, 0
     with selectors.DefaultSelector() as selector:
-        for fd, event in ((out_fd, selectors.EVENT_READ), (err_fd, selectors.EVENT_READ), (in_fd, selectors.EVENT_WRITE)):
+        for fd, event in ((out_fd, selectors.EVENT_READ), (err_fd, selectors.EVENT_READ),
+                          (in_fd, selectors.EVENT_WRITE)):
             os.set_blocking(fd, False)
             selector.register(fd, event)
         while selector.get_map():

@@ -1,12 +1,12 @@
 """Guess the number, a multi-turn game with feedback each turn: `env.fn = "rl.envs.guess_number:make_env"`.
 
 The row's answer is the secret, its `low` and `high` columns the range (1 and 100 when absent), `max_guesses` the
-guesses allowed (7 when absent: enough for a binary search of 1..100, as `rows` gives each range). Each model turn is a guess, its last whole
-number; the game answers "<n> is too low." or "<n> is too high." as a user turn, in ChatML (the model's turn
-ended with its end-of-turn token, so no env.stop is needed), until the model names the secret (reward 1) or runs
-out of guesses (reward 0). A turn without a number, or one outside the range, costs a guess and is told so.
-A model learns to halve the range it was told; one that guesses at random finds the secret in 7 guesses of 1..100
-about 7% of the time. env.max_turns should be at least the rows' max_guesses.
+guesses allowed (7 when absent: enough for a binary search of 1..100, as `rows` gives each range). Each model turn
+is a guess, its last whole number; the game answers "<n> is too low." or "<n> is too high." as a user turn, in
+ChatML (the model's turn ended with its end-of-turn token, so no env.stop is needed), until the model names the
+secret (reward 1) or runs out of guesses (reward 0). A turn without a number, or one outside the range, costs a
+guess and is told so. A model learns to halve the range it was told; one that guesses at random finds the secret
+in 7 guesses of 1..100 about 7% of the time. env.max_turns should be at least the rows' max_guesses.
 
 Rows, offline: `python -m rl.envs.guess_number DIR` writes DIR/train.jsonl and DIR/eval.jsonl (`rows`, seeded).
 """
