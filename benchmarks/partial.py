@@ -37,7 +37,8 @@ MODES = {
 }
 
 
-def write_data(out: Path) -> None:
+def write_data(out: Path, columns: dict | None = None) -> None:
+    """gsm_symbolic rows as `prompt` and `answer`, with `columns` added to every row."""
     import reasoning_gym
 
     out.mkdir(parents=True, exist_ok=True)
@@ -46,7 +47,7 @@ def write_data(out: Path) -> None:
         rows = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
         with (out / f"{name}.jsonl").open("w") as f:
             for row in rows:
-                f.write(json.dumps({"prompt": row["question"], "answer": row["answer"]}) + "\n")
+                f.write(json.dumps({"prompt": row["question"], "answer": row["answer"], **(columns or {})}) + "\n")
     print(f"wrote {out}/train.jsonl (4000) and {out}/eval.jsonl (128)")
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from rl.envs.python_tool import SYSTEM_PROMPT  # noqa: E402
 
@@ -30,17 +31,10 @@ PHASES = ["perf/rollout_s", "perf/env_s", "perf/reward_s", "perf/train_s", "perf
 
 
 def write_data(out: Path) -> None:
-    import reasoning_gym
+    """benchmarks/partial.py's gsm_symbolic rows (the same seeds), each with the tool's system prompt."""
+    from partial import write_data as write_gsm_rows
 
-    out.mkdir(parents=True, exist_ok=True)
-    # Training items from seed 1234 on, eval items from 1000000 on: no overlap (benchmarks/partial.py's seeds).
-    for name, size, seed in (("train", 4000, 1234), ("eval", 128, 1000000)):
-        rows = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
-        with (out / f"{name}.jsonl").open("w") as f:
-            for row in rows:
-                f.write(json.dumps({"prompt": row["question"], "answer": row["answer"], "system": SYSTEM_PROMPT})
-                        + "\n")
-    print(f"wrote {out}/train.jsonl (4000) and {out}/eval.jsonl (128)")
+    write_gsm_rows(out, {"system": SYSTEM_PROMPT})
 
 
 def smoke(data: Path, out: Path, model: Path | None) -> None:
