@@ -31,12 +31,13 @@ between the two renames at `.OUT.old-*`), never a half folder.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import secrets
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -97,41 +98,41 @@ def write_hf_folder(tensors: Iterable[tuple[str, torch.Tensor]], hf_sources: lis
     tokenizer files found in `hf_sources` (the first folder that has a file wins), and the marker naming
     `source`. `out` must be missing, empty or an earlier export (see `check_out`). The folder appears whole:
     it is written under a temporary sibling name and renamed."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = hidden_sibling(out, "tmp")
-    tmp.mkdir()
-    try:
+    with written_whole(out) as tmp:
         write_weights(tensors, tmp, shard_bytes)
         copy_hf_files(hf_sources, tmp)
         set_config_dtype(tmp, dtype)
         (tmp / MARKER).write_text(json.dumps({"source": source, "dtype": dtype_label(dtype)}, indent=2))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    move_into_place(tmp, out)
-    return out
+    return Path(out)
 
 
 def write_adapter_folder(tensors: Iterable[tuple[str, torch.Tensor]], lora: LoraConfig, base_model: str, out: Path,
                          dtype: torch.dtype, source: str) -> Path:
     """Writes LoRA's (name, full tensor) pairs in the layout PEFT loads: adapter_model.safetensors under PEFT's
     names and adapter_config.json naming `base_model`, with the marker; written aside and renamed like an export."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = hidden_sibling(out, "tmp")
-    tmp.mkdir()
-    try:
+    with written_whole(out) as tmp:
         save_file({peft_name(n): t.detach().to("cpu", dtype).contiguous() for n, t in tensors},
                   str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, base_model), indent=2))
         (tmp / MARKER).write_text(json.dumps({"source": source, "dtype": dtype_label(dtype), "adapter": True},
                                              indent=2))
+    return Path(out)
+
+
+@contextlib.contextmanager
+def written_whole(out: Path) -> Iterator[Path]:
+    """A temporary sibling of `out` to write a folder into, renamed to `out` when the block ends (move_into_place)
+    and removed when it raises: a folder at `out` is always whole."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = hidden_sibling(out, "tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     move_into_place(tmp, out)
-    return out
 
 
 def move_into_place(new: Path, out: Path) -> None:
