@@ -31,9 +31,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from rl.config import ConfigError, LoraConfig
+from rl.parallel import copy_own_rows
 
 
 class LoRALinear(torch.nn.Module):
@@ -110,20 +110,8 @@ def init_adapters(model: torch.nn.Module, seed: int) -> None:
         for layer in adapted_layers(model).values():
             a = torch.empty(layer.rank, layer.in_features)
             torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-            _copy_full(layer.lora_A, a)
-            _copy_full(layer.lora_B, torch.zeros(layer.out_features, layer.rank))
-
-
-def _copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copies `full` into `target`, or into this rank's rows of it when it is an FSDP2 Shard(0) DTensor."""
-    if not isinstance(target, DTensor):
-        target.copy_(full)
-        return
-    local = target.to_local()
-    rows = math.ceil(full.shape[0] / target.device_mesh.size())
-    start = target.device_mesh.get_local_rank() * rows
-    if local.shape[0]:
-        local.copy_(full[start : start + local.shape[0]])
+            copy_own_rows(layer.lora_A, a)
+            copy_own_rows(layer.lora_B, torch.zeros(layer.out_features, layer.rank))
 
 
 @contextlib.contextmanager

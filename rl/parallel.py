@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 # The parent as this process first saw it, read at import (before anything slow): when the launcher
 # dies before the parent-death signal is armed, the parent has changed by the time it is.
@@ -225,3 +226,25 @@ def balanced_partition(costs: list[float], parts: int) -> list[list[int]]:
         for item in skipped:
             heapq.heappush(heap, item)
     return [sorted(part) for part in out]
+
+
+def own_rows(target: torch.Tensor) -> tuple[int, int]:
+    """(first row, rows) of a tensor that this rank holds: FSDP2 shards dim 0 like torch.chunk."""
+    if not isinstance(target, DTensor):
+        return 0, target.shape[0]
+    mesh, local = target.device_mesh, target.to_local()
+    rows = math.ceil(target.shape[0] / mesh.size())
+    start = mesh.get_local_rank() * rows
+    if local.shape[0] != max(0, min(rows, target.shape[0] - start)):
+        raise ValueError(f"local shard {list(local.shape)} is not rows {start}.. of {list(target.shape)} split "
+                         f"like torch.chunk over {mesh.size()} ranks")
+    return start, local.shape[0]
+
+
+def copy_own_rows(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copies the rows of the whole tensor `full` that this rank holds of `target` (all of them when `target` is
+    not sharded) into it."""
+    start, rows = own_rows(target)
+    if rows:
+        (target.to_local() if isinstance(target, DTensor) else target).copy_(full[start : start + rows])
+

@@ -13,7 +13,6 @@ have) stops the run instead of being randomly initialised with a warning.
 from __future__ import annotations
 
 import json
-import math
 import re
 import zlib
 from pathlib import Path
@@ -25,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rl.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
+from rl.parallel import copy_own_rows, own_rows
 from rl.invariant import make_batch_invariant
 from rl.lora import adapter_names, apply_lora, init_adapters, trainable
 from rl.rollout import derive_seed
@@ -105,21 +105,7 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float, skip: set
                 whole.normal_(0.0, std, generator=generator)
             else:
                 whole.fill_(0.0 if name.endswith("bias") else 1.0)
-            start, rows = own_rows(target)
-            local.copy_(whole[start : start + rows])
-
-
-def own_rows(target: torch.Tensor) -> tuple[int, int]:
-    """(first row, rows) of a tensor that this rank holds: FSDP2 shards dim 0 like torch.chunk."""
-    if not isinstance(target, DTensor):
-        return 0, target.shape[0]
-    mesh, local = target.device_mesh, target.to_local()
-    rows = math.ceil(target.shape[0] / mesh.size())
-    start = mesh.get_local_rank() * rows
-    if local.shape[0] != max(0, min(rows, target.shape[0] - start)):
-        raise ValueError(f"local shard {list(local.shape)} is not rows {start}.. of {list(target.shape)} split "
-                         f"like torch.chunk over {mesh.size()} ranks")
-    return start, local.shape[0]
+            copy_own_rows(target, whole)
 
 
 def weight_files(path: str) -> list[Path]:
