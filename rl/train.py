@@ -193,8 +193,8 @@ def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_s
     With train.packing, each micro-batch is one packed row instead (rl/packing.py).
 
     Samples whose Sample.index is in `skip` (`skippable_samples`: they add nothing to the loss) run no pass
-    (but for the few that even out the ranks' counts), and still count in the step's token and sequence totals: the loss divides by the same numbers as
-    without the skip, so the gradient is the same.
+    (but for the few that even out the ranks' counts), and still count in the step's token and sequence
+    totals: the loss divides by the same numbers as without the skip, so the gradient is the same.
 
     Every rank holds the whole rollout, so each one computes every rank's cut and pads its own list
     to the longest with zero-loss copies of a real micro-batch: FSDP's collectives need all ranks
