@@ -96,7 +96,8 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float, skip: set
             continue
         seen.add(id(target))
         if not isinstance(target, torch.nn.Parameter):
-            raise ValueError(f"random init: {name} is a saved buffer, which has no random value to take")
+            raise ConfigError(f"model.random_init: the model has a saved buffer {name}, which has no random value to "
+                              f"take; load its weights instead (model.random_init=false)")
         local = target.to_local() if isinstance(target, DTensor) else target
         generator = torch.Generator(local.device).manual_seed(derive_seed(seed, zlib.crc32(name.encode())))
         with torch.no_grad():

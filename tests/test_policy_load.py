@@ -64,3 +64,11 @@ def test_missing_and_unexpected_weights_stop_with_their_names(results):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
 def test_batch_invariant_patch_on_the_meta_model(results):
     assert all(rank["batch_invariant"]["logits_max_diff"] == 0.0 for rank in results)
+
+
+def test_random_init_of_a_model_with_saved_buffers_is_one_line():
+    from rl.config import ConfigError
+    from rl.policy import init_random_weights
+
+    with pytest.raises(ConfigError, match=r"^model.random_init: the model has a saved buffer running_mean"):
+        init_random_weights(torch.nn.BatchNorm1d(3), 0, 0.02)
