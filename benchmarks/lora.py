@@ -7,9 +7,10 @@ train MFU, weight push time, step time, peak device and host memory.
 
 On GPUs each variant runs the seed's scenario of `benchmarks/loop.sh` (32 prompts x 8 samples, prompts <= 512
 tokens, responses <= 1024, micro-batches of 32768 tokens, compiled blocks, gradient checkpointing, the training
-state offloaded while the engine runs) on `--gpus` ranks: full-parameter, then LoRA of `--rank` on the attention
-and MLP projections, each with every engine of `--engines`. A variant whose memory plan does not fit is not run:
-its row shows the plan's one line (7B full-parameter on one H200 is refused that way). `--random-init` takes a
+state offloaded while the engine runs) on `--gpus` ranks: full-parameter, full-parameter with AdamW's moments in
+host memory (`train.optimizer_offload`), then LoRA of `--rank` on the attention and MLP projections, each with every
+engine of `--engines`. A variant whose memory plan does not fit is not run: its row shows the plan's one line (7B
+full-parameter on one H200 is refused that way, and runs with the moments in host memory). `--random-init` takes a
 config-only folder (configs/models/...) with random weights; without `--tokenizer` a word-level one is written
 for the prompts. Medians are over every rollout but the first (compiles, captures graphs, pins host memory). The
 MFU counts the full model's FLOPs per token (6N) in both columns: LoRA skips the base's weight gradients, so its
@@ -136,8 +137,8 @@ def main(argv: list[str]) -> None:
         engine_keys = ["--rollout.engine=vllm", "--rollout.gpu_memory_utilization=0.3"] if engine == "vllm" else []
         if engine == "vllm" and args.smoke:
             engine_keys = ["--rollout.engine=vllm", "--rollout.kv_cache_memory_bytes=33554432"]
-        for variant, keys in (("full", []), (f"lora{args.rank}", [f"--lora.rank={args.rank}",
-                                                                   f"--lora.alpha={2 * args.rank}"])):
+        for variant, keys in (("full", []), ("full-host-adamw", ["--train.optimizer_offload=true"]),
+                              (f"lora{args.rank}", [f"--lora.rank={args.rank}", f"--lora.alpha={2 * args.rank}"])):
             name = f"{Path(args.model).name}-{args.gpus if not args.smoke else 'cpu'}-{engine}-{variant}"
             results[name] = run_variant(name, args.model, tokenizer, data, nproc, [*common, *engine_keys, *keys])
     print(table(results))

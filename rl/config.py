@@ -214,6 +214,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     offload: bool = False  # park parameters and optimizer state in host memory while the engine runs
+    # AdamW's moments (8 bytes per trained parameter) live in pinned host memory and stream through the device in
+    # chunks at each optimizer step (rl/host_adamw.py): 7B full-parameter training on one H200 (README "Memory")
+    optimizer_offload: bool = False
     # On CUDA the start-up memory plan (README "Memory") refuses a run whose estimated peak does not fit one
     # device, naming the keys that would make it fit; false prints the plan and runs anyway (an estimate is wrong)
     memory_check: bool = True

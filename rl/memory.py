@@ -7,8 +7,9 @@ gathered compute-dtype copy, the activations and logits of the largest micro-bat
 KV cache and working memory, the reference and the critic.
 Which of them share the device follows the loop (DESIGN.md, "Memory choreography"): the engine sleeps
 while the learner trains (`rollout.sleep_level`), the training state leaves the device while the engine
-runs only with `train.offload`. On CUDA a plan that cannot fit stops the run before any weights load,
-with one line naming the keys that would make it fit and by how much.
+runs only with `train.offload`, and AdamW's moments stay in host memory with `train.optimizer_offload`. On
+CUDA a plan that cannot fit stops the run before any weights load, with one line naming the keys that would
+make it fit and by how much; so does one whose pinned host memory would not fit the node.
 
 The counts are of the tensors each phase holds at its peak, not a measurement: the allocator's
 fragmentation, the CUDA context and the communication buffers are covered by a reserve of the device
@@ -20,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from rl.config import Config, ConfigError, RunStopped
+from rl.host_adamw import CHUNK_ELEMENTS
 from rl.parallel import print0
 from rl.rollout import engine_dtype
 from rl.rollout.native import PAGE_SIZE, PREFILL_TOKENS, kv_cache_pages
@@ -34,6 +37,7 @@ from rl.train import FUSED_LOGPROBS, LOGPROB_CHUNK_BYTES
 GB = 1e9  # as the memory/ metrics count
 RESERVE = 0.05  # of the device, kept out of the plan: CUDA context, NCCL and cuBLAS workspaces, fragmentation
 FP32 = 4
+HOST_SHARE = 0.85  # of the host's memory that pinned buffers may take: the rest for the ranks' processes and files
 
 
 @dataclass(frozen=True)
@@ -223,13 +227,16 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
     adapters = s.num_layers * lora_block_params(s, lora.rank, lora.target_modules) if lora.rank else 0
     shard = FP32 * (num_params(s) + adapters) / dp
     trained = FP32 * adapters / dp if lora.rank else shard  # LoRA: the frozen base has no gradients nor moments
-    resting = {"policy params": shard, "policy AdamW": 2 * trained}  # gradients are freed by each step
+    # gradients are freed by each step; train.optimizer_offload keeps the moments in host memory
+    resting = {"policy params": shard, **({} if cfg.train.optimizer_offload else {"policy AdamW": 2 * trained})}
     engine = engine_terms(cfg, s, eb, device_total)
     kept = {k: engine[k] for k in ("engine weights", "KV cache")} if ro.sleep_level == 0 else {}
     critic = {}
     if models.critic is not None:  # its own AdamW; built with reshard_after_forward false (rl/critic.py)
         c_shard = FP32 * num_params(models.critic) / dp
-        critic = {"resting": 3 * c_shard, "training": 3 * c_shard + grad_bytes(models.critic, dp, b)
+        c_state = c_shard * (1 if cfg.train.optimizer_offload else 3)
+        critic = {"resting": c_state, "training": c_state + grad_bytes(models.critic, dp, b)
+                  + stream_bytes(cfg, c_shard)
                   + gathered_bytes(models.critic, b, False)
                   + activation_bytes(models.critic, tokens, b, cfg.model.gradient_checkpointing)
                   + logits_bytes(models.critic, tokens, b, True)}
@@ -247,7 +254,8 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
     if lora.rank:
         activations += lora_activation_bytes(s, tokens, b, cfg.model.gradient_checkpointing, lora.rank,
                                              lora.target_modules, lora.dropout > 0)
-    plan["train"] = {**resting, "policy grads": grads, **critic_resting, **kept,
+    streamed = {"AdamW stream": stream_bytes(cfg, trained)} if cfg.train.optimizer_offload else {}
+    plan["train"] = {**resting, "policy grads": grads, **streamed, **critic_resting, **kept,
                      "policy gathered": gathered_bytes(s, b, cfg.model.reshard_after_forward),
                      "activations": activations,
                      "logits": logits_bytes(s, tokens, b, FUSED_LOGPROBS and device_type == "cuda")}
@@ -257,6 +265,30 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
                     "push buckets": push_bytes(s, int(cfg.weights.bucket_mb * 2**20), eb, dp),
                     **({"KV cache": engine["KV cache"]} if ro.sleep_level == 0 else {})}
     return plan
+
+
+def stream_bytes(cfg: Config, trained_bytes: float) -> float:
+    """rl/host_adamw.py's device buffers for moments streamed from host memory: two chunks of two moments."""
+    return 4 * FP32 * min(CHUNK_ELEMENTS, trained_bytes / FP32) if cfg.train.optimizer_offload else 0.0
+
+
+def host_plan(cfg: Config, models: Models, world_size: int) -> dict[str, float]:
+    """What one rank keeps in pinned host memory at most: the moments with train.optimizer_offload, the parked
+    training state with train.offload (parameters, and moments still on the device otherwise), the reference
+    parked between its passes (rl/reference.py)."""
+    s, dp, lora = models.policy, world_size, cfg.lora
+    adapters = s.num_layers * lora_block_params(s, lora.rank, lora.target_modules) if lora.rank else 0
+    shard = FP32 * (num_params(s) + adapters) / dp
+    trained = FP32 * adapters / dp if lora.rank else shard
+    critic = FP32 * num_params(models.critic) / dp if models.critic is not None else 0.0
+    out = {}
+    if cfg.train.optimizer_offload:
+        out["AdamW moments"] = 2 * (trained + critic)
+    if cfg.train.offload:
+        out["parked training state"] = shard + critic + (0 if cfg.train.optimizer_offload else 2 * (trained + critic))
+    if models.reference is not None:
+        out["reference"] = FP32 * num_params(models.reference) / dp
+    return out
 
 
 def peaks(plan: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -314,7 +346,7 @@ def _with(cfg: Config, section: str, **values) -> Config:
 
 
 SWITCHES = (("model", "gradient_checkpointing", True), ("model", "reshard_after_forward", True),
-            ("rollout", "sleep_level", 2), ("train", "offload", True))
+            ("rollout", "sleep_level", 2), ("train", "offload", True), ("train", "optimizer_offload", True))
 
 
 def fixes(cfg: Config, need_of, world_size: int, usable: float) -> list[str]:
@@ -406,6 +438,26 @@ def check_memory_plan(cfg: Config, hf_config, world_size: int, device: torch.dev
     print0(plan_table(plan_memory(cfg, models, world_size, "cuda", total), total))
     if cfg.train.memory_check:
         check_fits(cfg, models, world_size, total)
+    check_host(cfg, models, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+               os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def check_host(cfg: Config, models: Models, world_size: int, local_ranks: int, host_total: float) -> None:
+    """Prints what the node's ranks pin in host memory; raises ConfigError, one line, when it passes HOST_SHARE of
+    the host's memory (the kernel would kill a rank mid-run instead)."""
+    per_rank = host_plan(cfg, models, world_size)
+    if not per_rank:
+        return
+    need = sum(per_rank.values()) * local_ranks
+    parts = ", ".join(f"{k} {v * local_ranks / GB:.1f}" for k, v in per_rank.items())
+    print0(f"host memory plan per node: {need / GB:.1f} GB pinned by {local_ranks} rank{'s' * (local_ranks > 1)} "
+           f"({parts}) of {host_total / GB:.1f} GB")
+    if cfg.train.memory_check and need > HOST_SHARE * host_total:
+        knobs = [f"train.{k}=false" for k in ("offload", "optimizer_offload") if getattr(cfg.train, k)]
+        raise ConfigError(f"memory plan: the ranks of a node would pin {need / GB:.1f} GB of host memory ({parts}), "
+                          f"more than {HOST_SHARE:.0%} of the host's {host_total / GB:.1f} GB; to fit: "
+                          + "; ".join(knobs + ["more nodes (the state shards over them)", "or train.memory_check="
+                                               "false to run anyway if the estimate is wrong"]))
 
 
 # ---------------------------------------------------------------------------- an out-of-memory error mid-run

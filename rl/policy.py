@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rl.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
+from rl.host_adamw import HostAdamW, PinnedArena
 from rl.parallel import copy_own_rows, own_rows
 from rl.invariant import make_batch_invariant
 from rl.lora import adapter_names, apply_lora, init_adapters, trainable
@@ -243,12 +244,15 @@ def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_ch
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool | None = None):
     """AdamW over the parameters that train (with LoRA the adapters alone: the frozen base gets no moments), and
-    its warm-up schedule. `fused` (default: on CUDA) takes torch's single-kernel AdamW, 2% of the train step
+    its warm-up schedule; with train.optimizer_offload its moments live in host memory (rl/host_adamw.py). `fused` (default: on CUDA) takes torch's single-kernel AdamW, 2% of the train step
     faster than the multi-tensor one at 1.5B on one H200 (benchmarks/ARCHIVE.md)."""
     if fused is None:
         fused = next(model.parameters()).device.type == "cuda"
-    optimizer = torch.optim.AdamW(trainable(model), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay, fused=fused)
+    hyper = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    if cfg.optimizer_offload:  # the moments in host memory, streamed through the device at each step
+        optimizer = HostAdamW(trainable(model), **hyper)
+    else:
+        optimizer = torch.optim.AdamW(trainable(model), fused=fused, **hyper)
     warmup = cfg.lr_warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
@@ -259,20 +263,18 @@ class HostOffloader:
     """Moves one model's FSDP2 shards and optimizer state (the policy's, the critic's; the frozen reference has
     no optimizer) between the GPU and host memory around rollout.
 
-    Host copies live in pinned buffers allocated on the first offload and reused after, so both
-    directions run at copy-engine speed (pageable `model.to("cpu")` moved 1.5B's 18 GB of training
-    state at ~4 GB/s) and no host allocation happens per step. The buffers are cut from large pinned
-    arenas: torch's pinned allocator rounds every request up to a power of two, up to 2x the host
-    memory if each tensor asked for its own. Parameters move through `Module._apply`, so FSDP2
-    re-links its sharded storage exactly as it does for `model.to`. On a CPU run nothing moves.
+    Host copies live in pinned buffers (rl/host_adamw.py's PinnedArena) allocated on the first offload and
+    reused after, so both directions run at copy-engine speed (pageable `model.to("cpu")` moved 1.5B's
+    18 GB of training state at ~4 GB/s) and no host allocation happens per step. Parameters move
+    through `Module._apply`, so FSDP2 re-links its sharded storage exactly as it does for `model.to`.
+    Moments that already live in host memory (train.optimizer_offload) stay where they are. On a CPU run
+    nothing moves.
     """
 
-    ARENA_BYTES = 1 << 30
-
-    def __init__(self, model: torch.nn.Module, optimizer=None):  # no optimizer: a frozen model (the reference)
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: torch.nn.Module, optimizer=None, arena: PinnedArena | None = None):
+        self.model, self.optimizer = model, optimizer  # no optimizer: a frozen model (the reference)
         self.host: dict[tuple, torch.Tensor] = {}
-        self.arena, self.arena_used = torch.empty(0, dtype=torch.uint8), 0
+        self.arena = arena or PinnedArena()
 
     def offload(self) -> None:
         self._move(torch.device("cpu"))
@@ -287,7 +289,8 @@ class HostOffloader:
             self.optimizer.zero_grad(set_to_none=True)  # gradients are dead after the step: never copied
         order = iter(range(1 << 62))
         self.model._apply(lambda t: self._moved(("module", next(order)), t, device))
-        for i, state in enumerate(self.optimizer.state.values() if self.optimizer is not None else ()):
+        moments = self.optimizer is not None and not getattr(self.optimizer, "keeps_state_on_host", False)
+        for i, state in enumerate(self.optimizer.state.values() if moments else ()):
             for key, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0:  # Adam's 0-dim `step` stays on the host
                     state[key] = self._moved(("optim", i, key), value, device)
@@ -308,21 +311,8 @@ class HostOffloader:
         else:
             buf = self.host.get(key)
             if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-                buf = self.host[key] = self._pinned(local.shape, local.dtype)
+                buf = self.host[key] = self.arena.take(local.shape, local.dtype)
             moved = buf.copy_(local, non_blocking=True)
         if isinstance(t, DTensor):  # same spec, new local tensor (from_local would move it to the mesh's device)
             return DTensor(moved, t._spec, requires_grad=t.requires_grad)
         return moved
-
-    def _pinned(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = shape.numel() * dtype.itemsize
-        if self.arena_used + nbytes > self.arena.numel():
-            size = max(self.ARENA_BYTES, 1 << max(nbytes - 1, 1).bit_length())  # what the allocator grants
-            self.arena, self.arena_used = self._new_arena(size), 0
-        view = self.arena[self.arena_used : self.arena_used + nbytes].view(dtype).view(shape)
-        self.arena_used += -(-nbytes // 512) * 512  # keep every buffer aligned
-        return view
-
-    @staticmethod
-    def _new_arena(size: int) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)

@@ -88,8 +88,55 @@ def main(out_dir: str) -> None:
         lp, _ = token_logprobs(model, new, 1.0)
     model.reshard()
     results["rollout_vs_train_after"] = float(((lp - new.rollout_logprobs).abs() * new.loss_mask).max())
+    results |= host_adamw_checks(d, Path(out_dir))
     (Path(out_dir) / f"results{d.rank}.json").write_text(json.dumps(results))
     parallel.teardown()
+
+
+def host_adamw_checks(d, out: Path) -> dict:
+    """train.optimizer_offload's AdamW on uneven shards, its chunks cutting parameters apart: the same steps as
+    torch's AdamW, and checkpoints that load across the two (moments offloaded or not) and train on identically."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from rl.checkpoint import _options, _state_dicts
+    from rl.host_adamw import HostAdamW
+
+    def fresh(host: bool):
+        model = shard_policy(tiny_model(seed=3, vocab_size=259), d.mesh, d.device, gradient_checkpointing=False)
+        kwargs = dict(lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1)
+        optimizer = HostAdamW(model.parameters(), chunk_elements=997, **kwargs) if host else \
+            torch.optim.AdamW(model.parameters(), foreach=False, **kwargs)
+        return model, optimizer
+
+    def steps(model, optimizer, seeds):
+        for seed in seeds:
+            ids = torch.randint(0, 259, (2, 9), generator=torch.Generator().manual_seed(seed * 10 + d.rank))
+            model(input_ids=ids).logits.float().pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.param_groups[0]["lr"] *= 0.5  # a schedule: each step its own rate
+
+    def same(a, b) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(training_state(*a), training_state(*b)))
+
+    plain, host = fresh(False), fresh(True)
+    for run in (plain, host):
+        steps(*run, [1, 2, 3])
+    results = {"host_adamw_exact": same(plain, host)}
+    for source, target_host in ((plain, True), (host, False)):
+        folder = out / f"ckpt_{target_host}"
+        dcp.save(_state_dicts(*source, None), checkpoint_id=str(folder))
+        target = fresh(target_host)
+        sds = _state_dicts(*target, None)
+        dcp.load(sds, checkpoint_id=str(folder))
+        set_state_dict(*target, model_state_dict=sds["model"], optim_state_dict=sds["optim"],
+                       options=_options(target[0]))
+        target[1].param_groups[0]["lr"] = source[1].param_groups[0]["lr"]
+        steps(*source, [4])
+        steps(*target, [4])
+        results[f"host_adamw_loads_{'into' if target_host else 'from'}"] = same(source, target)
+    return results
 
 
 if __name__ == "__main__":

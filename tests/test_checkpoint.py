@@ -52,10 +52,12 @@ def checkpoints(out: Path) -> list[str]:
 
 
 def test_resume_is_exact(inputs, tmp_path):
-    """4 rollouts straight == 2 rollouts, a stop, and 2 more resumed: same metrics, bitwise-equal weights."""
+    """4 rollouts straight == 2 rollouts, a stop, and 2 more resumed: same metrics, bitwise-equal weights. The
+    first half keeps AdamW's moments in host memory (train.optimizer_offload): the same numbers, and a checkpoint
+    the plain optimizer resumes from."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     launch(inputs, straight, 2, "--train.num_rollout=4", "--checkpoint.interval=2")
-    launch(inputs, resumed, 2, "--train.num_rollout=2", "--checkpoint.interval=2")
+    launch(inputs, resumed, 2, "--train.num_rollout=2", "--checkpoint.interval=2", "--train.optimizer_offload=true")
     launch(inputs, resumed, 2, "--train.num_rollout=4", "--checkpoint.interval=2", "--checkpoint.resume=auto")
     a, b = rows(straight), rows(resumed)
     assert [r["rollout_id"] for r in b] == [0, 1, 2, 3]

@@ -33,6 +33,7 @@ def test_fsdp2_train_step_and_weight_sync(tmp_path):
         assert r["rollout_vs_train_after"] < 1e-4
         assert r["changed"] > 1e-5 and r["grad_norm"] > 0
         assert r.get("offload_exact", not torch.cuda.is_available())  # reported by GPU runs only
+        assert r["host_adamw_exact"] and r["host_adamw_loads_into"] and r["host_adamw_loads_from"]
     w0, w1 = (torch.load(tmp_path / f"weights{r}.pt") for r in range(2))
     assert w0.keys() == w1.keys()
     assert all(torch.equal(w0[n], w1[n]) for n in w0)  # both ranks hold the same updated model

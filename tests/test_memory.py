@@ -112,7 +112,7 @@ def test_7b_state_is_16_bytes_a_parameter_on_one_rank():
     assert plan["activations"] == 32768 * (28 * 7168 + 232_560 + 28_672)
 
 
-def test_7b_seed_batch_on_one_h200_is_refused_with_the_keys_that_fit():
+def test_7b_seed_batch_on_one_h200_is_refused_with_the_keys_that_fit(monkeypatch):
     models = shapes("qwen2.5-7b")
     with pytest.raises(ConfigError) as e:
         memory.check_fits(seed_batch(), models, 1, H200)
@@ -120,8 +120,16 @@ def test_7b_seed_batch_on_one_h200_is_refused_with_the_keys_that_fit():
     assert "\n" not in line
     assert line.startswith("memory plan: the train (173.5 GB) phase needs more than the 133.9 GB usable per device")
     assert "model.reshard_after_forward=true saves 12.1 GB in train;" in line
+    # the two moments of 7.6e9 parameters leave for host memory; 1 GB of stream buffers come instead
+    assert f"train.optimizer_offload=true saves {(8 * SEVEN_B - 2**30) / GB:.1f} GB in train (enough alone);" in line
     assert "; 2 ranks (the training state shards over them);" in line
     assert line.endswith("or train.memory_check=false to run anyway if the estimate is wrong")
+    memory.check_fits(seed_batch(optimizer_offload=True), models, 1, H200)
+    # Without the host's help no single key fits it: the line names a set that fits together.
+    monkeypatch.setattr(memory, "SWITCHES", [k for k in memory.SWITCHES if k[1] != "optimizer_offload"])
+    with pytest.raises(ConfigError) as e:
+        memory.check_fits(seed_batch(), models, 1, H200)
+    line = str(e.value)
     # Together: the switch and the largest micro-batch budget that fits, which fits where 64 tokens more do not.
     tokens = int(line.split("together: model.reshard_after_forward=true train.micro_batch_tokens=")[1].split(";")[0])
     together = seed_batch(micro_batch_tokens=tokens)
@@ -146,7 +154,8 @@ def test_rollout_phase_over_names_the_kv_cache_size_that_fits():
                model={"gradient_checkpointing": True, "reshard_after_forward": True})
     models, small = shapes("qwen2.5-0.5b"), 12e9
     with pytest.raises(ConfigError, match=r"the rollout \(13.0 GB\) phase needs .*: train.offload=true saves 5.9 GB "
-                                          r"in rollout \(enough alone\); rollout.kv_cache_tokens=") as e:
+                                          r"in rollout \(enough alone\); train.optimizer_offload=true saves 4.0 GB in "
+                                          r"rollout \(enough alone\); rollout.kv_cache_tokens=") as e:
         memory.check_fits(cfg, models, 1, small)
     assert "micro_batch_tokens" not in str(e.value)  # it does not shrink the rollout
     tokens = int(str(e.value).split("rollout.kv_cache_tokens=")[1].split(" ")[0])
@@ -174,7 +183,9 @@ def test_start_up_check_prints_on_cuda_refuses_unless_told_and_stays_quiet_off_c
                                                                      "policy", "policy", "activations", "logits",
                                                                      "push", "total"]
     memory.check_memory_plan(seed_batch(memory_check=False), hf, 1, torch.device("cuda"))
-    assert "173.5" in capsys.readouterr().out.splitlines()[-1]
+    table = capsys.readouterr().out.splitlines()
+    assert "173.5" in table[-2]
+    assert table[-1].startswith("host memory plan per node: 91.4 GB pinned by 1 rank (parked training state 91.4)")
 
 
 IN_USE = {"allocated": 128e9, "reserved": 131e9, "used": 139.5e9, "total": 141e9}
@@ -316,3 +327,22 @@ def test_the_plan_against_what_the_tiny_model_holds():
             model.model(input_ids=torch.randint(0, model.config.vocab_size, (1, tokens)))
         measured = sum(n for ptr, n in saved.items() if ptr not in weights)
         assert abs(activation_bytes(shape, tokens, FP32, checkpointing=False) / measured - 1) < 0.2, (tokens, measured)
+
+
+def test_host_plan_counts_the_pinned_state_of_a_nodes_ranks_and_refuses_what_the_host_cannot_hold(capsys):
+    models = shapes("qwen2.5-7b")
+    moments = 8 * SEVEN_B
+    assert memory.host_plan(seed_batch(offload=False), models, 1) == {}
+    assert memory.host_plan(seed_batch(optimizer_offload=True), models, 2) == {
+        "AdamW moments": moments / 2, "parked training state": 4 * SEVEN_B / 2}  # parameters only: moments stay
+    assert memory.host_plan(seed_batch(), models, 1) == {"parked training state": 12 * SEVEN_B}
+    memory.check_host(seed_batch(optimizer_offload=True), models, 2, 2, 135e9)  # 91.4 GB of 135
+    assert capsys.readouterr().out.startswith("host memory plan per node: 91.4 GB pinned by 2 ranks")
+    with pytest.raises(ConfigError) as e:
+        memory.check_host(seed_batch(optimizer_offload=True), models, 1, 1, 100e9)
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("memory plan: the ranks of a node would pin 91.4 GB of host memory (AdamW moments "
+                                   "60.9, parked training state 30.5), more than 85% of the host's 100.0 GB; to fit: "
+                                   "train.offload=false; train.optimizer_offload=false; more nodes")
+    memory.check_host(memory._with(seed_batch(optimizer_offload=True), "train", memory_check=False), models, 1, 1,
+                      100e9)  # printed, not refused
