@@ -2,7 +2,8 @@
 train MFU, weight push time, step time, peak device and host memory.
 
     python benchmarks/lora.py MODEL_DIR [--tokenizer DIR] [--rank 64] [--gpus 1] [--rollouts 4]
-                              [--engines native vllm] [--random-init] [-- --section.key=value ...]
+                              [--engines native vllm] [--variants full full-host-adamw lora] [--random-init]
+                              [-- --section.key=value ...]
     python benchmarks/lora.py MODEL_DIR --smoke        # CPU: the tiny test batch on one gloo rank, 2 rollouts
 
 On GPUs each variant runs the seed's scenario of `benchmarks/loop.sh` (32 prompts x 8 samples, prompts <= 512
@@ -112,6 +113,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--rollouts", type=int, default=4)
     parser.add_argument("--engines", nargs="+", default=["native"], choices=["native", "vllm"])
+    parser.add_argument("--variants", nargs="+", default=["full", "full-host-adamw", "lora"],
+                        choices=["full", "full-host-adamw", "lora"])
     parser.add_argument("--random-init", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="CPU: the tiny test batch on one rank, 2 rollouts")
     args = parser.parse_args(argv)
@@ -139,6 +142,8 @@ def main(argv: list[str]) -> None:
             engine_keys = ["--rollout.engine=vllm", "--rollout.kv_cache_memory_bytes=33554432"]
         for variant, keys in (("full", []), ("full-host-adamw", ["--train.optimizer_offload=true"]),
                               (f"lora{args.rank}", [f"--lora.rank={args.rank}", f"--lora.alpha={2 * args.rank}"])):
+            if variant.rstrip("0123456789") not in args.variants:
+                continue
             name = f"{Path(args.model).name}-{args.gpus if not args.smoke else 'cpu'}-{engine}-{variant}"
             results[name] = run_variant(name, args.model, tokenizer, data, nproc, [*common, *engine_keys, *keys])
     print(table(results))

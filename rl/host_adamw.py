@@ -158,6 +158,8 @@ class ChunkStream:
         if self.cuda:
             self.compute = torch.cuda.current_stream(device)
             self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
+            # the buffers come from the compute stream's pool: the copies wait for what it ran before
+            self.h2d.wait_stream(self.compute)
             self.loaded = [torch.cuda.Event() for _ in range(2)]
             self.stored = [torch.cuda.Event() for _ in range(2)]
             self.updated = [torch.cuda.Event() for _ in range(2)]
