@@ -1,5 +1,7 @@
 """The native engine's scheduling on CPU: continuous batching, shared prompts, page pressure, other architectures."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -99,7 +101,7 @@ def test_scheduler_prefills_each_distinct_prompt_once():
     assert len({t[2] for t in tables}) == 3  # the partial page is private to each sample
     src, dst = sched.tail_copy(first[1])
     assert src == [first[1].prompt.pages[2] * 4] and dst == [first[1].pages[0] * 4]
-    sched.finish(list(range(len(new))))
+    sched.finish(list(range(len(new))), [[0]] * len(new))
     assert len(pool.free) == 63  # everything back but the scratch page
 
 
@@ -224,3 +226,94 @@ def test_a_continued_request_runs_under_the_weights_the_engine_holds_now(model):
     assert rest.logprobs == pytest.approx(want, abs=1e-4)
     stale = reference_logprobs(model, prompt + first.token_ids[:cut], rest.token_ids)
     assert max(abs(a - b) for a, b in zip(stale, want)) > 1e-2  # the two weights do differ on these tokens
+
+
+# What an environment appends after each turn: within a page, across pages, a lone token.
+APPENDED = [[30, 31, 32, 33, 34], [35], [36, 37, 38, 39, 40, 41, 42, 43, 44]]
+
+
+def episode_turns(engine, params, keep: bool, prompts=GROUPED):
+    """Each prompt's turns: generate, append the environment's tokens, generate again, ... with each sequence's KV
+    kept between calls under its index (`keep`) or prefilled whole every call."""
+    sequences, turns = [list(p) for p in prompts], []
+    for turn, appended in enumerate(APPENDED):
+        seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + turn)
+        outs = engine.generate(sequences, seeded, keep=list(range(len(sequences))) if keep else None)
+        turns.append(outs)
+        sequences = [s + o.token_ids + appended for s, o in zip(sequences, outs)]
+    return turns
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=7, **GREEDY),
+                                    SamplingParams(max_new_tokens=7, temperature=1.3, top_p=0.9, seed=5)],
+                         ids=["greedy", "sampled"])
+def test_kept_sequences_continue_exactly_as_a_full_prefill(model, params):
+    """Turn by turn, a sequence continued from its kept KV (prefilling only the model's last token and the appended
+    ones) samples the same tokens with the same logprobs as one prefilled whole; shared prompts (GROUPED repeats
+    some) keep one sequence per sample."""
+    full = episode_turns(make_engine(model, max_batch_size=8, page_size=4), params, keep=False)
+    engine = make_engine(model, max_batch_size=8, page_size=4)
+    kept = episode_turns(engine, params, keep=True)
+    for turn, (want, got) in enumerate(zip(full, kept)):
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for a, b in zip(got, want):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        prompts = [len(p) + sum(len(t[i].token_ids) + len(APPENDED[k]) for k, t in enumerate(kept[:turn]))
+                   for i, p in enumerate(GROUPED)]
+        # After the first turn, all but the model's last token and the appended ones came from the kept KV.
+        assert [o.reused_tokens for o in got] == [0 if turn == 0 else n - 1 - len(APPENDED[turn - 1]) for n in prompts]
+        assert all(o.reused_tokens == 0 for o in want)
+    third = kept[2][3]  # the engine's logprobs are the model's over the whole sequence
+    sequence = GROUPED[3] + kept[0][3].token_ids + APPENDED[0] + kept[1][3].token_ids + APPENDED[1]
+    temperature = params.temperature
+    assert third.logprobs == pytest.approx(reference_logprobs(model, sequence, third.token_ids, temperature), abs=1e-4)
+    assert engine.kept_pages() > 0
+    engine.release(range(len(GROUPED)))
+    assert engine.kept_pages() == 0 and not engine.kept
+
+
+def test_kept_sequences_are_dropped_when_they_could_go_stale(model):
+    """reset_prefix_cache, a weight load and sleep drop every kept sequence (their pages go back), and a call after
+    new weights recomputes the whole sequence under them; release drops only the keys it names."""
+    engine = make_engine(model, max_batch_size=8, page_size=4)
+    params = SamplingParams(max_new_tokens=6, **GREEDY)
+    keys = list(range(len(GROUPED)))
+
+    def keep_some() -> list[list[int]]:
+        outs = engine.generate(GROUPED, params, keep=keys)
+        assert engine.kept_pages() > 0
+        return [p + o.token_ids + [30, 31] for p, o in zip(GROUPED, outs)]
+
+    keep_some()
+    before = engine.kept_pages()
+    engine.release([3, "no such key"])
+    assert 0 < engine.kept_pages() < before and 3 not in engine.kept
+    engine.reset_prefix_cache()
+    assert engine.kept_pages() == 0
+    keep_some()
+    engine.sleep(1)
+    engine.wake_up()
+    assert engine.kept_pages() == 0
+    turn_2 = keep_some()
+    other = tiny_model(seed=7).eval()
+    engine.load_weights(full_weights(other))
+    assert engine.kept_pages() == 0
+    outs = engine.generate(turn_2, params, keep=keys)
+    assert all(o.reused_tokens == 0 for o in outs)
+    assert outs[3].logprobs == pytest.approx(reference_logprobs(other, turn_2[3], outs[3].token_ids), abs=1e-4)
+
+
+def test_kept_sequences_give_way_when_pages_run_short(model):
+    """A cache too small to hold every kept sequence besides the running ones evicts kept sequences (the prompts
+    that lose theirs are prefilled whole) and ends with what a roomy cache gives."""
+    params = SamplingParams(max_new_tokens=7, **GREEDY)
+    want = episode_turns(make_engine(model, max_batch_size=4, page_size=4), params, keep=False)
+    roomy = episode_turns(make_engine(model, max_batch_size=4, page_size=4), params, keep=True)
+    tight = make_engine(model, max_batch_size=4, page_size=4, kv_cache_tokens=96)
+    got = episode_turns(tight, params, keep=True)
+    for w, g in zip(want, got):
+        assert [o.token_ids for o in g] == [o.token_ids for o in w]
+        for a, b in zip(g, w):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    reused = [sum(o.reused_tokens for o in turn) for turn in got]
+    assert 0 < sum(reused) < sum(o.reused_tokens for turn in roomy for o in turn)  # some, not all, were kept

@@ -10,7 +10,7 @@ be compared token by token. Engines sleep and wake by tags like vLLM's
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,17 +48,25 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort" (the call ended before the request finished)
+    # Prompt tokens whose KV the engine kept from an earlier call instead of prefilling them (None: the engine does
+    # not count them, as vLLM, whose prefix cache serves them unseen).
+    reused_tokens: int | None = None
 
 
 class Engine(Protocol):
     """`generate(prompts, params, on_finish, prior)`: `on_finish(indices)` is told which requests just finished;
     when it answers true the call ends early, and unfinished requests come back with the tokens they have
     ("abort"). `prior[i]`: response tokens prompt i already ends with (a sample continued from an earlier call,
-    counted against max_new_tokens); the engine computes their KV anew, under the weights it holds now."""
+    counted against max_new_tokens); the engine computes their KV anew, under the weights it holds now.
+    `keep[i]`: a key under which the engine may keep request i's KV when it finishes, for a later call whose
+    prompt i' goes on from it under the same key (an episode's next turn); `release(keys)` lets it go. The native
+    engine then prefills only the tokens after the kept ones; vLLM ignores keys (its prefix cache serves the
+    prefix). An engine keeps nothing across a weight load, reset_prefix_cache or sleep."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  on_finish: Callable[[list[int]], bool | None] | None = None,
-                 prior: list[int] | None = None) -> list[Completion]: ...
+                 prior: list[int] | None = None, keep: list[Hashable | None] | None = None) -> list[Completion]: ...
+    def release(self, keys: Iterable[Hashable]) -> None: ...
     def sleep(self, level: int) -> None: ...
     def wake_up(self, tags: list[str] | None = None) -> None: ...
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...

@@ -234,30 +234,53 @@ class DecoderModel:
         h, _ = self.add_rms_norm(x, residual, self.weights["norm"])
         return self.linear(h, self.weights.get("lm_head", self.weights["embed"]))  # (N, V) in the model dtype
 
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
-                page_size: int) -> torch.Tensor:
-        """Right-padded prompts (N, L) -> logits at each prompt's last token (N, V); pads write to `slots` 0."""
+    def prefill(self, tokens: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor,
+                kv: torch.Tensor, page_size: int) -> torch.Tensor:
+        """Right-padded new tokens (N, L) of N sequences -> logits after each one's last token (N, V).
+
+        Sequence n has its first starts[n] tokens in the cache already (a sequence kept from an earlier call)
+        and counts[n] new ones after them, on pages tables[n] (N, P); each new token attends to the whole
+        sequence before it, cached part included. Pads write to slot 0."""
         n, length = tokens.shape
         s = self.shape
-        positions = torch.arange(length, device=tokens.device).repeat(n)
-        if self.batch_invariant:  # every prompt token is a row of the decode kernel, as in the trainer
-            tables = (slots[:, ::page_size] // page_size).to(torch.int32).repeat_interleave(length, dim=0)
-            context_lens = (positions + 1).to(torch.int32)
+        offsets = torch.arange(length, device=tokens.device)
+        new = offsets[None, :] < counts[:, None]  # (N, L)
+        # A pad sits at its offset, as in a fresh prompt: inside the rotary tables whatever the start.
+        positions = torch.where(new, starts[:, None] + offsets, offsets)  # (N, L)
+        pages = tables.gather(1, torch.where(new, positions // page_size, 0)).long()
+        slots = torch.where(new, pages * page_size + positions % page_size, 0)
+        contexts = starts + counts
+        continued = not self.batch_invariant and bool(starts.any())
+        if self.batch_invariant:  # every new token is a row of the decode kernel, as in the trainer
+            rows = tables.repeat_interleave(length, dim=0)
+            context_lens = (positions + 1).reshape(-1).to(torch.int32)
+            longest = int(contexts.max())
+        elif continued:  # the cached part's keys and values are read back from the cache
+            t = torch.arange(int(contexts.max()), device=tokens.device)
+            held = t[None, :] < contexts[:, None]  # (N, W)
+            context_slots = torch.where(held, tables.gather(1, torch.where(held, t // page_size, 0)).long() * page_size
+                                        + t % page_size, 0)
+            mask = ((t[None, None, :] <= positions[:, :, None]) & held[:, None, :])[:, None]  # (N, 1, L, W)
 
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
             if self.batch_invariant:
                 from rl.kernels.attention_triton import invariant_attention
 
-                return invariant_attention(split_qkv(qkv, s)[0], kv[0, layer], kv[1, layer], tables, context_lens,
-                                           page_size, length)
+                return invariant_attention(split_qkv(qkv, s)[0], kv[0, layer], kv[1, layer], rows, context_lens,
+                                           page_size, longest)
             q, k, v = (t.reshape(n, length, -1, s.head_dim).transpose(1, 2) for t in split_qkv(qkv, s))
             group = s.num_heads // s.num_kv_heads
+            if continued:  # (N, KV, W, D): the new tokens' keys and values are in the cache by now
+                k, v = (cache[context_slots].transpose(1, 2) for cache in (kv[0, layer], kv[1, layer]))
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.head_dim ** -0.5)
+            if continued:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.head_dim ** -0.5)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.head_dim ** -0.5)
             return out.transpose(1, 2).reshape(n * length, s.num_heads * s.head_dim)
 
-        x, residual = self.layers(tokens.reshape(-1), positions, slots.reshape(-1), kv, attend)
-        last = torch.arange(n, device=tokens.device) * length + lengths - 1
+        x, residual = self.layers(tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1), kv, attend)
+        last = torch.arange(n, device=tokens.device) * length + counts - 1
         return self.logits(x[last], residual[last])
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,

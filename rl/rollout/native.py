@@ -10,6 +10,12 @@ collects finished sequences, compacts the survivors to the front and refills the
 the waiting queue at once (prefilling each distinct prompt once; rl/rollout/scheduler.py). When
 no request waits, that look happens behind the next chunk of steps (see `generate`).
 
+A call may keep finished sequences' KV under the caller's keys (`keep`): a later call whose prompt goes on
+from a kept sequence (an episode's next turn: the model's turn, then what its environment appended) reuses
+those pages and prefills only the tokens after them (rl/rollout/scheduler.py). Kept KV is dropped when
+the caller releases it, when pages run short, and whenever it could go stale: new weights, a prefix-cache
+reset, sleep.
+
 Sleep levels mirror vLLM's: level 1 moves the weights to pinned host memory and frees the KV
 cache, level 2 frees both; `wake_up(tags)` restores what is asked. Graphs hold raw pointers: on a
 CUDA driver with virtual memory management, weights and cache live in address ranges that survive
@@ -19,7 +25,7 @@ re-captured on first use.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +33,7 @@ import torch
 from rl.rollout import Completion, SamplingParams, vmem
 from rl.kernels.attention import invariant_num_splits
 from rl.rollout.model import DecoderModel, internal_shapes
-from rl.rollout.scheduler import PagePool, Request, Scheduler, cdiv
+from rl.rollout.scheduler import Kept, PagePool, Request, Scheduler, cdiv
 
 TAGS = ("weights", "kv_cache")
 MAX_STOP_IDS = 16
@@ -171,6 +177,7 @@ class NativeEngine:
             self.weight_buffer = vmem.StableBuffer(size, self.device)
             self.kv_buffer = vmem.StableBuffer(torch.Size(self.kv_shape).numel() * dtype.itemsize, self.device)
         self.loaded: set[tuple] = set()
+        self.kept: dict[Hashable, Kept] = {}  # finished sequences' KV, by the caller's key (see `generate`)
         self.asleep = {tag: True for tag in TAGS}
         self.wake_up()
 
@@ -185,6 +192,7 @@ class NativeEngine:
         """
         if self.asleep["weights"]:
             raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
+        self.kept.clear()  # computed under the weights being replaced
         for name, tensor in weights:
             if name in self.model.hf_buffers:
                 continue
@@ -206,6 +214,7 @@ class NativeEngine:
             self._drop_graphs()
             self.rows = None
         self.kv = None
+        self.kept.clear()
         if level == 1 and not self.asleep["weights"]:
             self.host_weights = {k: _to_host(t) for k, t in self.model.weights.items()}
         if level == 2:
@@ -260,7 +269,17 @@ class NativeEngine:
                 for k, (offset, shape) in self.weight_layout.items()}
 
     def reset_prefix_cache(self) -> None:
-        """No KV outlives a generate() call (prompts are shared within one), so there is nothing to invalidate."""
+        """Drops every kept sequence: the only KV that outlives a generate() call."""
+        self.kept.clear()
+
+    def release(self, keys: Iterable[Hashable]) -> None:
+        """Drops the sequences kept under `keys` (those it holds): their pages go back to the cache."""
+        for key in keys:
+            self.kept.pop(key, None)
+
+    def kept_pages(self) -> int:
+        """Pages of the KV cache that kept sequences hold between calls."""
+        return len({page for kept in self.kept.values() for page in kept.pages})
 
     def close(self) -> None:
         """Releases the engine's device and host memory: sleep level 2, and the graphs too."""
@@ -277,7 +296,8 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def _check_ready(self, prompts: list[list[int]], params: SamplingParams, prior: list[int] | None) -> None:
+    def _check_ready(self, prompts: list[list[int]], params: SamplingParams, prior: list[int] | None,
+                     keep: list[Hashable | None] | None) -> None:
         if any(self.asleep.values()):
             raise RuntimeError(f"generate on a sleeping engine ({self.asleep}); call wake_up() first")
         missing = self.required - self.loaded
@@ -294,6 +314,8 @@ class NativeEngine:
                              f"and than the prompt's tokens")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every prompt needs at least one token")
+        if keep is not None and len(keep) != len(prompts):
+            raise ValueError(f"keep names {len(keep)} keys for {len(prompts)} prompts: one (or None) per prompt")
         if not params.temperature > 0:
             raise ValueError(f"temperature must be > 0 (logprobs are under the tempered distribution), got "
                              f"{params.temperature}; for greedy decoding pass top_k=1")
@@ -303,14 +325,17 @@ class NativeEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  on_finish: Callable[[list[int]], bool | None] | None = None,
-                 prior: list[int] | None = None) -> list[Completion]:
+                 prior: list[int] | None = None, keep: list[Hashable | None] | None = None) -> list[Completion]:
         """`on_finish(indices)` hears of finished requests after each poll; a true answer ends the call early
         (rl/rollout/__init__.py). `prior`: response tokens each prompt already ends with (a continued sample),
-        counted against max_new_tokens; their KV is computed anew, like the prompt's."""
-        self._check_ready(prompts, params, prior)
+        counted against max_new_tokens; their KV is computed anew, like the prompt's, unless a kept sequence
+        holds it. `keep[i]`: a key (None: none) under which request i's KV is kept when it finishes ("stop" or
+        "length"), and from which its prompt continues if that key holds the start of it; a request that ends
+        early keeps nothing."""
+        self._check_ready(prompts, params, prior, keep)
         self._set_sampling(params)
-        sched = Scheduler(prompts, params.max_new_tokens, self.page_size, PagePool(self.num_pages), self.max_batch_size,
-                          prior)
+        sched = Scheduler(prompts, params.max_new_tokens, self.page_size, PagePool(self.num_pages, self.kept.values()),
+                          self.max_batch_size, prior, keep, self.kept)
         results: list[Completion | None] = [None] * len(prompts)
         stops = set(params.stop_token_ids)
         ahead: Callable[[], bool] | None = None  # "has a row finished?" after the chunk before the last
@@ -363,7 +388,8 @@ class NativeEngine:
             r.stop_ids[: len(params.stop_token_ids)] = torch.tensor(params.stop_token_ids)
 
     def _prefill(self, prompts) -> None:
-        """Writes each prompt's KV into its pages and keeps the logits after its last token."""
+        """Writes each prompt's KV into its pages (past the tokens a kept sequence holds) and keeps the logits
+        after its last token."""
         chunk: list = []
         for prompt in [*prompts, None]:
             width = max([len(p.tokens) for p in chunk] + [len(prompt.tokens) if prompt else 0])
@@ -374,15 +400,15 @@ class NativeEngine:
                 chunk.append(prompt)
 
     def _prefill_chunk(self, prompts) -> None:
-        width = max(len(p.tokens) for p in prompts)
-        tokens = torch.zeros(len(prompts), width, dtype=torch.long)
-        slots = torch.zeros(len(prompts), width, dtype=torch.long)  # padding writes to the scratch page
+        tokens = torch.zeros(len(prompts), max(len(p.tokens) - p.cached for p in prompts), dtype=torch.long)
+        tables = torch.zeros(len(prompts), max(len(p.pages) for p in prompts), dtype=torch.int32)
         for n, p in enumerate(prompts):
-            t = torch.arange(len(p.tokens))
-            tokens[n, : len(p.tokens)] = torch.tensor(p.tokens)
-            slots[n, : len(p.tokens)] = torch.tensor(p.pages)[t // self.page_size] * self.page_size + t % self.page_size
-        lengths = torch.tensor([len(p.tokens) for p in prompts])
-        logits = self.model.prefill(tokens.to(self.device), lengths.to(self.device), slots.to(self.device), self.kv,
+            tokens[n, : len(p.tokens) - p.cached] = torch.tensor(p.tokens[p.cached :])
+            tables[n, : len(p.pages)] = torch.tensor(p.pages, dtype=torch.int32)
+        starts = torch.tensor([p.cached for p in prompts])
+        counts = torch.tensor([len(p.tokens) - p.cached for p in prompts])
+        dev = self.device
+        logits = self.model.prefill(tokens.to(dev), starts.to(dev), counts.to(dev), tables.to(dev), self.kv,
                                     self.page_size)
         for n, p in enumerate(prompts):
             p.logits = logits[n]
@@ -509,6 +535,7 @@ class NativeEngine:
         finished_rows = [i for i in range(n) if done[i]]
         if not finished_rows:
             return []
+        requests = [sched.running[i] for i in finished_rows]
         index = torch.tensor(finished_rows, device=self.device)
         width = max(n_gen[i] for i in finished_rows)
         tokens = r.out_tokens[index, :width].cpu().tolist()
@@ -519,8 +546,10 @@ class NativeEngine:
             for t in r.per_row():
                 t[: len(keep)] = t[keep_index]
         r.clear(len(keep), n)
-        return [(request, completion(request, toks, lps, "stop" if toks[request.generated - 1] in stops else "length"))
-                for request, toks, lps in zip(sched.finish(finished_rows), tokens, logprobs)]
+        finished = [(request, completion(request, toks, lps, "stop" if toks[request.generated - 1] in stops else
+                                         "length")) for request, toks, lps in zip(requests, tokens, logprobs)]
+        sched.finish(finished_rows, [out.token_ids for _, out in finished])
+        return finished
 
     def _end_early(self, sched: Scheduler) -> list[tuple[Request, Completion]]:
         """Ends the call with requests unfinished: running ones hand back what they generated ("abort"),
@@ -541,7 +570,7 @@ def completion(request: Request, tokens: list[int], logprobs: list[float], reaso
     """A request's row read back as its completion: the columns it generated in this call (those before are the
     prior tokens its prompt already holds)."""
     start, end = request.prompt.prior, request.generated
-    return Completion(tokens[start:end], logprobs[start:end], reason)
+    return Completion(tokens[start:end], logprobs[start:end], reason, reused_tokens=request.prompt.cached)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

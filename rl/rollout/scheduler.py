@@ -7,11 +7,20 @@ because the sample's response continues on that page. A request is admitted only
 free and pages for its whole worst case (prompt tail + max_new_tokens) can be reserved, so a
 running sequence never has to be preempted. A prompt's pages are returned when the last of its
 requests finishes. Page 0 is never handed out: padding tokens and idle rows write there.
+
+A request with a key (`keep`) leaves its KV behind when it finishes: the engine keeps the pages that hold
+the sequence under that key (`Kept`) for a later call. A prompt that one of its requests' kept sequences
+begins continues from those pages and prefills only the tokens after them. Kept pages are the engine's
+until the call that continues them, the caller's release, or a shortage: a request that cannot be admitted
+evicts kept sequences, those no waiting request continues first, and a prompt whose kept sequence is gone
+is prefilled whole. A prompt's full pages may be shared by it and the sequences kept from it, so a page
+counts its holders.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,18 +30,38 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class Kept:
+    """A finished sequence's KV, kept for a later call that continues it: the tokens whose KV the pages hold
+    (the sequence but its last token, which was sampled and never fed back) and those pages, in order."""
+
+    tokens: list[int]
+    pages: list[int]
+
+
 class PagePool:
-    def __init__(self, num_pages: int):
-        self.free = list(range(num_pages - 1, 0, -1))  # page 0 is the scratch page
+    """One call's pages: those no kept sequence holds are free; a page in use counts its holders."""
+
+    def __init__(self, num_pages: int, kept: Iterable[Kept] = ()):
+        self.holders = Counter(page for k in kept for page in k.pages)
+        self.free = [p for p in range(num_pages - 1, 0, -1) if p not in self.holders]  # page 0 is the scratch page
 
     def take(self, n: int) -> list[int]:
         if n > len(self.free):
             raise RuntimeError(f"KV cache out of pages: {n} asked, {len(self.free)} free")
         pages, self.free = self.free[len(self.free) - n :], self.free[: len(self.free) - n]
+        self.holders.update(pages)
         return pages
 
+    def share(self, pages: list[int]) -> None:
+        self.holders.update(pages)
+
     def give(self, pages: list[int]) -> None:
-        self.free.extend(pages)
+        for page in pages:
+            self.holders[page] -= 1
+            if not self.holders[page]:
+                del self.holders[page]
+                self.free.append(page)
 
 
 @dataclass
@@ -42,7 +71,9 @@ class PromptKV:
     tokens: list[int]
     unfinished: int  # requests of this prompt that have not finished yet
     prior: int = 0  # response tokens already among `tokens` (a continued sample): they count against max_new_tokens
+    keys: list[Hashable] = field(default_factory=list)  # its requests' keys: kept sequences it may continue
     pages: list[int] = field(default_factory=list)
+    cached: int = 0  # leading tokens whose KV `pages` held from a kept sequence before the prefill
     logits: torch.Tensor | None = None  # (V,) next-token logits, set by prefill
 
 
@@ -52,23 +83,29 @@ class Request:
     prompt: PromptKV
     pages: list[int] = field(default_factory=list)  # private: copy of the prompt's partial page, then the response
     generated: int = 0  # response tokens (prior ones included): exact at a poll, an upper bound between polls
+    keep: Hashable | None = None  # the key its KV is kept under when it finishes
 
 
 class Scheduler:
     def __init__(self, prompts: list[list[int]], max_new_tokens: int, page_size: int, pool: PagePool, max_rows: int,
-                 prior: list[int] | None = None):
+                 prior: list[int] | None = None, keep: list[Hashable | None] | None = None,
+                 kept: dict[Hashable, Kept] | None = None):
+        """`keep[i]`: the key request i continues a kept sequence from and keeps its own under (None: neither);
+        `kept`: the engine's kept sequences, which this call continues, adds to and evicts from."""
         # Samples of one prompt wait side by side (each prompt where it first appears): a prompt's
         # pages are then held only while its samples run, and a cache with room for one prompt and
         # one sample at a time never waits on pages held for samples queued behind other prompts.
         samples: dict[tuple[tuple[int, ...], int], list[int]] = {}
         for i, p in enumerate(prompts):
             samples.setdefault((tuple(p), prior[i] if prior else 0), []).append(i)
+        keys = keep or [None] * len(prompts)
         self.waiting: deque[Request] = deque()
         for (tokens, done), indices in samples.items():
-            prompt = PromptKV(list(tokens), len(indices), done)
-            self.waiting.extend(Request(i, prompt, generated=done) for i in indices)
+            prompt = PromptKV(list(tokens), len(indices), done, [keys[i] for i in indices if keys[i] is not None])
+            self.waiting.extend(Request(i, prompt, generated=done, keep=keys[i]) for i in indices)
         self.running: list[Request] = []  # in row order: running[i] decodes in row i
         self.max_new_tokens, self.page_size, self.pool, self.max_rows = max_new_tokens, page_size, pool, max_rows
+        self.kept = kept if kept is not None else {}
 
     def prompt_pages(self, prompt: PromptKV) -> int:
         return cdiv(len(prompt.tokens), self.page_size)
@@ -77,7 +114,8 @@ class Scheduler:
         return cdiv(len(prompt.tokens) % self.page_size + self.max_new_tokens - prompt.prior, self.page_size)
 
     def admit(self) -> tuple[list[PromptKV], list[Request]]:
-        """Moves waiting requests into free rows, in queue order, while pages last.
+        """Moves waiting requests into free rows, in queue order, while pages last (evicting kept sequences
+        when they run short).
 
         Returns (prompts that need a prefill, newly running requests); new requests take the rows
         after the ones already running.
@@ -86,11 +124,21 @@ class Scheduler:
         while self.waiting and len(self.running) + len(new) < self.max_rows:
             request = self.waiting[0]
             prompt = request.prompt
-            need = self.private_pages(prompt) + (0 if prompt.pages else self.prompt_pages(prompt))
+            key = None if prompt.pages else self.continued(prompt)
+            held = len(self.kept[key].pages) if key is not None else 0
+            need = self.private_pages(prompt) + (0 if prompt.pages else self.prompt_pages(prompt) - held)
+            if need > len(self.pool.free):
+                # Never the prompt's own kept sequence: dropping it frees as many pages as its prefill then needs.
+                self.evict(need, spare=key)
             if need > len(self.pool.free):
                 break
             if not prompt.pages:
-                prompt.pages = self.pool.take(self.prompt_pages(prompt))
+                if key is not None:
+                    kept = self.kept.pop(key)
+                    prompt.pages = kept.pages + self.pool.take(self.prompt_pages(prompt) - held)
+                    prompt.cached = len(kept.tokens)
+                else:
+                    prompt.pages = self.pool.take(self.prompt_pages(prompt))
                 to_prefill.append(prompt)
             request.pages = self.pool.take(self.private_pages(prompt))
             new.append(self.waiting.popleft())
@@ -101,6 +149,31 @@ class Scheduler:
                                f"tokens, the cache has {len(self.pool.free)}; raise rollout.kv_cache_tokens")
         self.running += new
         return to_prefill, new
+
+    def continued(self, prompt: PromptKV) -> Hashable | None:
+        """The first of the prompt's keys whose kept sequence it goes on from (the kept tokens begin it and
+        leave at least one token to prefill), or None."""
+        for key in prompt.keys:
+            kept = self.kept.get(key)
+            if kept is not None and len(kept.tokens) < len(prompt.tokens) and \
+                    prompt.tokens[: len(kept.tokens)] == kept.tokens:
+                return key
+        return None
+
+    def evict(self, need: int, spare: Hashable | None) -> None:
+        """Drops kept sequences (but `spare`'s) until `need` pages are free: first those no waiting request
+        continues, oldest first, then those of waiting requests from the back of the queue."""
+        queue = {request.keep: i for i, request in enumerate(self.waiting)}
+        for key in sorted(self.kept, key=lambda k: -queue.get(k, len(self.waiting))):
+            if len(self.pool.free) >= need:
+                return
+            if key != spare:
+                self.release(key)
+
+    def release(self, key: Hashable) -> None:
+        kept = self.kept.pop(key, None)
+        if kept is not None:
+            self.pool.give(kept.pages)
 
     def block_table(self, request: Request) -> list[int]:
         """Pages holding positions 0, page_size, 2 * page_size, ... of this request's sequence."""
@@ -116,13 +189,17 @@ class Scheduler:
         dst = request.pages[0] * self.page_size
         return [src + i for i in range(tail)], [dst + i for i in range(tail)]
 
-    def finish(self, rows: list[int]) -> list[Request]:
-        """Removes the requests in `rows` from the running list and frees their pages."""
+    def finish(self, rows: list[int], generated: list[list[int]]) -> list[Request]:
+        """Removes the requests in `rows` from the running list and frees their pages, or keeps those that
+        hold the sequence of a request with a key; `generated[j]`: the tokens row rows[j] generated."""
         gone = set(rows)
         finished = [self.running[i] for i in rows]
         self.running = [r for i, r in enumerate(self.running) if i not in gone]
-        for request in finished:
-            self.pool.give(request.pages)
+        for request, tokens in zip(finished, generated, strict=True):
+            if request.keep is not None:
+                self.keep(request, request.prompt.tokens + tokens[:-1])
+            else:
+                self.pool.give(request.pages)
             request.pages = []
             prompt = request.prompt
             prompt.unfinished -= 1
@@ -130,3 +207,13 @@ class Scheduler:
                 self.pool.give(prompt.pages)
                 prompt.pages, prompt.logits = [], None
         return finished
+
+    def keep(self, request: Request, tokens: list[int]) -> None:
+        """Keeps the KV of `tokens` (the request's sequence but its last token) under the request's key: the
+        prompt's full pages, shared, and the request's own pages that hold the rest; its other pages go back."""
+        full = request.prompt.pages[: len(request.prompt.tokens) // self.page_size]
+        own = cdiv(len(tokens), self.page_size) - len(full)
+        self.release(request.keep)
+        self.pool.share(full)
+        self.kept[request.keep] = Kept(tokens, full + request.pages[:own])
+        self.pool.give(request.pages[own:])

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
 
@@ -185,6 +185,9 @@ class VllmEngine:
         self.calls.append("reset_prefix_cache")
         self.llm.reset_prefix_cache()
 
+    def release(self, keys: Iterable[Hashable]) -> None:
+        """Nothing to let go: vLLM keeps no sequence by key; its prefix cache serves a continued prompt's prefix."""
+
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -229,10 +232,11 @@ class VllmEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  on_finish: Callable[[list[int]], bool | None] | None = None,
-                 prior: list[int] | None = None) -> list[Completion]:
+                 prior: list[int] | None = None, keep: list[Hashable | None] | None = None) -> list[Completion]:
         """Steps vLLM's engine until every request is done, or until `on_finish` (told of each prompt group as it
         finishes) answers true: the unfinished requests then come back with what they generated ("abort"), read
-        from vLLM's output processor, and are aborted (rl/rollout/__init__.py)."""
+        from vLLM's output processor, and are aborted (rl/rollout/__init__.py). `keep` is ignored (see
+        `release`)."""
         if any(self.asleep.values()):
             raise RuntimeError(f"generate on a sleeping engine ({self.asleep}); call wake_up() first")
         if params.seed is None:
