@@ -45,6 +45,8 @@ class Scored:
     reward_s: float
     env_s: float = 0.0  # of rollout_s, waiting on environments (the slowest rank's)
     env_failures: int = 0  # environment steps that raised, hung or returned garbage (every rank's)
+    prompt_tokens: int = 0  # of the episodes' turns (every rank's), and those whose KV the engine reused
+    reused_tokens: int = 0
 
 
 class Collector:
@@ -96,11 +98,12 @@ class Collector:
             stats = [self.score(done, term)] if self.pool is not None and done else []
         reward_stats = parallel.all_gather_objects(stats)
         reward_s = time.perf_counter() - start
-        env_s, env_failures = zip(*parallel.all_gather_objects([(episodes.env_s, episodes.errors + episodes.timeouts)]))
+        env_s, env_failures, prompt_tokens, reused_tokens = zip(*parallel.all_gather_objects(
+            [(episodes.env_s, episodes.errors + episodes.timeouts, episodes.prompt_tokens, episodes.reused_tokens)]))
         # Engine order is group order when the shares are contiguous.
         local = [s for group in mine for s in group]
         return Scored(parallel.gather_engine_outputs(local, self.ro.tensor_parallel_size), reward_stats, rollout_s,
-                      reward_s, max(env_s), sum(env_failures))
+                      reward_s, max(env_s), sum(env_failures), sum(prompt_tokens), sum(reused_tokens))
 
     def score(self, samples: list[Sample], term: str) -> dict[str, float]:
         result = self.pool.score([RewardInput(s.prompt, s.response, s.label, s.response_length,
@@ -218,6 +221,8 @@ class Collector:
             stats |= {"rollout/turns_mean": sum(s.turns for s in samples) / len(samples),
                       "rollout/tool_calls_mean": sum(s.tool_calls for s in samples) / len(samples),
                       "rollout/tool_errors": float(tally.env_failures), "perf/env_s": tally.env_s}
+        if tally.prompt_tokens:  # an engine that counts them (the native one)
+            stats["rollout/prefill_tokens_reused_frac"] = tally.reused_tokens / tally.prompt_tokens
         return samples, stats
 
 
@@ -232,6 +237,8 @@ class Tally:
     tokens: int = 0
     env_s: float = 0.0
     env_failures: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
 
     def add(self, scored: Scored, tokens: int, finished: list[list[Sample]]) -> None:
         """One round; `finished`: the groups it scored."""
@@ -242,6 +249,8 @@ class Tally:
         self.tokens += tokens
         self.env_s += scored.env_s
         self.env_failures += scored.env_failures
+        self.prompt_tokens += scored.prompt_tokens
+        self.reused_tokens += scored.reused_tokens
 
 
 def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: int,

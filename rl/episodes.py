@@ -6,8 +6,13 @@ model's tokens, so rollout.max_new_tokens bounds the model's tokens over all tur
 environments in the reward workers (RewardPool.step_envs), and what they return is appended untrained (loss mask
 0, logprob 0) as tokens: text tokenized once on its own, never re-rendered from the conversation, so the trained
 sequence is exactly the engine's tokens and the environment's. The episode's reward is the environment's.
-Between turns the engine holds nothing of an episode: each turn's call prefills the whole sequence again, which
-an engine with a prefix cache (vLLM) mostly serves from the cache.
+Each call asks the engine to keep every episode's KV under the episode's key, and the next turn continues from
+it: the native engine prefills only the model's last token and what the environment appended (the KV of the rest
+is what it computed in the turns before, under the same weights); vLLM ignores keys and serves the prefix from
+its prefix cache. An episode waiting on its environment holds only its kept pages, no decode row; an episode that
+ends releases them, and the engine evicts kept pages rather than run short (that episode's next turn then
+prefills its whole sequence). rollout/prefill_tokens_reused_frac: the share of the turns' prompt tokens whose KV
+the native engine reused.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from rl.data import Sample, Status
 from rl.env import EnvOutcome, EnvStep
 from rl.parallel import print0
 from rl.reward import RewardPool
-from rl.rollout import SamplingParams, derive_seed, generate_rollout
+from rl.rollout import Completion, SamplingParams, append_completions, derive_seed
 
 
 class EpisodeLoop:
@@ -39,6 +44,16 @@ class EpisodeLoop:
         episodes: dict[int, bytes | None] = {id(s): None for s in samples}
         for s in samples:
             s.reward, s.turns, s.tool_calls = 0.0, 0, 0
+        try:
+            self.take_turns(samples, params, weight_version, episodes, tally)
+        finally:  # whatever ended the episodes, the engine keeps none of them
+            self.engine.release(id(s) for s in samples)
+        for s in samples:
+            s.response = self.tokenizer.decode(s.tokens[s.prompt_length :], skip_special_tokens=True)
+
+    def take_turns(self, samples: list[Sample], params: SamplingParams, weight_version: int,
+                   episodes: dict[int, bytes | None], tally: EpisodeTally) -> None:
+        """Up to env.max_turns turns of the episodes still live, each one engine call and one environment step."""
         live = samples
         for turn in range(self.env.max_turns):
             for s in live:
@@ -50,8 +65,13 @@ class EpisodeLoop:
             before = [s.response_length for s in live]
             # A stream of its own for each turn: the same seed again would replay the first turn's draws.
             seeded = params if params.seed is None else dataclasses.replace(params, seed=derive_seed(params.seed, turn))
-            generate_rollout(self.engine, [live], seeded, weight_version, self.tokenizer,
-                             prior=[sum(s.loss_mask) for s in live])  # max_new_tokens counts the model's tokens
+            # Each episode's KV stays in the engine under its key, so that its next turn prefills only the
+            # model's last token and what the environment appended.
+            completions = self.engine.generate([s.tokens for s in live], seeded,
+                                               prior=[sum(s.loss_mask) for s in live],  # the model's tokens
+                                               keep=[id(s) for s in live])
+            tally.count_prefill(live, completions)
+            append_completions(live, completions, weight_version, self.tokenizer)
             turns = [s.tokens[len(s.tokens) - s.response_length + b :] for s, b in zip(live, before)]
             steps = [EnvStep(s.raw_prompt, s.label, s.columns, episodes[id(s)],
                              self.tokenizer.decode(turn, skip_special_tokens=True), tuple(turn))
@@ -61,10 +81,9 @@ class EpisodeLoop:
             tally.env_s += time.perf_counter() - start
             tally.errors, tally.timeouts = tally.errors + errors, tally.timeouts + timeouts
             last = turn == self.env.max_turns - 1
-            live = [s for s, out in zip(live, outcomes)
-                    if self.take_step(s, out, episodes, weight_version, tally, last)]
-        for s in samples:
-            s.response = self.tokenizer.decode(s.tokens[s.prompt_length :], skip_special_tokens=True)
+            going_on = [self.take_step(s, out, episodes, weight_version, tally, last) for s, out in zip(live, outcomes)]
+            self.engine.release(id(s) for s, on in zip(live, going_on) if not on)  # their pages go to the others
+            live = [s for s, on in zip(live, going_on) if on]
 
     def take_step(self, sample: Sample, out: EnvOutcome | None, episodes: dict[int, bytes | None],
                   weight_version: int, tally: EpisodeTally, last: bool) -> bool:
@@ -99,11 +118,21 @@ class EpisodeLoop:
 
 @dataclasses.dataclass
 class EpisodeTally:
-    """One rank's environment steps in one generate pass: seconds waited, steps that raised and that timed out."""
+    """One rank's environment steps in one generate pass: seconds waited, steps that raised and that timed out;
+    and the prompt tokens of its turns, those whose KV the engine reused from the turn before among them."""
 
     env_s: float = 0.0
     errors: int = 0
     timeouts: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+
+    def count_prefill(self, samples: list[Sample], completions: list[Completion]) -> None:
+        """Counts the prompts of one turn, those of an engine that says what it reused (the native one)."""
+        for sample, out in zip(samples, completions, strict=True):
+            if out.reused_tokens is not None:
+                self.prompt_tokens += len(sample.tokens)
+                self.reused_tokens += out.reused_tokens
 
 
 def episode_reward_stats(samples: list[Sample], episodes: EpisodeTally) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Multi-turn episodes (rl/env.py, rl/episodes.py): the trained sequence is exactly the engine's tokens and
 the environment's (and the sample dump shows which is which), environment tokens train nothing, a failing
-environment costs its episode and a count, the calculator tool, and a 2-rank loop with the native engine."""
+environment costs its episode and a count, the calculator tool, episodes that continue from the KV the native
+engine kept, and a 2-rank loop with the native engine."""
 
 import collections
 import dataclasses
@@ -19,8 +20,10 @@ from rl.evaluate import evaluate as run_eval
 from rl.parallel import Dist
 from rl.reward import RewardPool
 from rl.rollout import Completion, SamplingParams
+from rl.rollout.native import NativeEngine
 from rl.train import collate, micro_batch_loss, token_logprobs
 from tests.test_distributed import run_loop
+from tests.test_engine import full_weights
 from tests.test_vllm import GAP, RANKS, needs_vllm
 from tests.tiny import tiny_model, tiny_tokenizer
 
@@ -35,10 +38,13 @@ class ScriptedEngine:
     def __init__(self, turns: list[list[int]]):
         self.turns, self.calls = turns, []
 
-    def generate(self, prompts, params, on_finish=None, prior=None):
+    def generate(self, prompts, params, on_finish=None, prior=None, keep=None):
         self.calls.append((prompts, prior))
         out = self.turns[min(len(self.calls) - 1, len(self.turns) - 1)]
         return [Completion(list(out), [LOGPROB] * len(out), "stop") for _ in prompts]
+
+    def release(self, keys):
+        pass
 
 
 def episodes(env_fn: str, turns: list[list[int]], labels: list[str], max_turns: int = 4, timeout_s: float = 10.0,
@@ -78,6 +84,53 @@ def test_trained_sequence_is_the_engine_and_environment_tokens(env_fn, appended,
     assert line["loss_mask"] == [[1, len(TURN_1)], [0, len(appended)], [1, len(TURN_2)]]
     assert (line["turns"], line["tool_calls"], line["response"]) == (2, 1, TOKENIZER.decode(s.tokens[3:],
                                                                                              skip_special_tokens=True))
+
+
+class FullPrefill:
+    """An engine that keeps nothing between calls: every turn prefills the whole sequence."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts, params, on_finish=None, prior=None, keep=None):
+        return self.engine.generate(prompts, params, on_finish, prior)
+
+    def release(self, keys):
+        pass
+
+
+@pytest.mark.parametrize("top_k", [1, -1], ids=["greedy", "sampled"])
+def test_episodes_continue_from_kept_kv_exactly(top_k):
+    """On the native engine each turn after the first prefills only the model's last token and what the
+    environment appended; the episodes (tokens, engine logprobs) are those of full prefills, and once they end
+    the engine holds no pages."""
+    model = tiny_model(seed=3, vocab_size=len(TOKENIZER)).eval()
+    stops = (188, 193, 246, *range(100, 113))  # a turn of this random model ends after a few tokens
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, top_k=top_k, stop_token_ids=stops)
+    env = EnvConfig(fn="tests.env_fns:appending", max_turns=3)
+    runs = []
+    for keep in (False, True):
+        engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=8, page_size=4)
+        engine.load_weights(full_weights(model))
+        samples = [Sample(prompt="q", tokens=[40, 41, 42 + i // 2], raw_prompt="q", group_index=i // 2)
+                   for i in range(6)]  # pairs share a prompt
+        with RewardPool(RewardConfig(num_workers=2), env.fn) as pool:
+            collector = Collector(engine if keep else FullPrefill(engine), pool, TOKENIZER,
+                                  RolloutConfig(max_new_tokens=24), ONE_RANK, env=env)
+            scored = collector.generate_and_score([samples[i : i + 2] for i in range(0, 6, 2)], params, 1, (0,), 60.0)
+        runs.append(scored)
+        assert engine.kept_pages() == 0 and not engine.kept
+    full, kept = runs
+    assert [s.tokens for s in kept.samples] == [s.tokens for s in full.samples]
+    assert [s.loss_mask for s in kept.samples] == [s.loss_mask for s in full.samples]
+    for a, b in zip(kept.samples, full.samples):
+        assert a.rollout_log_probs == pytest.approx(b.rollout_log_probs, abs=1e-5)
+    assert max(s.turns for s in kept.samples) == 3
+    # every turn's prompt counted; all of it reused after the first turn but the model's last token and " 1 + 1 ="
+    appended = len(TOKENIZER.encode(" 1 + 1 =", add_special_tokens=False))
+    turns = sum(s.turns for s in kept.samples)
+    assert kept.reused_tokens == kept.prompt_tokens - 3 * len(kept.samples) - (turns - len(kept.samples)) * (1 + appended)
+    assert full.reused_tokens == 0 and full.prompt_tokens == kept.prompt_tokens
 
 
 def test_environment_tokens_carry_no_loss_and_no_gradient():
@@ -237,6 +290,8 @@ def test_multi_turn_loop_two_ranks(tmp_path):
         assert 1 < row["rollout/turns_mean"] <= 3 and row["rollout/tool_calls_mean"] > 0
         assert row["rollout/tool_errors"] == 0 and row["perf/env_s"] > 0
         assert row["rollout/num_samples"] == 8 * 4 and row["train/grad_norm"] > 0
+        assert 0 < row["rollout/prefill_tokens_reused_frac"] < 1  # later turns continued from the kept KV
+        assert row["rollout/logprob_abs_diff_max"] < 1e-4  # and their logprobs are the trainer's (float32)
 
 
 STOPS = json.dumps(list(range(100, 115)))

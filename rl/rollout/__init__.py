@@ -75,12 +75,11 @@ class Engine(Protocol):
 
 
 def generate_rollout(engine: Engine, groups: list[list[Sample]], params: SamplingParams, weight_version: int,
-                     tokenizer, progress: bool = False, until: Callable[[list[Sample]], bool] | None = None,
-                     prior: list[int] | None = None) -> list[Sample]:
+                     tokenizer, progress: bool = False, until: Callable[[list[Sample]], bool] | None = None
+                     ) -> list[Sample]:
     """Generates every sample of `groups` (whole groups together so prompts can share KV), each where it left
     off. `until(finished samples)`, when given, may end the call early: samples still unfinished come back
-    ABORTED, holding what they generated, to be continued by a later call. `prior`: the tokens each sample
-    has spent of max_new_tokens (default: its response; an episode counts only the model's own tokens)."""
+    ABORTED, holding what they generated, to be continued by a later call."""
     samples = [s for group in groups for s in group]
     bar = tqdm(total=len(samples), desc="rollout", unit="sample", disable=not progress, leave=False)
 
@@ -89,15 +88,21 @@ def generate_rollout(engine: Engine, groups: list[list[Sample]], params: Samplin
         return until is not None and until([samples[i] for i in indices])
 
     completions = engine.generate([s.tokens for s in samples], params, on_finish=on_finish,
-                                  prior=prior if prior is not None else [s.response_length for s in samples])
+                                  prior=[s.response_length for s in samples])
     bar.close()
+    append_completions(samples, completions, weight_version, tokenizer)
+    return samples
+
+
+def append_completions(samples: list[Sample], completions: list[Completion], weight_version: int,
+                       tokenizer) -> None:
+    """Appends each completion to its sample: tokens, logprobs, the weight version and the status it ends in."""
     for sample, out in zip(samples, completions, strict=True):
         sample.append_response_tokens(out.token_ids, out.logprobs, version=weight_version)
         sample.response = tokenizer.decode(sample.tokens[sample.prompt_length:], skip_special_tokens=True)
         sample.status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}.get(out.finish_reason, Status.ABORTED)
         if out.token_ids:
             sample.weight_version = weight_version
-    return samples
 
 
 def build_engine(cfg: RolloutConfig, model_path: str, hf_config, device: torch.device, rank: int,
