@@ -47,11 +47,18 @@ def main(out: str) -> None:
                           max_context_len=MAX_CONTEXT, batch_invariant=True)
     engine.load_weights(full_weights(hf))
     seqs = list(PROMPTS)
-    outs = engine.generate(seqs, SamplingParams(max_new_tokens=8, temperature=1.0))
+    outs = engine.generate(seqs, SamplingParams(max_new_tokens=8, temperature=1.0), keep=list(range(len(seqs))))
     responses = [list(o.token_ids) for o in outs]
     engine_lp = [torch.tensor(o.logprobs) for o in outs]
     lens = [len(p) for p in seqs]
     full = [p + r for p, r in zip(seqs, responses)]
+
+    # A second turn continued from the first turn's kept KV, and the same turn prefilled whole.
+    turn_2 = [f + [4, 4, 4] for f in full]
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=1)
+    continued = engine.generate(turn_2, params, keep=list(range(len(seqs))))
+    engine.reset_prefix_cache()
+    whole = engine.generate(turn_2, params)
 
     patched = make_batch_invariant(copy.deepcopy(hf), MAX_CONTEXT)
     with torch.no_grad():
@@ -79,6 +86,10 @@ def main(out: str) -> None:
         "batched_vs_alone_exact": all(torch.equal(x, y) for x, y in zip(batched, alone)),
         "batched_vs_alone": gap(batched, alone),
         "trainer_vs_hf": gap(batched, plain), "grad_rel": grad_rel, "grad_names": len(grads[1]),
+        "continued_reused": [o.reused_tokens for o in continued],
+        "continued_same_tokens": [o.token_ids for o in continued] == [o.token_ids for o in whole],
+        "continued_vs_whole": gap([torch.tensor(o.logprobs) for o in continued],
+                                  [torch.tensor(o.logprobs) for o in whole]),
     }))
 
 

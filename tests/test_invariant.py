@@ -34,6 +34,9 @@ def test_engine_and_trainer_forward_agree_in_batch_invariant_mode(tmp_path):
     assert r["batched_vs_alone"] < 1e-5
     assert r["trainer_vs_hf"] < 1e-5  # the patched forward computes the same function as the HF one
     assert r["grad_names"] > 20 and r["grad_rel"] < 1e-4  # and its gradients
+    # A turn continued from kept KV (its new tokens are rows of the same kernel) scores as one prefilled whole.
+    assert r["continued_reused"] == [n - 1 for n in r["lengths"]] and r["continued_same_tokens"]
+    assert r["continued_vs_whole"] < 1e-5
 
 
 def test_batch_invariant_needs_the_native_engine_and_auto_dtype():
