@@ -126,10 +126,11 @@ def test_episodes_continue_from_kept_kv_exactly(top_k):
     for a, b in zip(kept.samples, full.samples):
         assert a.rollout_log_probs == pytest.approx(b.rollout_log_probs, abs=1e-5)
     assert max(s.turns for s in kept.samples) == 3
-    # every turn's prompt counted; all of it reused after the first turn but the model's last token and " 1 + 1 ="
+    # Every turn's prompt counted: all of it reused after the first turn but the model's last token and " 1 + 1 =".
+    prefilled = 3 * len(kept.samples)  # the first turns'
     appended = len(TOKENIZER.encode(" 1 + 1 =", add_special_tokens=False))
-    turns = sum(s.turns for s in kept.samples)
-    assert kept.reused_tokens == kept.prompt_tokens - 3 * len(kept.samples) - (turns - len(kept.samples)) * (1 + appended)
+    prefilled += (sum(s.turns for s in kept.samples) - len(kept.samples)) * (1 + appended)
+    assert kept.reused_tokens == kept.prompt_tokens - prefilled
     assert full.reused_tokens == 0 and full.prompt_tokens == kept.prompt_tokens
 
 

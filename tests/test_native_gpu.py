@@ -374,6 +374,27 @@ def test_cuda_engine_matches_cpu_engine(tie):
 
 
 @needs_cuda
+def test_cuda_engine_continues_kept_sequences_as_the_cpu_engine_prefills_them():
+    """Turns continued from kept KV on the GPU (the prefill reads the kept prefix back from its pages, decode steps
+    replay graphs) sample the CPU engine's tokens, with its logprobs, when it prefills every turn whole."""
+    from tests.test_native_engine import episode_turns
+
+    model = tiny_model(seed=3).eval()
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1)
+    cpu = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=5, page_size=8)
+    cpu.load_weights(full_weights(model))
+    want = episode_turns(cpu, params, keep=False, prompts=GROUPED)
+    gpu = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=5, page_size=8, steps_per_poll=4)
+    gpu.load_weights(full_weights(model))
+    got = episode_turns(gpu, params, keep=True, prompts=GROUPED)
+    for turn_want, turn_got in zip(want, got):
+        assert [o.token_ids for o in turn_got] == [o.token_ids for o in turn_want]
+        got_lp, want_lp = (torch.tensor([x for out in outs for x in out.logprobs]) for outs in (turn_got, turn_want))
+        assert (got_lp - want_lp).abs().max().item() < 1e-4
+    assert all(o.reused_tokens > 0 for o in got[1])
+
+
+@needs_cuda
 def test_cuda_engine_top_p_top_k_in_graphs():
     model = tiny_model(seed=4).eval()
     engine = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=4, page_size=8)
