@@ -70,9 +70,11 @@ def table(run: Path) -> None:
     train = [r for r in steps if "rollout/tool_calls_mean" in r]
     if train:
         first, last = train[: max(len(train) // 10, 1)], train[-max(len(train) // 10, 1):]
-        for key in ("rollout/reward_mean", "rollout/tool_calls_mean", "rollout/turns_mean", "rollout/tool_errors"):
-            print(f"{key}: {statistics.mean(r[key] for r in first):.3f} (first steps) -> "
-                  f"{statistics.mean(r[key] for r in last):.3f} (last)")
+        for key in ("rollout/reward_mean", "rollout/tool_calls_mean", "rollout/turns_mean", "rollout/tool_errors",
+                    "rollout/prefill_tokens_reused_frac"):  # the last with the native engine only
+            if all(key in r for r in train):
+                print(f"{key}: {statistics.mean(r[key] for r in first):.3f} (first steps) -> "
+                      f"{statistics.mean(r[key] for r in last):.3f} (last)")
     print("median seconds per step: " + ", ".join(f"{k.removeprefix('perf/')} {statistics.median(r[k] for r in steps):.2f}"
                                                   for k in PHASES if steps and all(k in r for r in steps)))
 

@@ -37,7 +37,9 @@ from rl.rollout.scheduler import Kept, PagePool, Request, Scheduler, cdiv
 
 TAGS = ("weights", "kv_cache")
 MAX_STOP_IDS = 16
-PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (bounds its activation memory)
+# Padded prompt tokens per prefill forward, the kept ones of a continued prompt included (bounds its activation
+# memory, and the keys and values its attention reads back from the cache).
+PREFILL_TOKENS = 16384
 PAGE_SIZE = 64  # KV cache tokens per page
 
 
