@@ -105,20 +105,21 @@ def host_adamw_checks(d, out: Path) -> dict:
     def fresh(host: bool):
         model = shard_policy(tiny_model(seed=3, vocab_size=259), d.mesh, d.device, gradient_checkpointing=False)
         kwargs = dict(lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1)
+        cuda = torch.cuda.is_available()  # HostAdamW runs torch's fused kernel on CUDA, the single-tensor one off it
         optimizer = HostAdamW(model.parameters(), chunk_elements=997, **kwargs) if host else \
-            torch.optim.AdamW(model.parameters(), foreach=False, **kwargs)
+            torch.optim.AdamW(model.parameters(), foreach=False if not cuda else None, fused=cuda or None, **kwargs)
         return model, optimizer
 
     def steps(model, optimizer, seeds):
         for seed in seeds:
-            ids = torch.randint(0, 259, (2, 9), generator=torch.Generator().manual_seed(seed * 10 + d.rank))
+            ids = torch.randint(0, 259, (2, 9), generator=torch.Generator().manual_seed(seed * 10 + d.rank)).to(d.device)
             model(input_ids=ids).logits.float().pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             optimizer.param_groups[0]["lr"] *= 0.5  # a schedule: each step its own rate
 
     def same(a, b) -> bool:
-        return all(torch.equal(x, y) for x, y in zip(training_state(*a), training_state(*b)))
+        return all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(training_state(*a), training_state(*b)))
 
     plain, host = fresh(False), fresh(True)
     for run in (plain, host):
