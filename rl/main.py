@@ -29,7 +29,7 @@ from rl.evaluate import evaluate, load_eval_prompts
 from rl.export import export_adapter, export_policy
 from rl.health import Health, RunStopped
 from rl.learner import Learner, assign_advantages
-from rl.memory import check_memory_plan, stop_on_oom
+from rl.memory import check_disk_space, check_memory_plan, stop_on_oom
 from rl.metrics import StepRecord, make_logger
 from rl.parallel import print0
 from rl.reward import RewardPool
@@ -110,6 +110,7 @@ def start_up(cfg: Config, dist: parallel.Dist, stop: launch.StopRequests) -> Run
     print0(f"rl: world_size={dist.world_size} device={dist.device.type}\n{dump(cfg)}")
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
     check_memory_plan(cfg, hf_config, dist.world_size, dist.device)  # a plan that cannot fit stops before any weights
+    check_disk_space(cfg, hf_config)  # and a disk without room for a checkpoint and the export
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     eos_ids = check_model_and_tokenizer(cfg.model, cfg.rollout, hf_config, tokenizer)
     dataset = PromptDataset.from_config(cfg.data, tokenizer)

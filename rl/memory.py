@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -289,6 +290,39 @@ def host_plan(cfg: Config, models: Models, world_size: int) -> dict[str, float]:
     if models.reference is not None:
         out["reference"] = FP32 * num_params(models.reference) / dp
     return out
+
+
+def checkpoint_bytes(cfg: Config, models: Models) -> float:
+    """One checkpoint, all ranks' shards (rl/checkpoint.py): the policy's fp32 parameters and AdamW's two moments
+    (LoRA: the adapters alone, the base being the model folder's), the critic's parameters and moments."""
+    s, lora = models.policy, cfg.lora
+    trained = s.num_layers * lora_block_params(s, lora.rank, lora.target_modules) if lora.rank else num_params(s)
+    critic = num_params(models.critic) if models.critic is not None else 0
+    return 3 * FP32 * (trained + critic)
+
+
+def check_disk(cfg: Config, models: Models, export_itemsize: int, free: float) -> None:
+    """Raises ConfigError, one line, when log.output_dir's disk has no room for one checkpoint and the final export
+    (a save that fills the disk fails at the run's end, after its work); prints a warning when it has no room for
+    the checkpoint.keep_last checkpoints kept and the one being written."""
+    one, export = checkpoint_bytes(cfg, models), num_params(models.policy) * export_itemsize
+    where = f"{cfg.log.output_dir} has {free / GB:.1f} GB free"
+    sizes = f"a checkpoint takes {one / GB:.1f} GB, the final export {export / GB:.1f} GB"
+    if one + export > free:
+        raise ConfigError(f"disk: {where}, less than one checkpoint and the final export need ({sizes}): free space "
+                          f"there or set log.output_dir on a larger disk")
+    kept = (cfg.checkpoint.keep_last + 1) * one + export
+    if kept > free:
+        print0(f"disk warning: {where}, less than the {kept / GB:.1f} GB that checkpoint.keep_last="
+               f"{cfg.checkpoint.keep_last} needs ({sizes}, and a save writes one more before it removes the oldest)")
+
+
+def check_disk_space(cfg: Config, hf_config) -> None:
+    """`check_disk` against the free space under log.output_dir (claimed, so it exists, before this runs)."""
+    from rl.export import export_dtype
+
+    itemsize = export_dtype(cfg.checkpoint.export_dtype, hf_config.to_dict()).itemsize
+    check_disk(cfg, models_of(cfg, hf_config), itemsize, shutil.disk_usage(cfg.log.output_dir).free)
 
 
 def peaks(plan: dict[str, dict[str, float]]) -> dict[str, float]:

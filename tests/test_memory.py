@@ -365,3 +365,34 @@ def test_host_plan_counts_the_pinned_state_of_a_nodes_ranks_and_refuses_what_the
                                    "train.offload=false; train.optimizer_offload=false; more nodes")
     memory.check_host(memory._with(seed_batch(optimizer_offload=True), "train", memory_check=False), models, 1, 1,
                       100e9)  # printed, not refused
+
+
+def test_a_disk_without_room_for_a_checkpoint_and_the_export_stops_the_run_before_it_starts(capsys):
+    models = shapes("qwen2.5-7b")
+    full, lora = seed_batch(), memory._with(seed_batch(), "lora", rank=64)
+    assert memory.checkpoint_bytes(full, models) == 12 * SEVEN_B  # fp32 parameters and two moments: 91.4 GB
+    adapters = 28 * memory.lora_block_params(models.policy, 64, list(memory.LORA_SHAPES))
+    assert memory.checkpoint_bytes(lora, models) == 12 * adapters  # the base is the model folder's
+    with pytest.raises(ConfigError) as e:  # the 7B run with its moments in host memory, on a disk with 48 GB free
+        memory.check_disk(full, models, 2, 48e9)
+    assert "\n" not in str(e.value)
+    assert str(e.value) == ("disk: runs/default has 48.0 GB free, less than one checkpoint and the final export need "
+                            "(a checkpoint takes 91.4 GB, the final export 15.2 GB): free space there or set "
+                            "log.output_dir on a larger disk")
+    memory.check_disk(full, models, 2, 200e9)  # room for one, not for keep_last=2 and the one being written
+    assert capsys.readouterr().out.startswith("disk warning: runs/default has 200.0 GB free, less than the 289.4 GB that "
+                                              "checkpoint.keep_last=2 needs")
+    memory.check_disk(lora, models, 2, 48e9)
+    memory.check_disk(full, models, 2, 300e9)
+    assert capsys.readouterr().out == ""
+
+
+def test_the_start_up_check_reads_the_free_space_under_the_output_dir(monkeypatch, tmp_path):
+    hf = AutoConfig.from_pretrained(ROOT / "configs" / "models" / "qwen2.5-7b")
+    cfg = memory._with(seed_batch(), "log", output_dir=str(tmp_path))
+    asked = []
+    monkeypatch.setattr(memory.shutil, "disk_usage", lambda path: asked.append(path) or types.SimpleNamespace(free=48e9))
+    with pytest.raises(ConfigError, match=r"^disk: .* has 48.0 GB free, .*\(a checkpoint takes 91.4 GB, the final "
+                                          r"export 15.2 GB\)"):
+        memory.check_disk_space(cfg, hf)  # the model folder says bfloat16: 2 bytes a parameter in the export
+    assert asked == [str(tmp_path)]
