@@ -287,6 +287,8 @@ class HostOffloader:
             return  # CPU training: the state already lives in host memory
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)  # gradients are dead after the step: never copied
+        if device.type == "cpu" and not self.arena.blocks:  # the first offload: one block of exactly what moves
+            self.arena.reserve(sum(PinnedArena.aligned(t.numel() * t.element_size()) for t in self._movable()))
         order = iter(range(1 << 62))
         self.model._apply(lambda t: self._moved(("module", next(order)), t, device))
         moments = self.optimizer is not None and not getattr(self.optimizer, "keeps_state_on_host", False)
@@ -296,6 +298,18 @@ class HostOffloader:
                     state[key] = self._moved(("optim", i, key), value, device)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+    def _movable(self) -> list[torch.Tensor]:
+        """The local tensors an offload copies into pinned buffers: the parameters' and buffers' (not an unevenly
+        sharded parameter's padded view, which FSDP2 re-pads into memory of its own) and the moments it moves."""
+        tensors = [t._local_tensor if isinstance(t, DTensor) else t
+                   for t in [*self.model.parameters(), *self.model.buffers()]]
+        tensors = [t for t in tensors if t.untyped_storage().nbytes() <= t.numel() * t.element_size()]
+        if self.optimizer is not None and not getattr(self.optimizer, "keeps_state_on_host", False):
+            tensors += [local for state in self.optimizer.state.values() for value in state.values()
+                        if torch.is_tensor(value) and value.dim() > 0
+                        for local in [value._local_tensor if isinstance(value, DTensor) else value]]
+        return tensors
 
     def _moved(self, key: tuple, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         local = t._local_tensor if isinstance(t, DTensor) else t

@@ -49,3 +49,19 @@ def test_resume_loads_into_the_moments_own_host_buffers_and_steps_on_as_adamw():
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert all(torch.equal(plain.state[pa][k], host.state[pb][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def test_buffers_fill_a_reserved_block_exactly_and_first_fit_the_rest():
+    from tests.test_offload_gpu import UnpinnedArena
+
+    shapes = [torch.Size([3, 5]), torch.Size([100, 7]), torch.Size([2000]), torch.Size([1])]
+    arena = UnpinnedArena()
+    arena.reserve(sum(arena.aligned(s.numel() * 4) for s in shapes))
+    views = [arena.take(s, torch.float32) for s in shapes]
+    assert len(arena.blocks) == 1 and arena.blocks[0][1] == arena.blocks[0][0].numel()  # filled to the byte
+    for i, v in enumerate(views):
+        v.fill_(i)
+    assert all(bool((v == i).all()) for i, v in enumerate(views))  # no buffer overlaps another
+    arena.take(torch.Size([500]), torch.float32)  # past the reservation: a new block (of BLOCK_BYTES)
+    small = arena.take(torch.Size([10]), torch.float32)  # into that block's tail, not a third block
+    assert len(arena.blocks) == 2 and small.untyped_storage().data_ptr() == arena.blocks[1][0].data_ptr()

@@ -66,6 +66,7 @@ def test_offload_round_trip_is_exact_and_frees_the_gpu():
         assert all(local_tensor(p).device == d.device for p in model.parameters())
         assert all(torch.equal(a, b) for a, b in zip(training_state(model, optimizer), before))
     assert {k: b.data_ptr() for k, b in offloader.host.items()} == buffers
+    assert len(offloader.arena.blocks) == 1  # what the first offload moves, reserved in one block
     for m, o in zip(models, optims):  # training goes on exactly as if nothing had moved
         train_step(m, o, seed=2)
     assert all(torch.equal(a, b) for a, b in zip(training_state(models[0], optims[0]),
@@ -90,6 +91,7 @@ def test_host_adamw_streams_moments_from_pinned_memory_as_fused_adamw_steps():
                                                                training_state(models[1], host)))
     moments = [local_tensor(s[k]) for s in host.state.values() for k in ("exp_avg", "exp_avg_sq")]
     assert all(m.device.type == "cpu" and m.is_pinned() for m in moments)
+    assert len(host.arena.blocks) == 1  # reserved at once, exactly: no 1 GiB block started for a tensor that missed
     offloader = HostOffloader(models[1], host)  # train.offload beside it moves the parameters, not the moments
     offloader.offload()
     offloader.onload(d.device)
