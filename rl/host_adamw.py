@@ -110,13 +110,14 @@ class HostAdamW(torch.optim.AdamW):
         chunks = list(element_chunks([local(p).numel() for p in params], self.chunk_elements))
         width = max(sum(b - a for _, a, b in chunk) for chunk in chunks)
         stream = ChunkStream(device, width)
-        stream.load(0, [(local(states[i]["exp_avg"]), local(states[i]["exp_avg_sq"]), a, b) for i, a, b in chunks[0]])
+        host = lambda chunk: [(local(states[i]["exp_avg"]), local(states[i]["exp_avg_sq"]), a, b)  # noqa: E731
+                              for i, a, b in chunk]
+        flat = lambda t, a, b: local(t).view(-1)[a:b]  # noqa: E731
+        stream.load(0, host(chunks[0]))
         for k, chunk in enumerate(chunks):
             if k + 1 < len(chunks):
-                stream.load(k + 1, [(local(states[i]["exp_avg"]), local(states[i]["exp_avg_sq"]), a, b)
-                                    for i, a, b in chunks[k + 1]])
+                stream.load(k + 1, host(chunks[k + 1]))  # the next chunk comes in while this one updates
             m, v = stream.ready(k)
-            flat = lambda t, a, b: local(t).view(-1)[a:b]  # noqa: E731
             # torch's update counts the step itself: it gets a copy per slice (a parameter may span chunks)
             steps = [states[i]["step"].to(device, copy=True) for i, _, _ in chunk]
             adamw_update(
