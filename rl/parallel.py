@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from rl.config import ConfigError
+
 # The parent as this process first saw it, read at import (before anything slow): when the launcher
 # dies before the parent-death signal is armed, the parent has changed by the time it is.
 _PARENT_AT_START = os.getppid()
@@ -85,6 +87,11 @@ def init_distributed(timeout_minutes: int = 30) -> Dist:
     os.environ.setdefault("WORLD_SIZE", "1")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:  # one rank per GPU: more ranks on a node than GPUs is a launch mistake
+            raise ConfigError(f"rank {os.environ['RANK']} is local rank {local_rank} of "
+                              f"{os.environ.get('LOCAL_WORLD_SIZE', '?')} on its node, which has {visible} visible "
+                              f"GPU{'s' * (visible != 1)}: launch with --nproc-per-node {visible} or fewer")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"

@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:  # one rank per GPU (rl/parallel.py)
+        pytest.skip(f"{nproc} ranks need {nproc} GPUs on a CUDA machine; {torch.cuda.device_count()} visible")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(29500 + os.getpid() % 1000), *args]

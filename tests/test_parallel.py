@@ -87,3 +87,19 @@ def test_collective_timeout_is_lowered(tmp_path):
     else:
         waited = ended - float((tmp_path / "started0").read_text())
         assert 2.0 < waited < 15.0, (waited, proc.stderr[-3000:])
+
+
+def test_more_ranks_on_a_node_than_gpus_is_one_line_naming_the_launch(monkeypatch):
+    from rl import parallel
+    from rl.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device reached"))
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with pytest.raises(ConfigError) as e:
+        parallel.init_distributed()
+    assert str(e.value) == ("rank 1 is local rank 1 of 2 on its node, which has 1 visible GPU: launch with "
+                            "--nproc-per-node 1 or fewer")
