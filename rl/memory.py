@@ -225,9 +225,7 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
     eb = engine_dtype(ro.dtype, torch.device(device_type)).itemsize
     tokens = micro_batch_tokens(cfg)
     lora = cfg.lora
-    adapters = s.num_layers * lora_block_params(s, lora.rank, lora.target_modules) if lora.rank else 0
-    shard = FP32 * (num_params(s) + adapters) / dp
-    trained = FP32 * adapters / dp if lora.rank else shard  # LoRA: the frozen base has no gradients nor moments
+    shard, trained = policy_state_bytes(cfg, s, dp)
     # gradients are freed by each step; train.optimizer_offload keeps the moments in host memory
     resting = {"policy params": shard, **({} if cfg.train.optimizer_offload else {"policy AdamW": 2 * trained})}
     engine = engine_terms(cfg, s, eb, device_total)
@@ -268,6 +266,15 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
     return plan
 
 
+def policy_state_bytes(cfg: Config, s: ModelShape, dp: int) -> tuple[float, float]:
+    """One rank's shard of the policy's fp32 parameters (LoRA's adapters included), and of those that train (LoRA:
+    the adapters alone; the frozen base has no gradients nor moments)."""
+    lora = cfg.lora
+    adapters = s.num_layers * lora_block_params(s, lora.rank, lora.target_modules) if lora.rank else 0
+    shard = FP32 * (num_params(s) + adapters) / dp
+    return shard, FP32 * adapters / dp if lora.rank else shard
+
+
 def stream_bytes(cfg: Config, trained_bytes: float) -> float:
     """rl/host_adamw.py's device buffers for moments streamed from host memory: two chunks of two moments."""
     return 4 * FP32 * min(CHUNK_ELEMENTS, trained_bytes / FP32) if cfg.train.optimizer_offload else 0.0
@@ -277,10 +284,8 @@ def host_plan(cfg: Config, models: Models, world_size: int) -> dict[str, float]:
     """What one rank keeps in pinned host memory at most: the moments with train.optimizer_offload, the parked
     training state with train.offload (parameters, and moments still on the device otherwise), the reference
     parked between its passes (rl/reference.py)."""
-    s, dp, lora = models.policy, world_size, cfg.lora
-    adapters = s.num_layers * lora_block_params(s, lora.rank, lora.target_modules) if lora.rank else 0
-    shard = FP32 * (num_params(s) + adapters) / dp
-    trained = FP32 * adapters / dp if lora.rank else shard
+    dp = world_size
+    shard, trained = policy_state_bytes(cfg, models.policy, dp)
     critic = FP32 * num_params(models.critic) / dp if models.critic is not None else 0.0
     out = {}
     if cfg.train.optimizer_offload:
@@ -295,10 +300,9 @@ def host_plan(cfg: Config, models: Models, world_size: int) -> dict[str, float]:
 def checkpoint_bytes(cfg: Config, models: Models) -> float:
     """One checkpoint, all ranks' shards (rl/checkpoint.py): the policy's fp32 parameters and AdamW's two moments
     (LoRA: the adapters alone, the base being the model folder's), the critic's parameters and moments."""
-    s, lora = models.policy, cfg.lora
-    trained = s.num_layers * lora_block_params(s, lora.rank, lora.target_modules) if lora.rank else num_params(s)
-    critic = num_params(models.critic) if models.critic is not None else 0
-    return 3 * FP32 * (trained + critic)
+    _, trained = policy_state_bytes(cfg, models.policy, 1)
+    critic = FP32 * num_params(models.critic) if models.critic is not None else 0
+    return 3 * (trained + critic)
 
 
 def check_disk(cfg: Config, models: Models, export_itemsize: int, free: float) -> None:
