@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rl.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
-from rl.host_adamw import HostAdamW, PinnedArena
+from rl.host_adamw import HostAdamW, PinnedArena, local
 from rl.parallel import copy_own_rows, own_rows
 from rl.invariant import make_batch_invariant
 from rl.lora import adapter_names, apply_lora, init_adapters, trainable
@@ -99,10 +99,10 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float, skip: set
         if not isinstance(target, torch.nn.Parameter):
             raise ConfigError(f"model.random_init: the model has a saved buffer {name}, which has no random value to "
                               f"take; load its weights instead (model.random_init=false)")
-        local = target.to_local() if isinstance(target, DTensor) else target
-        generator = torch.Generator(local.device).manual_seed(derive_seed(seed, zlib.crc32(name.encode())))
+        shard = local(target)
+        generator = torch.Generator(shard.device).manual_seed(derive_seed(seed, zlib.crc32(name.encode())))
         with torch.no_grad():
-            whole = torch.empty(target.shape, dtype=local.dtype, device=local.device)
+            whole = torch.empty(target.shape, dtype=shard.dtype, device=shard.device)
             if whole.dim() >= 2:
                 whole.normal_(0.0, std, generator=generator)
             else:
@@ -244,8 +244,9 @@ def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_ch
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool | None = None):
     """AdamW over the parameters that train (with LoRA the adapters alone: the frozen base gets no moments), and
-    its warm-up schedule; with train.optimizer_offload its moments live in host memory (rl/host_adamw.py). `fused` (default: on CUDA) takes torch's single-kernel AdamW, 2% of the train step
-    faster than the multi-tensor one at 1.5B on one H200 (benchmarks/ARCHIVE.md)."""
+    its warm-up schedule; with train.optimizer_offload its moments live in host memory (rl/host_adamw.py).
+    `fused` (default: on CUDA) takes torch's single-kernel AdamW, 2% of the train step faster than the
+    multi-tensor one at 1.5B on one H200 (benchmarks/ARCHIVE.md)."""
     if fused is None:
         fused = next(model.parameters()).device.type == "cuda"
     hyper = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
@@ -271,10 +272,11 @@ class HostOffloader:
     nothing moves.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer=None, arena: PinnedArena | None = None):
-        self.model, self.optimizer = model, optimizer  # no optimizer: a frozen model (the reference)
+    def __init__(self, model: torch.nn.Module, optimizer=None):  # no optimizer: a frozen model (the reference)
+        self.model, self.optimizer = model, optimizer
         self.host: dict[tuple, torch.Tensor] = {}
-        self.arena = arena or PinnedArena()
+        self.arena = PinnedArena()
+        self.moves_moments = optimizer is not None and not getattr(optimizer, "keeps_state_on_host", False)
 
     def offload(self) -> None:
         self._move(torch.device("cpu"))
@@ -291,8 +293,7 @@ class HostOffloader:
             self.arena.reserve(sum(PinnedArena.aligned(t.numel() * t.element_size()) for t in self._movable()))
         order = iter(range(1 << 62))
         self.model._apply(lambda t: self._moved(("module", next(order)), t, device))
-        moments = self.optimizer is not None and not getattr(self.optimizer, "keeps_state_on_host", False)
-        for i, state in enumerate(self.optimizer.state.values() if moments else ()):
+        for i, state in enumerate(self.optimizer.state.values() if self.moves_moments else ()):
             for key, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0:  # Adam's 0-dim `step` stays on the host
                     state[key] = self._moved(("optim", i, key), value, device)
@@ -302,31 +303,34 @@ class HostOffloader:
     def _movable(self) -> list[torch.Tensor]:
         """The local tensors an offload copies into pinned buffers: the parameters' and buffers' (not an unevenly
         sharded parameter's padded view, which FSDP2 re-pads into memory of its own) and the moments it moves."""
-        tensors = [t._local_tensor if isinstance(t, DTensor) else t
-                   for t in [*self.model.parameters(), *self.model.buffers()]]
-        tensors = [t for t in tensors if t.untyped_storage().nbytes() <= t.numel() * t.element_size()]
-        if self.optimizer is not None and not getattr(self.optimizer, "keeps_state_on_host", False):
-            tensors += [local for state in self.optimizer.state.values() for value in state.values()
-                        if torch.is_tensor(value) and value.dim() > 0
-                        for local in [value._local_tensor if isinstance(value, DTensor) else value]]
+        tensors = [local(t) for t in [*self.model.parameters(), *self.model.buffers()]]
+        tensors = [t for t in tensors if not padded_view(t)]
+        if self.moves_moments:
+            tensors += [local(value) for state in self.optimizer.state.values() for value in state.values()
+                        if torch.is_tensor(value) and value.dim() > 0]
         return tensors
 
     def _moved(self, key: tuple, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        if local.device == device:
+        shard = local(t)
+        if shard.device == device:
             return t
         if device.type != "cpu":
-            moved = local.to(device, non_blocking=True)
-        elif local.untyped_storage().nbytes() > local.numel() * local.element_size():
+            moved = shard.to(device, non_blocking=True)
+        elif padded_view(shard):
             # An unevenly sharded FSDP2 parameter: a view of its padded shard. FSDP2 re-pads the new
             # local tensor into fresh host memory inside `_apply`, reading it at once, so this copy
             # must have landed before returning (and a pinned buffer would go unused).
-            moved = local.cpu()
+            moved = shard.cpu()
         else:
             buf = self.host.get(key)
-            if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-                buf = self.host[key] = self.arena.take(local.shape, local.dtype)
-            moved = buf.copy_(local, non_blocking=True)
+            if buf is None or buf.shape != shard.shape or buf.dtype != shard.dtype:
+                buf = self.host[key] = self.arena.take(shard.shape, shard.dtype)
+            moved = buf.copy_(shard, non_blocking=True)
         if isinstance(t, DTensor):  # same spec, new local tensor (from_local would move it to the mesh's device)
             return DTensor(moved, t._spec, requires_grad=t.requires_grad)
         return moved
+
+
+def padded_view(t: torch.Tensor) -> bool:
+    """Whether a local shard is a view into a larger storage: an unevenly sharded FSDP2 parameter's padded shard."""
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
