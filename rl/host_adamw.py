@@ -16,6 +16,8 @@ chunked path runs with synchronous copies (the host is the device).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_update
@@ -176,20 +178,25 @@ class ChunkStream:
             at += b - a
         return ms, vs
 
+    def _pairs(self, k: int):
+        """(host slice, device view) of chunk k's moments, exp_avg's then exp_avg_sq's."""
+        ms, vs = self._views(k)
+        for (m, v, a, b), dm, dv in zip(self.slices[k], ms, vs):
+            yield m.view(-1)[a:b], dm
+            yield v.view(-1)[a:b], dv
+
+    def _on(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
     def load(self, k: int, slices: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
         self.slices[k] = slices
-        ms, vs = self._views(k)
         if self.cuda:
             self.h2d.wait_event(self.stored[k % 2])  # the buffer's last chunk is back in host memory
-            with torch.cuda.stream(self.h2d):
-                for (m, v, a, b), dm, dv in zip(slices, ms, vs):
-                    dm.copy_(m.view(-1)[a:b], non_blocking=True)
-                    dv.copy_(v.view(-1)[a:b], non_blocking=True)
+        with self._on(self.cuda and self.h2d):
+            for host, device in self._pairs(k):
+                device.copy_(host, non_blocking=self.cuda)
+        if self.cuda:
             self.loaded[k % 2].record(self.h2d)
-        else:
-            for (m, v, a, b), dm, dv in zip(slices, ms, vs):
-                dm.copy_(m.view(-1)[a:b])
-                dv.copy_(v.view(-1)[a:b])
 
     def ready(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if self.cuda:
@@ -197,19 +204,14 @@ class ChunkStream:
         return self._views(k)
 
     def store(self, k: int) -> None:
-        ms, vs = self._views(k)
         if self.cuda:
             self.updated[k % 2].record(self.compute)
             self.d2h.wait_event(self.updated[k % 2])
-            with torch.cuda.stream(self.d2h):
-                for (m, v, a, b), dm, dv in zip(self.slices[k], ms, vs):
-                    m.view(-1)[a:b].copy_(dm, non_blocking=True)
-                    v.view(-1)[a:b].copy_(dv, non_blocking=True)
+        with self._on(self.cuda and self.d2h):
+            for host, device in self._pairs(k):
+                host.copy_(device, non_blocking=self.cuda)
+        if self.cuda:
             self.stored[k % 2].record(self.d2h)
-        else:
-            for (m, v, a, b), dm, dv in zip(self.slices[k], ms, vs):
-                m.view(-1)[a:b].copy_(dm)
-                v.view(-1)[a:b].copy_(dv)
         del self.slices[k]
 
     def finish(self) -> None:
