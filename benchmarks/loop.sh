@@ -10,7 +10,7 @@
 # rollout.vllm_kwargs=$VLLM_KWARGS (a TOML inline table, default {}).
 # The trainer runs compiled decoder blocks over micro-batches of 32768 tokens (MICRO_BATCH_TOKENS, COMPILE=false
 # to run eager). Runs land in runs/loop/<model>-<gpus> (native) or runs/loop/<model>-<gpus>-vllm; the step-time
-# table is printed at the end.
+# table is printed at the end (LOOP_OUT=DIR puts them under DIR instead of runs/loop).
 set -euo pipefail
 model=$1; tokenizer=$2; gpus=$3; rollouts=${4:-4}; shift $(( $# < 4 ? $# : 4 ))
 engines=${ENGINES:-native}
@@ -20,7 +20,7 @@ python benchmarks/loop_breakdown.py data $data
 runs=()
 for n in $gpus; do
   for engine in $engines; do
-    out=runs/loop/$(basename $model)-$n
+    out=${LOOP_OUT:-runs/loop}/$(basename $model)-$n
     extra=()
     if [ "$engine" = vllm ]; then
       out=$out-vllm

@@ -232,6 +232,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--lengths", help="a length histogram to replay (benchmarks/lengths/*.json)")
+    p.add_argument("--json", type=Path, help="also append each row to this file, one JSON object a line")
     args = p.parse_args()
     args.lengths = json.loads(Path(args.lengths).read_text()) if args.lengths else None
     d = parallel.init_distributed()
@@ -257,6 +258,9 @@ def main() -> None:
             print(f"| {r['model']} | {r['variant']} | {r['tokens']:,} | {r['micro_batches']} | {r['first_s']:.2f} | "
                   f"{r['step_s']:.2f} | {' / '.join(f'{s:.2f}' for s in r['steps_s'])} | {r['graphs']} | "
                   f"{r['tokens_per_s']:,.0f} | {mfu} | {r['forward_s']:.2f} | {peak} |", flush=True)
+            if args.json:
+                with args.json.open("a") as f:
+                    f.write(json.dumps({k: v for k, v in r.items() if k != "profile"}) + "\n")
     if d.is_main:
         for r in rows:
             if r["profile"]:

@@ -2,6 +2,7 @@
 
 import os
 import time
+import zlib
 
 
 def exact(prompt, response, label, metadata):
@@ -37,6 +38,12 @@ def raise_on_odd_label(prompt, response, label, metadata):
 def digit_fraction(prompt, response, label, metadata):
     """A dense reward that random tiny models already vary on: the share of digits in the response."""
     return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def spread(prompt, response, label, metadata):
+    """A reward no two different responses share (a hash of the text): every group has signal, so every sample
+    trains (benchmarks/speed.py's full seed batch, where digit_fraction leaves random weights' groups flat)."""
+    return zlib.crc32(response.encode()) / 2**32
 
 
 def flat_on_multiples_of_4(prompt, response, label, metadata):
