@@ -43,8 +43,6 @@ def commands(part: str, model: Path, data: Path, tokenizer: Path, out: Path) -> 
     if part.startswith("seed"):
         size = part.split("-")[1]
         extra = SEED[:-1] if part.endswith("skip") else SEED
-        if size == "1.5b":  # the memory plan refuses 32768-token rows beside the whole training state on one H200
-            extra = [*extra, "--train.micro_batch_tokens=30720"]
         return [(["bash", "benchmarks/loop.sh", f"configs/models/qwen2.5-{size}", str(tokenizer), "1", "4", *extra],
                  {"LOOP_OUT": str(out / part)})]
     if part == "replay":

@@ -131,23 +131,31 @@ def grad_bytes(s: ModelShape, dp: int, compute_bytes: int) -> float:
     return FP32 * num_params(s) / dp + block_params(s) * (compute_bytes + FP32)
 
 
-def block_activation_bytes(s: ModelShape, compute_bytes: int) -> int:
+def block_activation_bytes(s: ModelShape, compute_bytes: int, compiled: bool = False) -> int:
     """Bytes one token leaves saved for backward in one decoder block: each RMSNorm keeps its fp32 input and its
     output, and the next linear its input (2 x); q and k after RoPE, v, the attention output and its contiguous
-    copy (o_proj's input), SDPA's fp32 log-sum-exp per head; the MLP's gate, silu(gate), up and their product."""
+    copy (o_proj's input), SDPA's fp32 log-sum-exp per head; the MLP's gate, silu(gate), up and their product.
+    A compiled block (model.compile) keeps less: each norm its input and output in the compute dtype, the MLP
+    gate, up and their product (silu(gate) is rebuilt in backward). Measured on one H200 (packed rows of 32768
+    tokens, benchmarks/train.py): the peaks less the state and logits were 34.5 GB at 0.5B and 72.2 GB at 1.5B,
+    against 33.5 and 70.4 GB from these counts (the final norm included), and 46.8 and 98.2 GB from the eager ones."""
     q, kv, b = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, compute_bytes
-    norms = 2 * (FP32 * s.hidden_size + 2 * b * s.hidden_size)
     attention = b * (3 * q + 2 * kv) + FP32 * s.num_heads
+    if compiled:
+        return 2 * 2 * b * s.hidden_size + attention + 3 * b * s.intermediate_size
+    norms = 2 * (FP32 * s.hidden_size + 2 * b * s.hidden_size)
     return norms + attention + 4 * b * s.intermediate_size
 
 
-def activation_bytes(s: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool) -> int:
+def activation_bytes(s: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool,
+                     compiled: bool = False) -> int:
     """Saved activations of a micro-batch of `tokens` (padded) tokens at the start of its backward. With gradient
     checkpointing each block keeps only its input and one block's are rebuilt at a time."""
     final_norm = FP32 * s.hidden_size + 2 * compute_bytes * s.hidden_size
-    per_token = s.num_layers * block_activation_bytes(s, compute_bytes)
+    block = block_activation_bytes(s, compute_bytes, compiled)
+    per_token = s.num_layers * block
     if checkpointing:
-        per_token = s.num_layers * compute_bytes * s.hidden_size + block_activation_bytes(s, compute_bytes)
+        per_token = s.num_layers * compute_bytes * s.hidden_size + block
     return tokens * (per_token + final_norm)
 
 
@@ -249,7 +257,7 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
                              + gathered_bytes(r, b, cfg.model.reshard_after_forward) + forward_bytes(r, tokens, b)}
     grads = trained + lora_block_params(s, lora.rank, lora.target_modules) * (b + FP32) if lora.rank \
         else grad_bytes(s, dp, b)
-    activations = activation_bytes(s, tokens, b, cfg.model.gradient_checkpointing)
+    activations = activation_bytes(s, tokens, b, cfg.model.gradient_checkpointing, cfg.model.compile)
     if lora.rank:
         activations += lora_activation_bytes(s, tokens, b, cfg.model.gradient_checkpointing, lora.rank,
                                              lora.target_modules, lora.dropout > 0)
