@@ -4,8 +4,8 @@ A packed micro-batch is one row of up to `train.micro_batch_tokens` tokens holdi
 Positions restart at 0 for every sample, and attention never crosses from one sample into another: on CUDA
 through FlashAttention's variable-length kernel (`torch.nn.attention.varlen`, one causal attention per sample
 over the row's offsets, no padding rows, no masked-out work); elsewhere through SDPA with a block-diagonal
-causal mask (dense, for tests and CPU runs). Padding is a document of its own, so every query attends to at
-least itself and no kernel leaves an output unwritten.
+causal mask (dense, for tests and CPU runs). Padding is in documents of its own (pieces of at most max_seqlen
+tokens), so every query attends to at least itself and no kernel leaves an output unwritten.
 
 Unlike padded rows, a packed row's width does not follow the samples' lengths: every packed micro-batch of a
 run is one row between half a budget and a budget long (`packed_width`), so compiled decoder blocks meet one
@@ -36,7 +36,7 @@ VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_a
 
 @dataclass
 class Documents:
-    """Where each sample of a packed row sits (the row's padding is the last document)."""
+    """Where each sample of a packed row sits (the row's padding is the last documents)."""
     position_ids: torch.Tensor  # (1, W): 0.. within each document
     document_ids: torch.Tensor  # (1, W): k on the k-th document's tokens
     cu_seqlens: torch.Tensor  # (documents + 1,) int32: each document's start, then W
@@ -71,9 +71,11 @@ def documents(lengths: list[int], width: int, max_seqlen: int, targets_per_sampl
               device: torch.device) -> Documents:
     """The layout of one row holding documents of `lengths` from its start, padded to `width`; positions of
     the padding are 0 (they index nothing real). Past a sample's end its `targets` point at whatever follows
-    (the collated rows mask those out)."""
+    (the collated rows mask those out). The padding is cut into documents of at most `max_seqlen` tokens: as one
+    document, a row's padding (up to half its budget) cost attention quadratic in its length, and raised the
+    kernel's max_seqlen for that row alone."""
     pad = width - sum(lengths)
-    sizes = lengths + ([pad] if pad > 0 else [])
+    sizes = lengths + [max_seqlen] * (pad // max_seqlen) + ([pad % max_seqlen] if pad % max_seqlen else [])
     document_ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.long))
     starts = torch.tensor([0] + sizes, dtype=torch.long).cumsum(0)
     position_ids = torch.arange(width) - starts[document_ids]

@@ -24,12 +24,16 @@ def test_rows_are_cut_longest_first_and_widths_stay_in_one_band():
     assert [packed_width(n, 64, 8) for n in (1, 30, 33, 64)] == [32, 32, 40, 64]
 
 
-def test_documents_restart_positions_and_pad_as_a_document_of_their_own():
+def test_documents_restart_positions_and_pad_as_documents_of_their_own():
     docs = documents([3, 2], 7, 4, 2, torch.device("cpu"))
     assert docs.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 0]]
     assert docs.document_ids.tolist() == [[0, 0, 0, 1, 1, 2, 2]]
     assert docs.cu_seqlens.tolist() == [0, 3, 5, 7] and docs.max_seqlen == 4
     assert docs.targets.tolist() == [[0, 1], [3, 4]]
+    # padding longer than max_seqlen: pieces of at most max_seqlen tokens, so max_seqlen holds for every row
+    docs = documents([3, 2], 15, 4, 2, torch.device("cpu"))
+    assert docs.cu_seqlens.tolist() == [0, 3, 5, 9, 13, 15] and docs.max_seqlen == 4
+    assert docs.position_ids.tolist() == [[0, 1, 2, 0, 1] + [0] * 10]
 
 
 def step(model, batch, packing: bool, algo: AlgoConfig) -> tuple[list, dict]:
