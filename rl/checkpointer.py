@@ -74,9 +74,9 @@ class RunCheckpointer:
             checkpoint.restore_rng(*self.loaded)
 
     def maybe_save(self, rollout_id: int, weight_version: int, force: bool) -> None:
-        """Saves on `checkpoint.interval`, or whenever `force` (the last rollout, a stop request)."""
+        """Saves on `checkpoint.interval`, or whenever `force` (the last rollout, a stop request); never with -1."""
         interval = self.cfg.checkpoint.interval
-        if force or (interval and (rollout_id + 1) % interval == 0):
+        if interval >= 0 and (force or (interval and (rollout_id + 1) % interval == 0)):
             self.save(rollout_id, weight_version)
 
     def save(self, rollout_id: int, weight_version: int) -> None:

@@ -277,7 +277,9 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    interval: int = 20  # rollouts between saves; the last rollout is always saved (0: only the last)
+    # rollouts between saves; the last rollout is always saved (0: only the last). -1: no checkpoint at all, not
+    # the last nor on a stop (a benchmark on a disk too small for one); metrics and the final export still are
+    interval: int = 20
     keep_last: int = 2  # newest complete checkpoints kept
     resume: str = "auto"  # auto: newest complete one under log.output_dir | never | a checkpoint folder
     export_dtype: str = "auto"  # dtype of <output_dir>/final: auto (the model's config.json), float32, bfloat16
@@ -697,7 +699,8 @@ def validate_run(cfg: Config) -> None:
              f"to another value so that the eval prompts are held out")
     _require(cfg.log.sample_interval >= 0, f"log.sample_interval must be >= 0, got {cfg.log.sample_interval}")
     ck = cfg.checkpoint
-    _require(ck.interval >= 0, f"checkpoint.interval must be >= 0 (0: only the last rollout), got {ck.interval}")
+    _require(ck.interval >= -1, f"checkpoint.interval must be >= -1 (0: only the last rollout; -1: never), got "
+                                f"{ck.interval}")
     _require(ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")
     _require(bool(ck.resume), "checkpoint.resume must be 'auto', 'never' or a checkpoint folder")
     _require(ck.export_dtype in ("auto", "float32", "bfloat16", "float16"),

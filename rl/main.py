@@ -181,7 +181,8 @@ def train(run: Run, logger) -> bool:
         run.checkpointer.maybe_save(rollout_id, run.weight_version, force=last or stopping)
         if stopping and not last:  # a stop at the last rollout still ends the run: final eval and export
             print0(f"rl: stopping after rollout {rollout_id} ({run.stop.reason() or 'a stop request on another rank'})"
-                   f"; run the same command to resume")
+                   + ("; run the same command to resume" if cfg.checkpoint.interval >= 0 else
+                      ": nothing saved (checkpoint.interval=-1); the same command starts over"))
             return False
     return True
 

@@ -319,6 +319,13 @@ def check_disk(cfg: Config, models: Models, export_itemsize: int, free: float) -
     the checkpoint.keep_last checkpoints kept and the one being written."""
     one, export = checkpoint_bytes(cfg, models), num_params(models.policy) * export_itemsize
     where = f"{cfg.log.output_dir} has {free / GB:.1f} GB free"
+    if cfg.checkpoint.interval < 0:  # no checkpoint is written: only the export needs room
+        print0(f"checkpoint.interval=-1: this run writes no checkpoint; a stop or a crash loses its training state "
+               f"(its metrics and, at the end, the export in {cfg.log.output_dir}/final are kept)")
+        if export > free:
+            raise ConfigError(f"disk: {where}, less than the final export needs ({export / GB:.1f} GB): free space "
+                              f"there or set log.output_dir on a larger disk")
+        return
     sizes = f"a checkpoint takes {one / GB:.1f} GB, the final export {export / GB:.1f} GB"
     if one + export > free:
         raise ConfigError(f"disk: {where}, less than one checkpoint and the final export need ({sizes}): free space "

@@ -402,6 +402,29 @@ def test_a_disk_without_room_for_a_checkpoint_and_the_export_stops_the_run_befor
     memory.check_disk(lora, models, 2, 48e9)
     memory.check_disk(full, models, 2, 300e9)
     assert capsys.readouterr().out == ""
+    # checkpoint.interval=-1 writes no checkpoint: the export alone needs room, and the run says what it gives up
+    never = memory._with(full, "checkpoint", interval=-1)
+    memory.check_disk(never, models, 2, 48e9)
+    assert capsys.readouterr().out.startswith("checkpoint.interval=-1: this run writes no checkpoint")
+    with pytest.raises(ConfigError, match=r"^disk: runs/default has 10.0 GB free, less than the final export needs "
+                                          r"\(15.2 GB\)"):
+        memory.check_disk(never, models, 2, 10e9)
+
+
+def test_checkpoint_interval_minus_one_saves_nothing_not_even_the_last_rollout_or_on_a_stop():
+    from rl.checkpointer import RunCheckpointer
+
+    saved = []
+    for interval, want in ((-1, []), (0, [3]), (2, [1, 3])):
+        saved.clear()
+        ckpt = RunCheckpointer.__new__(RunCheckpointer)
+        ckpt.cfg = memory._with(seed_batch(), "checkpoint", interval=interval)
+        ckpt.save = lambda rollout_id, weight_version: saved.append(rollout_id)
+        for rollout_id in range(4):
+            ckpt.maybe_save(rollout_id, rollout_id + 1, force=rollout_id == 3)
+        assert saved == want, interval
+    with pytest.raises(ConfigError, match="checkpoint.interval must be >= -1"):
+        make(checkpoint={"interval": -2})
 
 
 def test_the_start_up_check_reads_the_free_space_under_the_output_dir(monkeypatch, tmp_path):
