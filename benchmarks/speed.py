@@ -16,7 +16,8 @@ repeated command finishes only what is missing, and prints the table):
     replay          benchmarks/train.py on benchmarks/lengths' real-run histogram, packed rows of 32768 and
                     65536 tokens, both models, every sample trained
     real            benchmarks/partial.py's real run (configs/recipes/gsm8k_boxed.toml, 40 rollouts, an eval
-    real-compiled   every 5) as the recipe stands, and with compiled blocks over packed 32768-token rows
+    real-compiled   every 5) eager over padded 16384-token micro-batches, and as the recipe stands: compiled
+                    blocks over packed 32768-token rows
 
 Step columns are medians over rollouts 1.. (rollout 0 compiles and captures graphs); "graphs after rollout 0"
 sums perf/train_graphs_compiled over them (0: no train-phase recompile once the run is warm).
@@ -33,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ["--train.offload=false", "--train.packing=true", "--reward.user_fn=tests.reward_fns:spread"]
-COMPILED = ["--model.compile=true", "--train.packing=true", "--train.micro_batch_tokens=32768"]
+EAGER = ["--model.compile=false", "--train.packing=false", "--train.micro_batch_tokens=16384"]  # the recipe before
 LENGTHS = "benchmarks/lengths/gsm8k-qwen2.5-0.5b-instruct.json"
 PARTS = ["seed-0.5b", "seed-0.5b-skip", "seed-1.5b", "replay", "real", "real-compiled"]
 
@@ -49,7 +50,7 @@ def commands(part: str, model: Path, data: Path, tokenizer: Path, out: Path) -> 
         return [([sys.executable, "benchmarks/train.py", "--models", "configs/models/qwen2.5-0.5b",
                   "configs/models/qwen2.5-1.5b", "--lengths", LENGTHS, "--variants", "fresh=on,packing=on",
                   "fresh=on,packing=on,mbt=65536", "--repeats", "3", "--json", str(out / part / "rows.jsonl")], {})]
-    mode = ["--modes", "sync"] + (COMPILED if part == "real-compiled" else [])
+    mode = ["--modes", "sync"] + (EAGER if part == "real" else [])
     return [([sys.executable, "benchmarks/partial.py", "run", str(model), str(data), str(out / part), *mode,
               "--rollouts", "40"], {})]
 
