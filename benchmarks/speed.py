@@ -27,51 +27,49 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from partial import rows as metrics  # noqa: E402
 SEED = ["--train.offload=false", "--train.packing=true", "--reward.user_fn=tests.reward_fns:spread"]
 EAGER = ["--model.compile=false", "--train.packing=false", "--train.micro_batch_tokens=16384"]  # the recipe before
 LENGTHS = "benchmarks/lengths/gsm8k-qwen2.5-0.5b-instruct.json"
 PARTS = ["seed-0.5b", "seed-0.5b-skip", "seed-1.5b", "replay", "real", "real-compiled"]
 
 
-def commands(part: str, model: Path, data: Path, tokenizer: Path, out: Path) -> list[tuple[list[str], dict]]:
-    """The command lines of one part (with extra environment variables)."""
+def command(part: str, model: Path, data: Path, tokenizer: Path, out: Path) -> tuple[list[str], dict]:
+    """The command line of one part, and the environment variables it adds."""
     if part.startswith("seed"):
         size = part.split("-")[1]
         extra = SEED[:-1] if part.endswith("skip") else SEED
-        return [(["bash", "benchmarks/loop.sh", f"configs/models/qwen2.5-{size}", str(tokenizer), "1", "4", *extra],
-                 {"LOOP_OUT": str(out / part)})]
+        return (["bash", "benchmarks/loop.sh", f"configs/models/qwen2.5-{size}", str(tokenizer), "1", "4", *extra],
+                {"LOOP_OUT": str(out / part)})
     if part == "replay":
-        return [([sys.executable, "benchmarks/train.py", "--models", "configs/models/qwen2.5-0.5b",
-                  "configs/models/qwen2.5-1.5b", "--lengths", LENGTHS, "--variants", "fresh=on,packing=on",
-                  "fresh=on,packing=on,mbt=65536", "--repeats", "3", "--json", str(out / part / "rows.jsonl")], {})]
+        return ([sys.executable, "benchmarks/train.py", "--models", "configs/models/qwen2.5-0.5b",
+                 "configs/models/qwen2.5-1.5b", "--lengths", LENGTHS, "--variants", "fresh=on,packing=on",
+                 "fresh=on,packing=on,mbt=65536", "--repeats", "3", "--json", str(out / part / "rows.jsonl")], {})
     mode = ["--modes", "sync"] + (EAGER if part == "real" else [])
-    return [([sys.executable, "benchmarks/partial.py", "run", str(model), str(data), str(out / part), *mode,
-              "--rollouts", "40"], {})]
+    return ([sys.executable, "benchmarks/partial.py", "run", str(model), str(data), str(out / part), *mode,
+             "--rollouts", "40"], {})
 
 
 def run(parts: list[str], model: Path, data: Path, tokenizer: Path, out: Path) -> None:
-    import os
-
     for part in parts:
         if (out / f"{part}.done").exists():
             print(f"== {part}: done before, kept", flush=True)
             continue
         (out / part).mkdir(parents=True, exist_ok=True)
-        for cmd, env in commands(part, model, data, tokenizer, out):
-            print(f"== {part}: {' '.join(cmd)}", flush=True)
-            subprocess.run(cmd, cwd=ROOT, check=True, env=os.environ | env)
+        cmd, env = command(part, model, data, tokenizer, out)
+        print(f"== {part}: {' '.join(cmd)}", flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True, env=os.environ | env)
         (out / f"{part}.done").touch()
     table(out)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def loop_row(part: str, run_dir: Path) -> str:
