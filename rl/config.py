@@ -153,7 +153,7 @@ class EnvConfig:
     max_turns: int = 4  # model turns per episode
     max_tokens: int = 2048  # an episode ends once it holds this many tokens after its prompt (model + environment)
     timeout_s: float = 10.0  # per environment step; one past it ends its episode with reward 0 (counted)
-    # tokens (as the tokenizer's vocabulary spells them) that end a model turn besides EOS: "</tool_call>"
+    # text that ends a model turn besides EOS, wherever its tokens spell it ("</tool_call>", "```\n"): ASCII
     stop: list[str] = field(default_factory=list)
 
 
@@ -669,6 +669,8 @@ def validate_columns(data: DataConfig, rw: RewardConfig) -> None:
 
 def validate_env(env: EnvConfig, ro: RolloutConfig) -> None:
     _require(not env.fn or _is_function_path(env.fn), f"env.fn must name 'pkg.module:function', got {env.fn!r}")
+    _require(all(isinstance(t, str) and t and t.isascii() for t in env.stop),
+             f"env.stop must list non-empty ASCII text, got {env.stop!r}")
     _require(env.max_turns >= 1 and env.max_tokens >= 1 and env.timeout_s > 0,
              f"env.max_turns and env.max_tokens must be >= 1 and env.timeout_s > 0, got {env.max_turns}, "
              f"{env.max_tokens} and {env.timeout_s}")

@@ -20,12 +20,13 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from rl.config import ConfigError, EnvConfig, RolloutConfig
+from rl.config import EnvConfig, RolloutConfig
 from rl.data import Sample, Status
 from rl.env import EnvOutcome, EnvStep
 from rl.parallel import print0
 from rl.reward import RewardPool
 from rl.rollout import Completion, SamplingParams, append_completions, derive_seed
+from rl.rollout.stop_text import StopText
 
 
 class EpisodeLoop:
@@ -33,13 +34,17 @@ class EpisodeLoop:
 
     def __init__(self, engine, pool: RewardPool, tokenizer, ro: RolloutConfig, env: EnvConfig):
         self.engine, self.pool, self.tokenizer, self.ro, self.env = engine, pool, tokenizer, ro, env
-        self.stop_ids = env_stop_ids(env.stop, tokenizer)
+        # env.stop ends a turn wherever the model's tokens spell it; one that is a single token is also a stop id,
+        # which vLLM (blind to text) stops at too.
+        self.stop_text = StopText.from_tokenizer(env.stop, tokenizer) if env.stop else None
+        self.stop_ids = single_token_ids(env.stop, tokenizer)
 
     def run(self, samples: list[Sample], params: SamplingParams, weight_version: int, tally: EpisodeTally) -> None:
         """Turns until every episode is done or out of turns, tokens or context: each turn generates the
         live episodes' next turns at once, steps their environments, and appends what they return untrained."""
         params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys([*params.stop_token_ids,
-                                                                                 *self.stop_ids])))
+                                                                                 *self.stop_ids])),
+                                     stop_text=self.stop_text)
         # Keyed by identity: a sample's index need not be unique (samples built outside a dataset leave it -1).
         episodes: dict[int, bytes | None] = {id(s): None for s in samples}
         for s in samples:
@@ -71,6 +76,8 @@ class EpisodeLoop:
                                                prior=[sum(s.loss_mask) for s in live],  # the model's tokens
                                                keep=[id(s) for s in live])
             tally.count_prefill(live, completions)
+            if self.stop_text is not None:  # what an engine generated past the stop text (vLLM's) is not the turn
+                completions = [cut_at_stop(c, self.stop_text) for c in completions]
             append_completions(live, completions, weight_version, self.tokenizer)
             turns = [s.tokens[len(s.tokens) - s.response_length + b :] for s, b in zip(live, before)]
             steps = [EnvStep(s.raw_prompt, s.label, s.columns, episodes[id(s)],
@@ -142,11 +149,15 @@ def episode_reward_stats(samples: list[Sample], episodes: EpisodeTally) -> dict[
             "reward/num_timeouts": float(episodes.timeouts)}
 
 
-def env_stop_ids(stop: list[str], tokenizer) -> tuple[int, ...]:
-    """The ids of env.stop's tokens, which end a model turn so that the environment answers it."""
-    vocab = tokenizer.get_vocab()
-    missing = [token for token in stop if token not in vocab]
-    if missing:
-        raise ConfigError(f"env.stop: {missing} are not tokens of the tokenizer; name single tokens as its "
-                          f"vocabulary spells them")
-    return tuple(vocab[token] for token in stop)
+def single_token_ids(stop: list[str], tokenizer) -> tuple[int, ...]:
+    """The ids of the env.stop strings that are one token each ("</tool_call>" in Qwen2.5's vocabulary)."""
+    ids = [tokenizer.encode(text, add_special_tokens=False) for text in stop]
+    return tuple(i[0] for i in ids if len(i) == 1)
+
+
+def cut_at_stop(out: Completion, stop_text: StopText) -> Completion:
+    """`out` up to and with the token that completes a stop string, which ended it ("stop"); as it is without one."""
+    end = stop_text.cut(out.token_ids)
+    if end is None or end == len(out.token_ids) and out.finish_reason == "stop":
+        return out
+    return dataclasses.replace(out, token_ids=out.token_ids[:end], logprobs=out.logprobs[:end], finish_reason="stop")

@@ -63,6 +63,8 @@ def test_impossible_combinations():
         resolve(make(rollout={"rollout_batch_size": 3, "n_samples_per_prompt": 4}), world_size=2)
     with pytest.raises(ConfigError, match="rollout.temperature"):
         make(rollout={"temperature": 0.0})
+    with pytest.raises(ConfigError, match="env.stop must list non-empty ASCII text"):
+        make(env={"stop": ["答案"]})
     with pytest.raises(ConfigError, match="rollout.partial_rollout needs rollout.max_staleness >= 1"):
         make(rollout={"partial_rollout": True})
     with pytest.raises(ConfigError, match="rollout.max_staleness must be >= 0"):

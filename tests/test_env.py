@@ -232,6 +232,44 @@ def test_python_tool_episode_in_the_reward_workers():
                                                     "</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_python_code_blocks():
+    """The Python tool called by a ```python block that ends the turn: its output follows as an ```output block in
+    the same turn (stopped at the fence), or as the user's next message (the model's end-of-turn token closed the
+    turn); a turn that no Python block ends is the final answer."""
+    env = python_tool.make_code_block_env("q", "37", {})
+    env.timeout_s = 1.0
+    block = "Tom has 3 bags.\n```python\nbags = 3\nprint(bags * 14 - 5)\n```\n"
+    assert env.step(block, []) == ("```output\n37\n```\n", False, 0.0)
+    assert env.step(block.rstrip(), []) == ("\n<|im_start|>user\n```output\n37\n```\n<|im_end|>\n"
+                                            "<|im_start|>assistant\n", False, 0.0)
+    assert env.step("```py\nprint(1 / 0)\n```\n\n", [])[0].endswith("ZeroDivisionError: division by zero\n```\n")
+    assert env.step("```python\nwhile True:\n    pass\n```\n", [])[0] == (
+        "```output\nerror: the code ran past 1 s and was stopped\n```\n")
+    assert env.step("The output is 37, so the answer is \\boxed{37}.", []) == ("", True, 1.0)
+    # a block that is not Python, or one followed by more text, calls nothing
+    assert env.step("```\nprint(37)\n```\n\\boxed{36}", []) == ("", True, 0.0)
+    assert env.step("```python\nprint(37)\n```\nso \\boxed{37}", []) == ("", True, 1.0)
+    assert env.step("```python\nprint(1)\n```\n```output\n1\n```\n", [])[1] is True
+
+
+def test_python_code_block_episode_stops_at_the_fence():
+    """The engine's turn runs past the block (an engine blind to stop text); env.stop's "```\n" cuts it there,
+    the code's output follows in the turn, and the answer after it is scored."""
+    turn = TOKENIZER.encode("```python\nprint(6 * 7)\n```\nThe output is 41. \\boxed{41}")
+    answer = TOKENIZER.encode("\\boxed{42}") + [TOKENIZER.eos_token_id]
+    engine = ScriptedEngine([turn, answer])
+    sample = Sample(prompt="q", tokens=[40, 41, 42], label="42", raw_prompt="q", group_index=0)
+    env = EnvConfig(fn="rl.envs.python_tool:make_code_block_env", stop=["```\n"])
+    with RewardPool(RewardConfig(num_workers=1), env.fn) as pool:
+        collector = Collector(engine, pool, TOKENIZER, RolloutConfig(max_new_tokens=256), ONE_RANK, env=env)
+        scored = collector.generate_and_score([[sample]], SamplingParams(max_new_tokens=256, seed=0), 1, (0,), 60.0)
+    (s,) = scored.samples
+    model_turn = TOKENIZER.decode(s.tokens[3 : 3 + s.loss_mask.index(0)])
+    assert model_turn == "```python\nprint(6 * 7)\n```\n"
+    assert s.response == "```python\nprint(6 * 7)\n```\n```output\n42\n```\n\\boxed{42}"
+    assert (s.reward, s.turns, s.tool_calls) == (1.0, 2, 1)
+
+
 def test_eval_reports_accuracy_with_tools_and_the_tool_call_rate():
     call = TOKENIZER.encode(python_call("print(6 * 7)"))
     answer = TOKENIZER.encode(r"\boxed{42}") + [TOKENIZER.eos_token_id]

@@ -18,6 +18,7 @@ from rl.kernels.attention import paged_attention_reference
 from rl.rollout import SamplingParams
 from rl.rollout.model import DecoderModel, split_qkv
 from rl.rollout.native import NativeEngine
+from rl.rollout.stop_text import StopText
 from tests.test_engine import PROMPTS, full_weights
 from tests.tiny import tiny_config, tiny_model
 
@@ -319,8 +320,10 @@ def test_sampler_over_slices_never_picks_masked_tokens():
     assert torch.allclose(logprobs.cpu(), torch.log_softmax(row, -1)[tokens.cpu()], atol=1e-5)
 
 
-def test_advance_matches_torch_bookkeeping():
-    """The fused end-of-step kernel against the engine's torch bookkeeping on the same random state."""
+@pytest.mark.parametrize("with_text", [False, True], ids=["ids", "ids+text"])
+def test_advance_matches_torch_bookkeeping(with_text):
+    """The fused end-of-step kernel against the engine's torch bookkeeping on the same random state, with a stop
+    text's automaton (rl/rollout/stop_text.py) or without."""
     import copy
     from types import SimpleNamespace
 
@@ -339,17 +342,27 @@ def test_advance_matches_torch_bookkeeping():
     state.max_new_tokens.fill_(12)
     tokens = torch.randint(0, 10, (rows,), generator=gen).to(DEVICE)
     logprobs = torch.randn(rows, generator=gen).to(DEVICE)
+    table = None
+    if with_text:  # token t spells "ab"[t % 2] (t < 8), "ba" ends a row; rows start in either state, or ended
+        table = StopText.build(["ba"], ["a", "b"] * 4).table(12, DEVICE)
+        state.stop_state.copy_(torch.randint(-1, 2, (rows,), generator=gen).int())
+        state.stop_state[state.stop_state == -1] *= state.done[state.stop_state == -1].int()  # only done rows
     bucket = 32
     want, before = copy.deepcopy(state), copy.deepcopy(state)
-    NativeEngine._advance(SimpleNamespace(rows=want, on_gpu=False, page_size=page),
+    NativeEngine._advance(SimpleNamespace(rows=want, on_gpu=False, page_size=page, stop_table=table),
                           bucket, tokens[:bucket], logprobs[:bucket])
     kernels("advance").advance(tokens[:bucket], logprobs[:bucket], state.done[:bucket], state.n_gen[:bucket],
                                state.out_tokens[:bucket], state.out_logprobs[:bucket], state.input_ids[:bucket],
                                state.positions[:bucket], state.context_lens[:bucket], state.slots[:bucket],
-                               state.block_tables[:bucket], state.stop_ids, state.max_new_tokens, page)
-    for name in ("done", "n_gen", "out_tokens", "out_logprobs", "input_ids", "positions", "context_lens", "slots"):
+                               state.block_tables[:bucket], state.stop_ids, state.max_new_tokens, page,
+                               state.stop_state[:bucket], table)
+    for name in ("done", "n_gen", "out_tokens", "out_logprobs", "input_ids", "positions", "context_lens", "slots",
+                 "stop_state"):
         assert torch.equal(getattr(state, name), getattr(want, name)), name
     assert (want.done[:bucket] & ~before.done[:bucket]).any()  # the stop rules fired on some rows
+    if with_text:  # and the text's did on some that no stop id or length ended
+        by_text = (want.stop_state[:bucket] == -1) & ~before.done[:bucket]
+        assert (by_text & (tokens[:bucket] != 3) & (tokens[:bucket] != 7) & (want.n_gen[:bucket] < 12)).any()
 
 
 GROUPED = [p for p in PROMPTS + [list(range(3, 40)), list(range(7, 27))] for _ in range(3)]  # samples adjacent

@@ -14,6 +14,25 @@ message, so that an instruct model reads it as it was trained to: the assistant'
 holding `<tool_response>...</tool_response>`, a new assistant turn opened. A call that cannot be read is the
 model's mistake (an error message as the response); the episode ends at the first turn without a call, scored
 by math-verify against the row's answer.
+
+The same tool also takes its code as a Markdown block the model writes in its own turn (`make_code_block_env`,
+`env.stop = ["```\n"]`, CODE_BLOCK_PROMPT as the system prompt), the tool-integrated reasoning format Qwen2.5-Math
+was trained on and code models write unasked:
+
+    ```python
+    print(48 / 2 + 48)
+    ```
+
+The turn ends at the block's closing fence (rl/rollout/stop_text.py: the tokens that spell "```\n", however
+the model split them), and the code's output follows in the same assistant turn as a block of its own,
+
+    ```output
+    72.0
+    ```
+
+after which the model goes on (another block, or the answer). A turn that its end-of-turn token closed right after
+a block gets the output as the user's next message instead. A turn that ends without a Python block closing it is
+the final answer.
 """
 
 from __future__ import annotations
@@ -22,6 +41,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import re
+
+from rl.answers import math_correct
 from rl.envs.tool_calls import tool_step
 from rl.sandbox import SandboxResult, run_python
 
@@ -45,8 +67,19 @@ SYSTEM_PROMPT = (
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
+CODE_BLOCK_PROMPT = ("You are a helpful assistant. Solve the math problem with Python: write code in a ```python "
+                     "block that prints what you need. It runs, and its output follows in a ```output block. Then "
+                     "give the final answer in \\boxed{}.")
+# A turn's last Python block, closed at the turn's end; the language tag as models write it.
+CODE_BLOCK = re.compile(r"```(?:python3?|py)[ \t]*\n(.*?)\n?[ \t]*```[ \t]*(\n?)\s*$", re.DOTALL)
+
+
 def make_env(prompt: Any, label: Any, columns: dict) -> PythonTool:
     return PythonTool(label)
+
+
+def make_code_block_env(prompt: Any, label: Any, columns: dict) -> PythonCodeBlocks:
+    return PythonCodeBlocks(label)
 
 
 @dataclass
@@ -60,6 +93,32 @@ class PythonTool:
 
     def run(self, code: str) -> str:
         return respond(run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb), self.timeout_s)
+
+
+@dataclass
+class PythonCodeBlocks(PythonTool):
+    """The tool called by a ```python block that ends the model's turn (module docstring)."""
+
+    def step(self, text: str, tokens: list[int]) -> tuple[str, bool, float]:
+        block = last_code_block(text)
+        if block is None:
+            return "", True, math_correct(text, self.label)
+        code, turn_open = block
+        output = f"```output\n{self.run(code)}\n```\n"
+        if turn_open:  # stopped at the fence (env.stop): the output goes on in the model's turn
+            return output, False, 0.0
+        return f"\n<|im_start|>user\n{output}<|im_end|>\n<|im_start|>assistant\n", False, 0.0
+
+
+def last_code_block(text: str) -> tuple[str, bool] | None:
+    """(code, whether the turn is still open) of a Python block that ends the turn; None without one. The turn is
+    open when a newline follows the fence: the turn stopped at "```\n" (env.stop) rather than at the model's
+    end-of-turn token, which closes it right after "```" (a newline before it would have stopped it first)."""
+    start = text.rfind("```py")
+    match = CODE_BLOCK.match(text, start) if start >= 0 else None
+    if match is None or "```" in match.group(1):
+        return None
+    return match.group(1), bool(match.group(2))
 
 
 def respond(result: SandboxResult, timeout_s: float) -> str:

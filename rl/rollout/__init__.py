@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from rl.config import RolloutConfig
 from rl.data import Sample, Status
+from rl.rollout.stop_text import StopText
 
 
 def derive_seed(*parts: int) -> int:
@@ -36,6 +37,7 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # restarts the engine's sampling stream for this call (None: continue it)
+    stop_text: StopText | None = None  # strings that end a sequence, across tokens (rl/rollout/stop_text.py)
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, eos_token_ids: Iterable[int]) -> SamplingParams:

@@ -34,6 +34,7 @@ from rl.rollout import Completion, SamplingParams, vmem
 from rl.kernels.attention import invariant_num_splits
 from rl.rollout.model import DecoderModel, internal_shapes
 from rl.rollout.scheduler import Kept, PagePool, Request, Scheduler, cdiv
+from rl.rollout.stop_text import STOPPED
 
 TAGS = ("weights", "kv_cache")
 MAX_STOP_IDS = 16
@@ -117,6 +118,7 @@ class Rows:
     top_p: torch.Tensor
     max_new_tokens: torch.Tensor
     stop_ids: torch.Tensor  # (MAX_STOP_IDS,) padded with -1
+    stop_state: torch.Tensor  # (R,) int32, each row's state in the call's stop text (STOPPED: it ended there)
 
     @classmethod
     def allocate(cls, rows: int, max_pages: int, width: int, device: torch.device) -> Rows:
@@ -127,15 +129,15 @@ class Rows:
                    torch.ones(rows, dtype=torch.bool, device=device), torch.zeros(rows, **long),
                    torch.zeros(rows, width, **long), torch.zeros(rows, width, dtype=torch.float32, device=device),
                    torch.ones(1, device=device), torch.ones(1, device=device), torch.ones(1, **long),
-                   torch.full((MAX_STOP_IDS,), -1, **long))
+                   torch.full((MAX_STOP_IDS,), -1, **long), torch.zeros(rows, dtype=torch.int32, device=device))
 
     def per_row(self) -> list[torch.Tensor]:
         return [self.input_ids, self.positions, self.slots, self.context_lens, self.block_tables, self.done,
-                self.n_gen, self.out_tokens, self.out_logprobs]
+                self.n_gen, self.out_tokens, self.out_logprobs, self.stop_state]
 
     def clear(self, start: int, end: int) -> None:
         """Makes rows [start, end) idle: done, one token of context on the scratch page."""
-        for t in (self.input_ids, self.positions, self.slots, self.block_tables, self.n_gen):
+        for t in (self.input_ids, self.positions, self.slots, self.block_tables, self.n_gen, self.stop_state):
             t[start:end] = 0
         self.context_lens[start:end] = 1
         self.done[start:end] = True
@@ -160,6 +162,10 @@ class NativeEngine:
             self.seed = torch.full((1,), seed, dtype=torch.long, device=self.device)  # bumped on the device
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.params = SamplingParams(max_new_tokens=1)
+        # The call's stop text as a transition table (rl/rollout/stop_text.py), one per set of strings, kept for
+        # the engine's life: captured graphs read it by address.
+        self.stop_tables: dict[tuple[str, ...], torch.Tensor] = {}
+        self.stop_table: torch.Tensor | None = None
         self.kv: torch.Tensor | None = None
         self.rows: Rows | None = None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -388,6 +394,12 @@ class NativeEngine:
         r.stop_ids.fill_(-1)
         if params.stop_token_ids:
             r.stop_ids[: len(params.stop_token_ids)] = torch.tensor(params.stop_token_ids)
+        self.stop_table = None
+        if params.stop_text is not None:
+            strings = params.stop_text.strings
+            if strings not in self.stop_tables:
+                self.stop_tables[strings] = params.stop_text.table(self.model.shape.vocab_size, self.device)
+            self.stop_table = self.stop_tables[strings]
 
     def _prefill(self, prompts) -> None:
         """Writes each prompt's KV into its pages (past the tokens a kept sequence holds) and keeps the logits
@@ -443,6 +455,10 @@ class NativeEngine:
         r.out_tokens[rows] = r.out_tokens[rows].scatter(1, prior[:, None], tokens[:, None])
         r.out_logprobs[rows] = r.out_logprobs[rows].scatter(1, prior[:, None], logprobs[:, None])
         r.done[rows] = (tokens[:, None] == r.stop_ids[None, :]).any(1) | (prior + 1 >= r.max_new_tokens)
+        r.stop_state[rows] = 0
+        if self.stop_table is not None:
+            r.stop_state[rows] = self.stop_table[0, tokens]
+            r.done[rows] |= r.stop_state[rows] == STOPPED
         for request in new:
             request.generated = request.prompt.prior + 1
 
@@ -483,7 +499,8 @@ class NativeEngine:
 
             advance(tokens, logprobs, r.done[:bucket], r.n_gen[:bucket], r.out_tokens[:bucket],
                     r.out_logprobs[:bucket], r.input_ids[:bucket], r.positions[:bucket], r.context_lens[:bucket],
-                    r.slots[:bucket], r.block_tables[:bucket], r.stop_ids, r.max_new_tokens, self.page_size)
+                    r.slots[:bucket], r.block_tables[:bucket], r.stop_ids, r.max_new_tokens, self.page_size,
+                    r.stop_state[:bucket], self.stop_table)
             return
         active = ~r.done[:bucket]
         n_gen = r.n_gen[:bucket]
@@ -492,6 +509,11 @@ class NativeEngine:
         r.out_logprobs[:bucket].scatter_(1, column, logprobs[:, None])
         n_gen += active
         hit_stop = (tokens[:, None] == r.stop_ids[None, :]).any(1)
+        if self.stop_table is not None:  # the stop text's automaton, one state per row
+            state = r.stop_state[:bucket]
+            after = self.stop_table[state.clamp(min=0).long(), tokens]
+            hit_stop |= after == STOPPED
+            r.stop_state[:bucket] = torch.where(active, after, state)
         r.done[:bucket] |= active & (hit_stop | (n_gen >= r.max_new_tokens))
         advance = ~r.done[:bucket]
         r.input_ids[:bucket] = torch.where(advance, tokens, r.input_ids[:bucket])
@@ -502,7 +524,8 @@ class NativeEngine:
         r.slots[:bucket] = page.long() * self.page_size + positions % self.page_size
 
     def _run_decode(self, bucket: int) -> None:
-        key = (bucket, self.params.top_k, self.params.top_p < 1.0)
+        key = (bucket, self.params.top_k, self.params.top_p < 1.0,
+               self.params.stop_text.strings if self.params.stop_text else ())
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -530,8 +553,8 @@ class NativeEngine:
     def _poll(self, sched: Scheduler, stops: set[int]) -> list[tuple[Request, Completion]]:
         """Collects finished rows (one host sync), frees their pages and compacts the rest forward."""
         r, n = self.rows, len(sched.running)
-        state = torch.stack([r.done[:n].long(), r.n_gen[:n]]).cpu()
-        done, n_gen = state[0].bool().tolist(), state[1].tolist()
+        state = torch.stack([r.done[:n].long(), r.n_gen[:n], r.stop_state[:n].long()]).cpu()
+        done, n_gen, text_stop = state[0].bool().tolist(), state[1].tolist(), (state[2] == STOPPED).tolist()
         for request, generated in zip(sched.running, n_gen):
             request.generated = generated
         finished_rows = [i for i in range(n) if done[i]]
@@ -548,8 +571,9 @@ class NativeEngine:
             for t in r.per_row():
                 t[: len(keep)] = t[keep_index]
         r.clear(len(keep), n)
-        finished = [(request, completion(request, toks, lps, "stop" if toks[request.generated - 1] in stops else
-                                         "length")) for request, toks, lps in zip(requests, tokens, logprobs)]
+        finished = [(request, completion(request, toks, lps, "stop" if toks[request.generated - 1] in stops
+                                         or text_stop[i] else "length"))
+                    for i, request, toks, lps in zip(finished_rows, requests, tokens, logprobs)]
         sched.finish(finished_rows, [out.token_ids for _, out in finished])
         return finished
 

@@ -18,6 +18,9 @@ Departures from vLLM defaults, and why:
 - Generation stops only at the call's stop ids (`ignore_eos`): vLLM would add the model's EOS ids from
   its generation config, which the trainer already puts into the stop ids, and a benchmark that
   ignores EOS leaves out.
+- Stop text (SamplingParams.stop_text) is not vLLM's to match: it runs without a tokenizer (token ids in and
+  out), so a sequence goes on past the text and the caller cuts it there (rl/episodes.py); a stop string that
+  is one token is also a stop id, at which vLLM does stop.
 - A prompt group (identical consecutive prompts) is one request with `n` samples, so
   its KV is prefilled once and shared.
 - A call seed seeds the call, not each request: the call's sampling draws from PyTorch's default generators,
