@@ -27,6 +27,8 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
     packing=off|on     train.packing: samples back to back in one row per micro-batch, attention within each
     skip=off|on        `on` skips the samples of zero-advantage groups (`rl.train.skippable_samples`); with
                        --lengths, the histogram's zero_std_group_frac of the groups have zero advantage
+    context=2048       rollout.max_context_len: padded rows' widest, and the bound on a document's length that
+                       packed rows give the attention kernel (it sizes the kernel's grid)
 
 --lengths FILE replays a real run's length distribution instead (benchmarks/lengths/*.json: prompt lengths per
 group, response lengths per sample, the share of groups with zero reward variance, the batch's size):
@@ -115,7 +117,7 @@ def sync(device: torch.device) -> None:
 CAUSAL_FORWARD = train_module.causal_forward
 DEFAULTS = {"mbt": "32768", "compile": "on", "checkpointing": "off", "logprobs": "fused", "mask": "none",
             "cold": "off", "width": "64", "fresh": "off", "adamw": "fused",
-            "gathered": "on", "packing": "off", "skip": "off"}  # what benchmarks/loop.sh runs
+            "gathered": "on", "packing": "off", "skip": "off", "context": "2048"}  # what benchmarks/loop.sh runs
 # the trainer before these options
 BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding,width=1,adamw=foreach,gathered=off"
 
@@ -147,7 +149,7 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
                                    "causal": lambda model, ids: model(input_ids=ids, use_cache=False)}[variant["mask"]]
     policy = build_policy(ModelConfig(path=model_dir, random_init=True, gradient_checkpointing=on["checkpointing"],
                                       compile=on["compile"], reshard_after_forward=not on["gathered"]),
-                          d.mesh, d.device, seed=0, max_context_len=2048)
+                          d.mesh, d.device, seed=0, max_context_len=int(variant["context"]))
     if on["packing"]:
         use_packed_attention(policy)
     samples_per_step = args.lengths["rollout_batch_size"] * args.lengths["n_samples_per_prompt"] if args.lengths \
@@ -161,7 +163,8 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
             else seed_batch(policy.config.vocab_size, args.samples, args.max_response, seed)
         skip = skippable_samples(batch, algo) if on["skip"] else frozenset()
         trained = [s for s in batch if s.index not in skip]
-        return (trained, *build_schedule(batch, train, d.rank, d.world_size, d.device, 2048, skip))
+        return (trained, *build_schedule(batch, train, d.rank, d.world_size, d.device, int(variant["context"]),
+                                         skip))
 
     samples, steps, step_tokens, step_seqs, _ = schedule(0)
     times = []

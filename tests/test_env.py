@@ -12,7 +12,7 @@ import torch
 
 from rl.collect import Collector, dump_rollout
 from rl.config import AlgoConfig, Config, ConfigError, DataConfig, EnvConfig, EvalConfig, ModelConfig, \
-    RewardConfig, RolloutConfig, resolve
+    RewardConfig, RolloutConfig, load_config, resolve
 from rl.data import Prompt, Sample, Status
 from rl.envs import guess_number, python_tool
 from rl.envs.calculator import evaluate, make_env
@@ -22,7 +22,7 @@ from rl.reward import RewardPool
 from rl.rollout import Completion, SamplingParams
 from rl.rollout.native import NativeEngine
 from rl.train import collate, micro_batch_loss, token_logprobs
-from tests.test_distributed import run_loop
+from tests.test_distributed import ROOT, run_loop
 from tests.test_engine import full_weights
 from tests.test_vllm import GAP, RANKS, needs_vllm
 from tests.tiny import tiny_model, tiny_tokenizer
@@ -250,6 +250,8 @@ def test_python_code_blocks():
     assert env.step("```\nprint(37)\n```\n\\boxed{36}", []) == ("", True, 0.0)
     assert env.step("```python\nprint(37)\n```\nso \\boxed{37}", []) == ("", True, 1.0)
     assert env.step("```python\nprint(1)\n```\n```output\n1\n```\n", [])[1] is True
+    config = load_config(["--config", str(ROOT / "configs/python_code.toml")])  # the run of it tells the model this format
+    assert config.data.system_prompt == python_tool.CODE_BLOCK_PROMPT and config.env.stop == ["```\n"]
 
 
 def test_python_code_block_episode_stops_at_the_fence():

@@ -387,6 +387,24 @@ def test_cuda_engine_matches_cpu_engine(tie):
 
 
 @needs_cuda
+def test_cuda_engine_stops_at_text_as_the_cpu_engine():
+    """Rows ended by stop text on the GPU (the automaton advanced in the fused step, inside graphs) are the CPU
+    engine's, and some end before max_new_tokens. Token t spells "abcde"[t % 5]; "ab" and "dd" end a row."""
+    model = tiny_model(seed=3).eval()
+    stop = StopText.build(["ab", "dd"], ["abcde"[t % 5] for t in range(model.config.vocab_size)])
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, top_k=1, stop_text=stop)
+    cpu = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=5, page_size=8)
+    cpu.load_weights(full_weights(model))
+    want = cpu.generate(GROUPED, params)
+    assert any(o.finish_reason == "stop" for o in want)
+    gpu = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=5, page_size=8, steps_per_poll=4)
+    gpu.load_weights(full_weights(model))
+    for _ in range(2):  # the second call replays the graphs the first captured
+        outs = gpu.generate(GROUPED, params)
+        assert [(o.token_ids, o.finish_reason) for o in outs] == [(o.token_ids, o.finish_reason) for o in want]
+
+
+@needs_cuda
 def test_cuda_engine_continues_kept_sequences_as_the_cpu_engine_prefills_them():
     """Turns continued from kept KV on the GPU (the prefill reads the kept prefix back from its pages, decode steps
     replay graphs) sample the CPU engine's tokens, with its logprobs, when it prefills every turn whole."""
