@@ -11,6 +11,8 @@ different speeds compared on wall-clock time), one figure per group:
   time.png        seconds per step as bars stacked by phase, one panel per run
   throughput.png  rollout and train tokens/s
   memory.png      torch's peak and the device memory in use, per phase (GPU runs only)
+  tools.png       episodes with an environment (env.fn): tool calls and turns per episode, in training and
+                  in the eval, and the eval's share of episodes that called a tool
 Runs overlay on the same axes, the legend naming each run dir. A metric no run has is left out
 (its panel, or a figure with no panel at all). A row whose value is null (a non-finite value)
 breaks that line, so a step that logged nothing shows as a gap; a row without the key is passed
@@ -97,7 +99,10 @@ def line_panel(ax, runs: dict[str, list[dict]], keys: list[str], title: str, x: 
             xs, y = series(rows, key, x)
             # Memory keys are found in the file, so even a lone one needs its phase in the legend.
             one_fixed_key = len(keys) == 1 and not key.startswith("memory/")
-            label = name if one_fixed_key else f"{name}: {key.split('/', 1)[1]}"
+            short = key.split("/", 1)[1]
+            if sum(k.split("/", 1)[1] == short for k in keys) > 1:  # rollout/x beside eval/x: both named in full
+                short = key
+            label = name if one_fixed_key else f"{name}: {short}"
             ax.plot(xs, y, marker="." if len(xs) < 50 else None, label=label)
             drawn = True
     if drawn:
@@ -178,6 +183,9 @@ def plot_runs(run_dirs: list[Path], out_dirs: list[Path], x: str = "rollout_id")
                            ("train tokens/s", ["perf/train_tokens_per_s"])],
         "memory.png": [("torch peak GB per phase", [k for k in memory_phases if k.endswith("_peak_gb")]),
                        ("device used GB per phase", [k for k in memory_phases if k.endswith("_device_used_gb")])],
+        "tools.png": [("tool calls per episode", ["rollout/tool_calls_mean", "eval/tool_calls_mean"]),
+                      ("eval episodes that called a tool", ["eval/tool_call_frac"]),
+                      ("turns per episode", ["rollout/turns_mean", "eval/turns_mean"])],
     }
     written = []
     for out_dir in out_dirs:

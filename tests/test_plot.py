@@ -12,7 +12,7 @@ import pytest
 from rl.plot import PlotError, line_panel, plot_runs, read_plottable_rows, with_minutes
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-FIGURES = ["length.png", "memory.png", "reward.png", "throughput.png", "time.png", "train.png"]
+FIGURES = ["length.png", "memory.png", "reward.png", "throughput.png", "time.png", "tools.png", "train.png"]
 
 
 def write_run(path, rows, tail='{"rollout_id": 3, "rollout/rew'):
@@ -31,7 +31,8 @@ def row(i, **extra):
 @pytest.fixture
 def runs(tmp_path):
     a = write_run(tmp_path / "run_a", [
-        row(0, **{"eval/accuracy": 0.1, "eval/pass@4": 0.3, "perf/eval_s": 0.5}),
+        row(0, **{"eval/accuracy": 0.1, "eval/pass@4": 0.3, "perf/eval_s": 0.5, "eval/tool_call_frac": 0.2,
+                  "rollout/tool_calls_mean": 0.7, "rollout/turns_mean": 1.7}),
         row(1, **{"train/loss": None, "train/entropy": 1.2, "perf/rollout_tokens_per_s": 100.0}),
         row(2, **{"eval/accuracy": 0.4, "perf/eval_s": 0.4, "memory/rollout_peak_gb": 3.0,
                   "memory/rollout_device_used_gb": 5.0})])
@@ -94,6 +95,15 @@ def test_a_null_breaks_the_line(runs):
     assert y[0] == pytest.approx(0.5) and math.isnan(y[1]) and y[2] == pytest.approx(0.3)
     # eval rows come every few steps: the rows between them have no key and the line joins them
     assert list(accuracy.get_xdata()) == [0, 2] and list(accuracy.get_ydata()) == [0.1, 0.4]
+    plt.close(fig)
+
+
+def test_legend_names_training_and_eval_keys_apart():
+    rows = {"run": [{"rollout_id": 0, "rollout/turns_mean": 1.5, "eval/turns_mean": 1.2, "train/loss": 0.1}]}
+    fig, ax = plt.subplots()
+    assert line_panel(ax, rows, ["rollout/turns_mean", "eval/turns_mean", "train/loss"], "turns")
+    assert [line.get_label() for line in ax.get_lines()] == ["run: rollout/turns_mean", "run: eval/turns_mean",
+                                                             "run: loss"]
     plt.close(fig)
 
 
