@@ -2,9 +2,11 @@
 environments, append what they return, until each episode ends.
 
 Each turn is one engine call over the live episodes, each continuing its own sequence (`prior` counts only the
-model's tokens, so rollout.max_new_tokens bounds the model's tokens over all turns). The turns go to the
-environments in the reward workers (RewardPool.step_envs), and what they return is appended untrained (loss mask
-0, logprob 0) as tokens: text tokenized once on its own, never re-rendered from the conversation, so the trained
+model's tokens, so rollout.max_new_tokens bounds the model's tokens over all turns). Each episode's turn goes to its
+environment in the reward workers (RewardPool.env_steps) as soon as the engine reports it finished, so
+environments run while the other episodes still generate, and the next turn starts once every step is back
+(perf/env_s: the wait after the engine call). What they return is appended untrained (loss mask 0, logprob 0) as
+tokens: text tokenized once on its own, never re-rendered from the conversation, so the trained
 sequence is exactly the engine's tokens and the environment's. The episode's reward is the environment's.
 Each call asks the engine to keep every episode's KV under the episode's key, and the next turn continues from
 it: the native engine prefills only the model's last token and what the environment appended (the KV of the rest
@@ -67,30 +69,45 @@ class EpisodeLoop:
             live = [s for s in live if s.status != Status.TRUNCATED]
             if not live:
                 break
-            before = [s.response_length for s in live]
             # A stream of its own for each turn: the same seed again would replay the first turn's draws.
             seeded = params if params.seed is None else dataclasses.replace(params, seed=derive_seed(params.seed, turn))
+            # Each turn goes to its environment as soon as the engine has it, so the environments run while the
+            # other episodes still generate; the next turn starts once every step is back.
+            stepping, order = self.pool.env_steps(self.env.timeout_s), []
+
+            def step_finished(finished: dict[int, Completion]) -> None:
+                for i, out in finished.items():
+                    out = self.turn(out)
+                    stepping.add([EnvStep(live[i].raw_prompt, live[i].label, live[i].columns, episodes[id(live[i])],
+                                          self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
+                                          tuple(out.token_ids))])
+                    order.append(i)
+
             # Each episode's KV stays in the engine under its key, so that its next turn prefills only the
             # model's last token and what the environment appended.
-            completions = self.engine.generate([s.tokens for s in live], seeded,
+            completions = self.engine.generate([s.tokens for s in live], seeded, on_finish=step_finished,
                                                prior=[sum(s.loss_mask) for s in live],  # the model's tokens
                                                keep=[id(s) for s in live])
             tally.count_prefill(live, completions)
-            if self.stop_text is not None:  # what an engine generated past the stop text (vLLM's) is not the turn
-                completions = [cut_at_stop(c, self.stop_text) for c in completions]
+            completions = [self.turn(out) for out in completions]
+            step_finished({i: completions[i] for i in sorted(set(range(len(live))) - set(order))})  # unheard of
             append_completions(live, completions, weight_version, self.tokenizer)
-            turns = [s.tokens[len(s.tokens) - s.response_length + b :] for s, b in zip(live, before)]
-            steps = [EnvStep(s.raw_prompt, s.label, s.columns, episodes[id(s)],
-                             self.tokenizer.decode(turn, skip_special_tokens=True), tuple(turn))
-                     for s, turn in zip(live, turns)]
             start = time.perf_counter()
-            outcomes, errors, timeouts = self.pool.step_envs(steps, self.env.timeout_s)
+            stepped, errors, timeouts = stepping.finish()
             tally.env_s += time.perf_counter() - start
+            outcomes = [None] * len(live)
+            for i, outcome in zip(order, stepped):
+                outcomes[i] = outcome
             tally.errors, tally.timeouts = tally.errors + errors, tally.timeouts + timeouts
             last = turn == self.env.max_turns - 1
             going_on = [self.take_step(s, out, episodes, weight_version, tally, last) for s, out in zip(live, outcomes)]
             self.engine.release(id(s) for s, on in zip(live, going_on) if not on)  # their pages go to the others
             live = [s for s, on in zip(live, going_on) if on]
+
+    def turn(self, out: Completion) -> Completion:
+        """The engine's completion as the model's turn: cut after the stop text, where an engine went on past it
+        (vLLM, blind to text)."""
+        return out if self.stop_text is None else cut_at_stop(out, self.stop_text)
 
     def take_step(self, sample: Sample, out: EnvOutcome | None, episodes: dict[int, bytes | None],
                   weight_version: int, tally: EpisodeTally, last: bool) -> bool:

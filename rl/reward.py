@@ -316,23 +316,22 @@ class RewardPool:
     def step_envs(self, steps: list[EnvStep], timeout_s: float) -> tuple[list[EnvOutcome | None], int, int]:
         """One step of each episode (rl/env.py), each bounded by `timeout_s`; None where a step failed. Also
         the numbers of steps that raised (or crashed their worker) and that timed out."""
+        stepping = self.env_steps(timeout_s)
+        stepping.add(steps)
+        return stepping.finish()
+
+    def env_steps(self, timeout_s: float) -> EnvSteps:
+        """Environment steps handed to the workers as the caller adds them (`EnvSteps`), for a caller that has
+        more to do meanwhile: the turn loop adds an episode's step as soon as its turn is generated."""
         if not self.workers:
-            raise RuntimeError("RewardPool.step_envs called after close()")
-        failures = Failures(unit_name="step")
-        outcomes = self.run_units(steps, [[i] for i in range(len(steps))], timeout_s, failures)
-        log_failures(failures, timeout_s, "env")
-        return outcomes, sum(o is None for o in outcomes) - len(failures.timeouts), len(failures.timeouts)
+            raise RuntimeError("RewardPool.env_steps called after close()")
+        return EnvSteps(Jobs(self, timeout_s, Failures(unit_name="step")))
 
     def run_units(self, inputs: list, units: list[list[int]], timeout_s: float, failures: Failures) -> list:
         """Each unit on a free worker within `timeout_s`; one outcome per input, None where its unit failed."""
-        outcomes: list = [None] * len(inputs)
-        pending = collections.deque(range(len(units)))
-        while pending or any(w.index is not None for w in self.workers):
-            self.dispatch(inputs, units, pending, timeout_s)
-            self.wait()
-            for worker in list(self.workers):
-                self.collect(worker, units, outcomes, failures)
-        return outcomes
+        jobs = Jobs(self, timeout_s, failures)
+        jobs.add(inputs, units)
+        return jobs.finish()
 
     def dispatch(self, inputs: list, units: list[list[int]], pending: collections.deque, timeout_s: float) -> None:
         for worker in self.workers:
@@ -409,6 +408,65 @@ class RewardPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Jobs:
+    """Units of work on a pool's workers, taken in as they come: `add` queues units, `pump` hands units to free
+    workers and takes back what finished without blocking, `finish` blocks until every unit is done. One at a
+    time per pool: a worker's `index` is a unit of the jobs that handed it out."""
+
+    def __init__(self, pool: RewardPool, timeout_s: float, failures: Failures):
+        self.pool, self.timeout_s, self.failures = pool, timeout_s, failures
+        self.inputs: list = []
+        self.units: list[list[int]] = []
+        self.outcomes: list = []
+        self.pending: collections.deque = collections.deque()
+
+    def add(self, inputs: list, units: list[list[int]] | None = None) -> None:
+        """Queues `inputs` in `units` (positions among them; default: one unit each)."""
+        start = len(self.inputs)
+        self.inputs += inputs
+        self.outcomes += [None] * len(inputs)
+        for unit in units if units is not None else [[i] for i in range(len(inputs))]:
+            self.pending.append(len(self.units))
+            self.units.append([start + i for i in unit])
+
+    def pump(self) -> None:
+        """Takes back what finished and hands queued units to free workers; never waits."""
+        pool = self.pool
+        for worker in list(pool.workers):
+            pool.collect(worker, self.units, self.outcomes, self.failures)
+        pool.dispatch(self.inputs, self.units, self.pending, self.timeout_s)
+
+    def finish(self) -> list:
+        """Every unit run (or failed); one outcome per input in the order added, None where its unit failed."""
+        pool = self.pool
+        while self.pending or any(w.index is not None for w in pool.workers):
+            pool.dispatch(self.inputs, self.units, self.pending, self.timeout_s)
+            pool.wait()
+            for worker in list(pool.workers):
+                pool.collect(worker, self.units, self.outcomes, self.failures)
+        return self.outcomes
+
+
+@dataclass
+class EnvSteps:
+    """Environment steps in flight (RewardPool.env_steps): `add` them as they come, `pump` between other work,
+    `finish` for the outcomes in the order added and the counts of steps that raised and that timed out."""
+
+    jobs: Jobs
+
+    def add(self, steps: list[EnvStep]) -> None:
+        self.jobs.add(steps)
+        self.jobs.pump()
+
+    def pump(self) -> None:
+        self.jobs.pump()
+
+    def finish(self) -> tuple[list[EnvOutcome | None], int, int]:
+        outcomes, failures = self.jobs.finish(), self.jobs.failures
+        log_failures(failures, self.jobs.timeout_s, "env")
+        return outcomes, sum(o is None for o in outcomes) - len(failures.timeouts), len(failures.timeouts)
 
 
 def gather(outcomes: list[dict[str, float] | None], num_timeouts: int, cfg: RewardConfig) -> RewardResult:

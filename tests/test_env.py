@@ -6,6 +6,7 @@ engine kept, and a 2-rank loop with the native engine."""
 import collections
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -84,6 +85,39 @@ def test_trained_sequence_is_the_engine_and_environment_tokens(env_fn, appended,
     assert line["loss_mask"] == [[1, len(TURN_1)], [0, len(appended)], [1, len(TURN_2)]]
     assert (line["turns"], line["tool_calls"], line["response"]) == (2, 1, TOKENIZER.decode(s.tokens[3:],
                                                                                              skip_special_tokens=True))
+
+
+class Staggered:
+    """Episode 0's turn finishes first (its completion handed to on_finish), and the call returns `gap_s` later."""
+
+    def __init__(self, gap_s: float):
+        self.gap_s, self.returned = gap_s, []
+
+    def generate(self, prompts, params, on_finish=None, prior=None, keep=None):
+        outs = [Completion([7, 8], [LOGPROB] * 2, "stop") for _ in prompts]
+        on_finish({0: outs[0]})
+        time.sleep(self.gap_s)  # the other episodes still generating
+        self.returned.append(time.time())
+        return outs
+
+    def release(self, keys):
+        pass
+
+
+def test_a_turn_goes_to_its_environment_while_the_others_generate():
+    """An episode whose turn the engine finished early is stepped in a worker before the engine call returns (the
+    environment's reward is the time its step ran); the rest after it."""
+    engine = Staggered(gap_s=1.0)
+    env = EnvConfig(fn="tests.env_fns:clock")
+    with RewardPool(RewardConfig(num_workers=2), env.fn) as pool:
+        collector = Collector(engine, pool, TOKENIZER, RolloutConfig(max_new_tokens=8), ONE_RANK, env=env)
+        for _ in range(2):  # the first call also waits for the workers to start
+            samples = [Sample(prompt="q", tokens=[40, 41, 42], label="x", raw_prompt="q", group_index=i)
+                       for i in range(3)]
+            scored = collector.generate_and_score([samples], SamplingParams(max_new_tokens=8, seed=0), 1, (0,), 60.0)
+    first, *rest = [s.reward for s in scored.samples]
+    assert first < engine.returned[-1] < min(rest)
+    assert scored.env_failures == 0
 
 
 class FullPrefill:

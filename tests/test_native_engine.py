@@ -195,9 +195,10 @@ def test_an_early_end_hands_back_unfinished_requests_and_they_continue_exactly(m
     stops = (free[0].token_ids[3], free[3].token_ids[1])
     params = SamplingParams(max_new_tokens=12, stop_token_ids=stops, **GREEDY)
     whole = engine.generate(GROUPED, params)
-    heard = []
-    part = engine.generate(GROUPED, params, on_finish=lambda idx: heard.extend(idx) or True)  # end at the first poll
+    heard = {}
+    part = engine.generate(GROUPED, params, on_finish=lambda done: heard.update(done) or True)  # end at first poll
     assert heard and all(part[i].finish_reason in ("stop", "length") for i in heard)
+    assert all(heard[i] is part[i] for i in heard)  # told with the completions it returns
     unfinished = [i for i, o in enumerate(part) if o.finish_reason == "abort"]
     assert unfinished and any(part[i].token_ids for i in unfinished) and any(not part[i].token_ids for i in unfinished)
     for i in heard:
@@ -216,7 +217,7 @@ def test_a_continued_request_runs_under_the_weights_the_engine_holds_now(model):
     engine = make_engine(model, max_batch_size=4, page_size=4, steps_per_poll=2)
     params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)
     prompt = GROUPED[3]
-    first = engine.generate([prompt], params, on_finish=lambda idx: True)[0]  # one request: runs to the end
+    first = engine.generate([prompt], params, on_finish=lambda done: True)[0]  # one request: runs to the end
     cut = 4
     other = tiny_model(seed=7).eval()
     engine.load_weights(full_weights(other))

@@ -56,8 +56,9 @@ class Completion:
 
 
 class Engine(Protocol):
-    """`generate(prompts, params, on_finish, prior)`: `on_finish(indices)` is told which requests just finished;
-    when it answers true the call ends early, and unfinished requests come back with the tokens they have
+    """`generate(prompts, params, on_finish, prior)`: `on_finish({index: completion})` is told which requests just
+    finished, with what they generated (a caller may act on them while the rest generate); when it answers true
+    the call ends early, and unfinished requests come back with the tokens they have
     ("abort"). `prior[i]`: response tokens prompt i already ends with (a sample continued from an earlier call,
     counted against max_new_tokens); the engine computes their KV anew, under the weights it holds now.
     `keep[i]`: a key under which the engine may keep request i's KV when it finishes, for a later call whose
@@ -66,7 +67,7 @@ class Engine(Protocol):
     prefix). An engine keeps nothing across a weight load, reset_prefix_cache or sleep."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_finish: Callable[[list[int]], bool | None] | None = None,
+                 on_finish: Callable[[dict[int, Completion]], bool | None] | None = None,
                  prior: list[int] | None = None, keep: list[Hashable | None] | None = None) -> list[Completion]: ...
     def release(self, keys: Iterable[Hashable]) -> None: ...
     def sleep(self, level: int) -> None: ...
@@ -85,9 +86,9 @@ def generate_rollout(engine: Engine, groups: list[list[Sample]], params: Samplin
     samples = [s for group in groups for s in group]
     bar = tqdm(total=len(samples), desc="rollout", unit="sample", disable=not progress, leave=False)
 
-    def on_finish(indices: list[int]) -> bool:
-        bar.update(len(indices))
-        return until is not None and until([samples[i] for i in indices])
+    def on_finish(finished: dict[int, Completion]) -> bool:
+        bar.update(len(finished))
+        return until is not None and until([samples[i] for i in finished])
 
     completions = engine.generate([s.tokens for s in samples], params, on_finish=on_finish,
                                   prior=[s.response_length for s in samples])

@@ -332,9 +332,9 @@ class NativeEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_finish: Callable[[list[int]], bool | None] | None = None,
+                 on_finish: Callable[[dict[int, Completion]], bool | None] | None = None,
                  prior: list[int] | None = None, keep: list[Hashable | None] | None = None) -> list[Completion]:
-        """`on_finish(indices)` hears of finished requests after each poll; a true answer ends the call early
+        """`on_finish({index: completion})` hears of finished requests after each poll; a true answer ends the call early
         (rl/rollout/__init__.py). `prior`: response tokens each prompt already ends with (a continued sample),
         counted against max_new_tokens; their KV is computed anew, like the prompt's, unless a kept sequence
         holds it. `keep[i]`: a key (None: none) under which request i's KV is kept when it finishes ("stop" or
@@ -375,7 +375,7 @@ class NativeEngine:
             finished = self._poll(sched, stops)
             for request, completion in finished:
                 results[request.index] = completion
-            if finished and on_finish is not None and on_finish([request.index for request, _ in finished]):
+            if finished and on_finish is not None and on_finish({r.index: out for r, out in finished}):
                 for request, completion in self._end_early(sched):
                     results[request.index] = completion
                 break

@@ -234,7 +234,7 @@ class VllmEngine:
         return requests, sampling, runs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_finish: Callable[[list[int]], bool | None] | None = None,
+                 on_finish: Callable[[dict[int, Completion]], bool | None] | None = None,
                  prior: list[int] | None = None, keep: list[Hashable | None] | None = None) -> list[Completion]:
         """Steps vLLM's engine until every request is done, or until `on_finish` (told of each prompt group as it
         finishes) answers true: the unfinished requests then come back with what they generated ("abort"), read
@@ -249,7 +249,8 @@ class VllmEngine:
             return self._generate(prompts, params, on_finish, prior)
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams,
-                  on_finish: Callable[[list[int]], bool | None] | None, prior: list[int] | None) -> list[Completion]:
+                  on_finish: Callable[[dict[int, Completion]], bool | None] | None,
+                  prior: list[int] | None) -> list[Completion]:
         requests, sampling, runs = self.requests(prompts, params, prior)
         engine = self.llm.llm_engine
         self.call_count += 1
@@ -259,7 +260,7 @@ class VllmEngine:
         results: list[Completion | None] = [None] * len(prompts)
         run_of = {request_id: run for request_id, run in zip(ids, runs)}
         while engine.has_unfinished_requests():
-            finished = []
+            finished = {}
             for out in engine.step():
                 if not out.finished:
                     continue
@@ -267,7 +268,7 @@ class VllmEngine:
                 for choice in sorted(out.outputs, key=lambda c: c.index):
                     results[start + choice.index] = completion(choice.token_ids, choice.logprobs,
                                                                choice.finish_reason or "abort")
-                    finished.append(start + choice.index)
+                    finished[start + choice.index] = results[start + choice.index]
             if finished and on_finish is not None and on_finish(finished):
                 self._end_early(run_of, results)
                 break
