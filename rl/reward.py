@@ -440,27 +440,23 @@ class Jobs:
 
     def finish(self) -> list:
         """Every unit run (or failed); one outcome per input in the order added, None where its unit failed."""
-        pool = self.pool
-        while self.pending or any(w.index is not None for w in pool.workers):
-            pool.dispatch(self.inputs, self.units, self.pending, self.timeout_s)
-            pool.wait()
-            for worker in list(pool.workers):
-                pool.collect(worker, self.units, self.outcomes, self.failures)
+        self.pump()
+        while self.pending or any(w.index is not None for w in self.pool.workers):
+            self.pool.wait()
+            self.pump()
         return self.outcomes
 
 
 @dataclass
 class EnvSteps:
-    """Environment steps in flight (RewardPool.env_steps): `add` them as they come, `pump` between other work,
-    `finish` for the outcomes in the order added and the counts of steps that raised and that timed out."""
+    """Environment steps in flight (RewardPool.env_steps): `add` them as they come (each add also takes back what
+    finished and hands out what waits), `finish` for the outcomes in the order added and the counts of steps that
+    raised and that timed out."""
 
     jobs: Jobs
 
     def add(self, steps: list[EnvStep]) -> None:
         self.jobs.add(steps)
-        self.jobs.pump()
-
-    def pump(self) -> None:
         self.jobs.pump()
 
     def finish(self) -> tuple[list[EnvOutcome | None], int, int]:

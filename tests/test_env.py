@@ -284,7 +284,8 @@ def test_python_code_blocks():
     assert env.step("```\nprint(37)\n```\n\\boxed{36}", []) == ("", True, 0.0)
     assert env.step("```python\nprint(37)\n```\nso \\boxed{37}", []) == ("", True, 1.0)
     assert env.step("```python\nprint(1)\n```\n```output\n1\n```\n", [])[1] is True
-    config = load_config(["--config", str(ROOT / "configs/python_code.toml")])  # the run of it tells the model this format
+    # the run of it tells the model this format
+    config = load_config(["--config", str(ROOT / "configs/python_code.toml")])
     assert config.data.system_prompt == python_tool.CODE_BLOCK_PROMPT and config.env.stop == ["```\n"]
 
 

@@ -38,10 +38,9 @@ the final answer.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
-
-import re
 
 from rl.answers import math_correct
 from rl.envs.tool_calls import tool_step

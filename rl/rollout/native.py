@@ -334,8 +334,8 @@ class NativeEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  on_finish: Callable[[dict[int, Completion]], bool | None] | None = None,
                  prior: list[int] | None = None, keep: list[Hashable | None] | None = None) -> list[Completion]:
-        """`on_finish({index: completion})` hears of finished requests after each poll; a true answer ends the call early
-        (rl/rollout/__init__.py). `prior`: response tokens each prompt already ends with (a continued sample),
+        """`on_finish({index: completion})` hears of finished requests after each poll; a true answer ends the call
+        early (rl/rollout/__init__.py). `prior`: response tokens each prompt already ends with (a continued sample),
         counted against max_new_tokens; their KV is computed anew, like the prompt's, unless a kept sequence
         holds it. `keep[i]`: a key (None: none) under which request i's KV is kept when it finishes ("stop" or
         "length"), and from which its prompt continues if that key holds the start of it; a request that ends

@@ -6,9 +6,10 @@ The strings become one automaton over characters (Aho-Corasick: a state is the l
 that starts one of the strings) and the automaton one transition per token: `next[state][token]`, the state
 after reading the token's text from `state`, or STOPPED when a string ends inside it. A token whose text holds
 none of the strings' characters sends every state to 0, so only a few thousand columns of a vocabulary differ
-from that, and `columns` keeps only those (a token that decodes to nothing, a special one, keeps the state). The native engine advances one state per row on the device in every
-decode step (`table`), the exact token that completes a string ends the row; an engine that cannot (vLLM runs
-without a tokenizer) is cut after the fact (`cut`), the tokens it generated past the stop thrown away.
+from that, and `columns` keeps only those (a token that decodes to nothing, a special one, keeps the state).
+The native engine advances one state per row on the device in every decode step (`table`), the exact token that
+completes a string ends the row; an engine that cannot (vLLM runs without a tokenizer) is cut after the fact
+(`cut`), the tokens it generated past the stop thrown away.
 
 Tokens are decoded on their own, special tokens as nothing: a string with a character that only a sequence of
 tokens spells (one split across byte-level tokens) would never match, so the strings must be ASCII.
