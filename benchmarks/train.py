@@ -29,6 +29,9 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
                        --lengths, the histogram's zero_std_group_frac of the groups have zero advantage
     context=2048       rollout.max_context_len: padded rows' widest, and the bound on a document's length that
                        packed rows give the attention kernel (it sizes the kernel's grid)
+    gqa=kernel|repeat  packed rows: grouped KV heads straight into the varlen kernel (`kernel`), or `repeat`ed to
+                       the query's heads first and the queries copied to contiguous rows, as packed rows ran on
+                       torch without `enable_gqa` before
 
 --lengths FILE replays a real run's length distribution instead (benchmarks/lengths/*.json: prompt lengths per
 group, response lengths per sample, the share of groups with zero reward variance, the batch's size):
@@ -69,6 +72,7 @@ from rl.metrics import graphs_compiled, profiled  # noqa: E402
 from rl.policy import build_optimizer, build_policy  # noqa: E402
 from rl.rope import unfuse_rope  # noqa: E402
 from rl import train as train_module  # noqa: E402
+from rl import packing as packing_module  # noqa: E402
 from rl.packing import use_packed_attention  # noqa: E402
 from rl.train import build_schedule, skippable_samples, token_logprobs, train_on_rollout  # noqa: E402
 
@@ -115,9 +119,17 @@ def sync(device: torch.device) -> None:
 
 
 CAUSAL_FORWARD = train_module.causal_forward
+VARLEN_CAUSAL = packing_module.varlen_causal
+
+
+def varlen_causal_repeated(q, k, v, cu_seqlens, max_seqlen, scale):
+    """Packed attention as it ran before grouped KV heads went to the kernel as they are (and as views)."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return VARLEN_CAUSAL(q.contiguous(), k, v, cu_seqlens, max_seqlen, scale)
 DEFAULTS = {"mbt": "32768", "compile": "on", "checkpointing": "off", "logprobs": "fused", "mask": "none",
             "cold": "off", "width": "64", "fresh": "off", "adamw": "fused",
-            "gathered": "on", "packing": "off", "skip": "off", "context": "2048"}  # what benchmarks/loop.sh runs
+            "gathered": "on", "packing": "off", "skip": "off", "context": "2048",
+            "gqa": "kernel"}  # what benchmarks/loop.sh runs
 # the trainer before these options
 BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding,width=1,adamw=foreach,gathered=off"
 
@@ -145,6 +157,8 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     train_module.CUDA_WIDTH_MULTIPLE = int(variant["width"])
     if not on["compile"]:  # an earlier compiled variant swapped in the RoPE op for the process: HF's again
         unfuse_rope()
+    packing_module.varlen_causal = {"kernel": VARLEN_CAUSAL, "repeat": varlen_causal_repeated}[variant["gqa"]]
+    torch._dynamo.reset()  # compiled blocks of an earlier variant called the other attention
     train_module.causal_forward = {"none": CAUSAL_FORWARD, "padding": forward_with_padding_mask,
                                    "causal": lambda model, ids: model(input_ids=ids, use_cache=False)}[variant["mask"]]
     policy = build_policy(ModelConfig(path=model_dir, random_init=True, gradient_checkpointing=on["checkpointing"],

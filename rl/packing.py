@@ -116,20 +116,71 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     if cu_seq_lens_q is None or not query.is_cuda:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (T, heads, head_dim)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, head_dim) views: the kernels
+    # read rows and heads at any stride (a copy to contiguous cost ~1% of a 0.5B step)
     return varlen_causal(q, k, v, cu_seq_lens_q, max_length_q, scaling)[None], None
 
 
 def varlen_causal(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None) -> torch.Tensor:
     """Causal attention within each [cu_seqlens[i], cu_seqlens[i+1]) of (T, heads, head_dim) q, k, v.
-    `max_seqlen` only sizes the kernel's grid: any bound on the documents' lengths is right."""
+    `max_seqlen` only sizes the kernel's grid: any bound on the documents' lengths is right. Grouped KV heads go
+    to the kernel as they are (it reads each KV head for its group of query heads): through torch's `enable_gqa`
+    where it has one, else through `causal_gqa` below, never repeated to the query's heads first."""
     extra = {"window_size": (-1, 0)} if "window_size" in VARLEN_PARAMS else {"is_causal": True}
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in VARLEN_PARAMS:
-            extra["enable_gqa"] = True
-        else:
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        if "enable_gqa" not in VARLEN_PARAMS:
+            return causal_gqa(q, k, v, cu_seqlens, max_seqlen, scale)[0]
+        extra["enable_gqa"] = True
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **extra)
+
+
+# FlashAttention's varlen kernels take fewer KV heads than query heads (the backward sums each group's key and
+# value gradients itself), but torch's `varlen_attn` before 2.13 refuses them. Repeating K and V to the query's
+# heads (7x at Qwen2.5-0.5B) cost a copy of both per layer and pass, their gradients summed back, and 7x the
+# saved K/V; these ops call the kernels directly, as custom ops so that compiled blocks trace through them.
+@torch.library.custom_op("rl::causal_gqa", mutates_args=())
+def causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+               scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, logsumexp) of causal attention per document: q (T, heads, d), k and v (T, kv_heads, d)."""
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                                           0.0, True, False, scale=scale)
+    return out, lse
+
+
+@torch.library.custom_op("rl::causal_gqa_backward", mutates_args=())
+def causal_gqa_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                        scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the kernel's RNG state, unread at p=0
+    unused = torch.empty(0, device=q.device)
+    return torch.ops.aten._flash_attention_backward(grad.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens,
+                                                    max_seqlen, max_seqlen, 0.0, True, no_dropout, unused,
+                                                    scale=scale)
+
+
+@causal_gqa.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@causal_gqa_backward.register_fake
+def _(grad, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _causal_gqa_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, scale = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens, *output)
+    ctx.max_seqlen, ctx.scale = max_seqlen, scale
+
+
+def _causal_gqa_grad(ctx, grad, _grad_lse):
+    q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
+    dq, dk, dv = causal_gqa_backward(grad, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+causal_gqa.register_autograd(_causal_gqa_grad, setup_context=_causal_gqa_setup)
 
 
 def use_packed_attention(model: torch.nn.Module) -> None:
