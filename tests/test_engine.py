@@ -81,6 +81,13 @@ def test_sleep_wake_round_trip(engine, model):
         engine.generate(PROMPTS, params)
     engine.wake_up()
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == before  # level 1 keeps weights
+    other = tiny_model(seed=7).eval()  # a push, then level 1 again: the kept host buffers park the new weights
+    engine.load_weights(full_weights(other))
+    pushed = [o.token_ids for o in engine.generate(PROMPTS, params)]
+    assert pushed != before
+    engine.sleep(1)
+    engine.wake_up()
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == pushed
     engine.sleep(2)
     engine.wake_up(["weights"])
     with pytest.raises(RuntimeError, match="sleeping"):

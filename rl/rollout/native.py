@@ -170,7 +170,8 @@ class NativeEngine:
         self.rows: Rows | None = None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
-        self.host_weights: dict[str, torch.Tensor] | None = None
+        self.host_weights: dict[str, torch.Tensor] | None = None  # the weights while a level-1 sleep parks them
+        self.host_buffers: dict[str, torch.Tensor] | None = None  # where they park, kept between sleeps
         self.required = {(key, start) for key, start, _ in self.model.name_map.values()}
         s = self.model.shape
         self.kv_shape = (2, s.num_layers, self.num_pages * page_size, s.num_kv_heads, s.head_dim)
@@ -224,9 +225,15 @@ class NativeEngine:
         self.kv = None
         self.kept.clear()
         if level == 1 and not self.asleep["weights"]:
-            self.host_weights = {k: _to_host(t) for k, t in self.model.weights.items()}
+            # into host buffers kept from one sleep to the next: pinning them anew at every sleep took ~1 s for
+            # the 1 GB of a 0.5B model (in 10 of a run's first 12 rollouts), the copy alone ~0.03 s
+            if self.host_buffers is None:
+                self.host_buffers = {k: _host_like(t) for k, t in self.model.weights.items()}
+            for key, tensor in self.model.weights.items():
+                self.host_buffers[key].copy_(tensor)
+            self.host_weights = self.host_buffers
         if level == 2:
-            self.host_weights = None
+            self.host_weights = self.host_buffers = None
             self.loaded.clear()
         self.model.weights = {}
         self.asleep = {tag: True for tag in TAGS}
@@ -599,9 +606,5 @@ def completion(request: Request, tokens: list[int], logprobs: list[float], reaso
     return Completion(tokens[start:end], logprobs[start:end], reason, reused_tokens=request.prompt.cached)
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type != "cuda":
-        return t.clone()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t)
-    return host
+def _host_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
