@@ -126,6 +126,8 @@ def varlen_causal_repeated(q, k, v, cu_seqlens, max_seqlen, scale):
     """Packed attention as it ran before grouped KV heads went to the kernel as they are (and as views)."""
     k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return VARLEN_CAUSAL(q.contiguous(), k, v, cu_seqlens, max_seqlen, scale)
+
+
 DEFAULTS = {"mbt": "32768", "compile": "on", "checkpointing": "off", "logprobs": "fused", "mask": "none",
             "cold": "off", "width": "64", "fresh": "off", "adamw": "fused",
             "gathered": "on", "packing": "off", "skip": "off", "context": "2048",
