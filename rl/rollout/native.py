@@ -170,8 +170,8 @@ class NativeEngine:
         self.rows: Rows | None = None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
-        self.host_weights: dict[str, torch.Tensor] | None = None  # the weights while a level-1 sleep parks them
-        self.host_buffers: dict[str, torch.Tensor] | None = None  # where they park, kept between sleeps
+        # where a level-1 sleep parks the weights, kept from one sleep to the next (None after a level-2 sleep)
+        self.host_weights: dict[str, torch.Tensor] | None = None
         self.required = {(key, start) for key, start, _ in self.model.name_map.values()}
         s = self.model.shape
         self.kv_shape = (2, s.num_layers, self.num_pages * page_size, s.num_kv_heads, s.head_dim)
@@ -227,13 +227,12 @@ class NativeEngine:
         if level == 1 and not self.asleep["weights"]:
             # into host buffers kept from one sleep to the next: pinning them anew at every sleep took ~1 s for
             # the 1 GB of a 0.5B model (in 10 of a run's first 12 rollouts), the copy alone ~0.03 s
-            if self.host_buffers is None:
-                self.host_buffers = {k: _host_like(t) for k, t in self.model.weights.items()}
+            if self.host_weights is None:
+                self.host_weights = {k: _host_like(t) for k, t in self.model.weights.items()}
             for key, tensor in self.model.weights.items():
-                self.host_buffers[key].copy_(tensor)
-            self.host_weights = self.host_buffers
+                self.host_weights[key].copy_(tensor)
         if level == 2:
-            self.host_weights = self.host_buffers = None
+            self.host_weights = None
             self.loaded.clear()
         self.model.weights = {}
         self.asleep = {tag: True for tag in TAGS}
@@ -259,7 +258,6 @@ class NativeEngine:
                 if self.host_weights is not None:
                     for key, tensor in self.host_weights.items():
                         self.model.weights[key].copy_(tensor, non_blocking=True)
-                    self.host_weights = None
             else:
                 if self.stable:
                     self.kv_buffer.map()
