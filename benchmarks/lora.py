@@ -3,7 +3,7 @@ train MFU, weight push time, step time, peak device and host memory.
 
     python benchmarks/lora.py MODEL_DIR [--tokenizer DIR] [--rank 64] [--gpus 1] [--rollouts 4]
                               [--engines native vllm] [--variants full full-host-adamw lora] [--random-init]
-                              [-- --section.key=value ...]
+                              [--out runs/lora] [-- --section.key=value ...]
     python benchmarks/lora.py MODEL_DIR --smoke        # CPU: the tiny test batch on one gloo rank, 2 rollouts
 
 On GPUs each variant runs the seed's scenario of `benchmarks/loop.sh` (32 prompts x 8 samples, prompts <= 512
@@ -15,7 +15,9 @@ full-parameter on one H200 is refused that way, and runs with the moments in hos
 config-only folder (configs/models/...) with random weights; without `--tokenizer` a word-level one is written
 for the prompts. Medians are over every rollout but the first (compiles, captures graphs, pins host memory). The
 MFU counts the full model's FLOPs per token (6N) in both columns: LoRA skips the base's weight gradients, so its
-MFU is of the same model work, not of the arithmetic done. Runs land in runs/lora/<variant>.
+MFU is of the same model work, not of the arithmetic done. Runs land in OUT/<row> (`--out`, default runs/lora), each
+row's medians in OUT/<row>.json: a row found there is kept, so the same command run again (with the same `--out`)
+runs only the rows still missing, then prints the whole table; big models' rows can then span several sittings.
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ HOST_PEAK = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1
              "sys.exit(code)")
 
 
-def run_variant(name: str, model: str, tokenizer: str, data: Path, nproc: int, overrides: list[str]) -> dict:
+def run_variant(name: str, model: str, tokenizer: str, data: Path, nproc: int, overrides: list[str],
+                work: Path) -> dict:
     """One loop run; its medians, or {"refused": line} when it stopped with a one-line error."""
-    out = ROOT / "runs" / "lora" / name
+    out = work / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "rl.main", "--config", str(ROOT / "configs/tiny.toml"), f"--model.path={model}",
            f"--model.tokenizer={tokenizer}", f"--data.source={data}",
@@ -71,11 +74,10 @@ def run_variant(name: str, model: str, tokenizer: str, data: Path, nproc: int, o
     log = proc.stdout + proc.stderr
     peak = re.search(r"host peak KiB (\d+)", log)
     host_peak = int(peak.group(1)) * 1024 / 1e9 if peak else float("nan")
-    (ROOT / "runs" / "lora").mkdir(parents=True, exist_ok=True)
-    (ROOT / "runs" / "lora" / f"{name}.log").write_text(log)
+    (work / f"{name}.log").write_text(log)
     if proc.returncode != 0:
         lines = [line for line in log.splitlines() if line.startswith(("rl: error:", "rl: stopped:"))]
-        return {"refused": lines[0] if lines else f"exit {proc.returncode}; see runs/lora/{name}.log"}
+        return {"refused": lines[0] if lines else f"exit {proc.returncode}; see {work / name}.log"}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     use = rows[1:] or rows
     medians = {key: statistics.median([r[key] for r in use if key in r] or [float("nan")]) for _, key in ROWS}
@@ -117,8 +119,10 @@ def main(argv: list[str]) -> None:
                         choices=["full", "full-host-adamw", "lora"])
     parser.add_argument("--random-init", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="CPU: the tiny test batch on one rank, 2 rollouts")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "lora"),
+                        help="where runs and each row's medians go; rows already there are kept")
     args = parser.parse_args(argv)
-    work = ROOT / "runs" / "lora"
+    work = Path(args.out).resolve()
     work.mkdir(parents=True, exist_ok=True)
     data = work / "prompts.jsonl"
     tokenizer = args.tokenizer or args.model
@@ -145,7 +149,13 @@ def main(argv: list[str]) -> None:
             if variant.rstrip("0123456789") not in args.variants:
                 continue
             name = f"{Path(args.model).name}-{args.gpus if not args.smoke else 'cpu'}-{engine}-{variant}"
-            results[name] = run_variant(name, args.model, tokenizer, data, nproc, [*common, *engine_keys, *keys])
+            done = work / f"{name}.json"
+            if done.exists():
+                print(f"lora benchmark: {name}: measured before, kept ({done})", flush=True)
+            else:
+                done.write_text(json.dumps(run_variant(name, args.model, tokenizer, data, nproc,
+                                                       [*common, *engine_keys, *keys], work)))
+            results[name] = json.loads(done.read_text())
     print(table(results))
 
 
