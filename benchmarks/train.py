@@ -32,6 +32,8 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
     gqa=kernel|repeat  packed rows: grouped KV heads straight into the varlen kernel (`kernel`), or `repeat`ed to
                        the query's heads first and the queries copied to contiguous rows, as packed rows ran on
                        torch without `enable_gqa` before
+    lora=0|RANK        > 0: LoRA adapters of that rank (alpha 2 x rank) on the default target layers, the base
+                       frozen (rl/lora.py); the MFU still counts the full model's FLOPs a token
 
 --lengths FILE replays a real run's length distribution instead (benchmarks/lengths/*.json: prompt lengths per
 group, response lengths per sample, the share of groups with zero reward variance, the batch's size):
@@ -65,7 +67,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rl import parallel  # noqa: E402
-from rl.config import AlgoConfig, ModelConfig, TrainConfig  # noqa: E402
+from rl.config import AlgoConfig, LoraConfig, ModelConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
 from rl.flops import peak_bf16_flops, train_flops  # noqa: E402
 from rl.metrics import graphs_compiled, profiled  # noqa: E402
@@ -131,7 +133,7 @@ def varlen_causal_repeated(q, k, v, cu_seqlens, max_seqlen, scale):
 DEFAULTS = {"mbt": "32768", "compile": "on", "checkpointing": "off", "logprobs": "fused", "mask": "none",
             "cold": "off", "width": "64", "fresh": "off", "adamw": "fused",
             "gathered": "on", "packing": "off", "skip": "off", "context": "2048",
-            "gqa": "kernel"}  # what benchmarks/loop.sh runs
+            "gqa": "kernel", "lora": "0"}  # what benchmarks/loop.sh runs
 # the trainer before these options
 BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding,width=1,adamw=foreach,gathered=off"
 
@@ -165,7 +167,8 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
                                    "causal": lambda model, ids: model(input_ids=ids, use_cache=False)}[variant["mask"]]
     policy = build_policy(ModelConfig(path=model_dir, random_init=True, gradient_checkpointing=on["checkpointing"],
                                       compile=on["compile"], reshard_after_forward=not on["gathered"]),
-                          d.mesh, d.device, seed=0, max_context_len=int(variant["context"]))
+                          d.mesh, d.device, seed=0, max_context_len=int(variant["context"]),
+                          lora=LoraConfig(rank=int(variant["lora"]), alpha=2.0 * int(variant["lora"])))
     if on["packing"]:
         use_packed_attention(policy)
     samples_per_step = args.lengths["rollout_batch_size"] * args.lengths["n_samples_per_prompt"] if args.lengths \
