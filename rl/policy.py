@@ -216,8 +216,12 @@ def compile_blocks(model: torch.nn.Module) -> None:
     each model size, grad mode (train passes, no-grad log-prob passes), one row or several, and side of a
     token-count threshold of the compiled code (on an H200 at 0.5B, 3 with grad and 2 without:
     benchmarks/ARCHIVE.md), so a policy with a critic of another size goes past 8. The limit is raised to
-    `RECOMPILE_LIMIT`; each variant still compiles only once (4-12 s on an H200)."""
+    `RECOMPILE_LIMIT`; each variant still compiles only once (4-12 s on an H200).
+
+    Python floats the blocks read (norms' epsilon, attention's scaling, LoRA's alpha / rank) are compiled in
+    as constants: with dynamic shapes Dynamo otherwise passes each as a float64 CPU tensor input."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch._dynamo.config.specialize_float = True
     fuse_rope(model)
     for block in decoder_blocks(model):
         block.forward = torch.compile(block.forward, dynamic=True)
