@@ -13,7 +13,8 @@ host memory (`train.optimizer_offload`), then LoRA of `--rank` on the attention 
 engine of `--engines`. A variant whose memory plan does not fit is not run: its row shows the plan's one line (7B
 full-parameter on one H200 is refused that way, and runs with the moments in host memory). `--random-init` takes a
 config-only folder (configs/models/...) with random weights; without `--tokenizer` a word-level one is written
-for the prompts. Medians are over every rollout but the first (compiles, captures graphs, pins host memory). The
+for the prompts. Medians are over every rollout but the first (compiles, captures graphs, pins host memory). "rollout peak
+GB" is torch's allocator: it holds all of vLLM, but not the native engine's own pools (its weights and KV cache). The
 MFU counts the full model's FLOPs per token (6N) in both columns: LoRA skips the base's weight gradients, so its
 MFU is of the same model work, not of the arithmetic done. Runs land in OUT/<row> (`--out`, default runs/lora), each
 row's medians in OUT/<row>.json: a row found there is kept, so the same command run again (with the same `--out`)
