@@ -5,6 +5,15 @@ up to 512 new tokens, configs/recipes/gsm8k_boxed.toml with a shorter run and a 
     python benchmarks/partial.py write-data DIR        # needs reasoning-gym: DIR/train.jsonl, DIR/eval.jsonl
     python benchmarks/partial.py run MODEL_DIR DIR OUT [--modes sync partial1 partial2] [--rollouts 30]
     python benchmarks/partial.py table OUT             # one table from the runs under OUT
+    python benchmarks/partial.py tail OUT [--modes sync partial1 partial2] [--rollouts 8] [--stop-ids 300]
+                                 [--max-new-tokens 4096] [--model configs/models/qwen2.5-0.5b]
+
+`tail` is the speed half of the comparison on a much longer tail, with no model to download and nothing
+learned: random weights of `--model`'s config (or a model folder's own weights) with `--stop-ids` token ids as
+stop ids, so each sampled token ends its response with probability ~stop-ids / vocabulary (300 of Qwen2.5's
+151,936: a geometric length, mean ~500, the longest of 512 samples ~3,000-3,500 of the 4,096 allowed), 64
+prompts x 8, every sequence in flight given an engine row (`rollout.max_batch_size` 1024), compiled blocks and
+packed rows in the train phase, a digit reward. Its table is `table`'s, with no eval columns filled.
 
 Modes: `sync` (the synchronous loop), `partial1` / `partial2` (rollout.partial_rollout with max_staleness 1 / 2),
 `ahead1` (max_staleness 1 without partial rollouts), `vllm` / `vllm_partial1` (the same through vLLM, at the
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -61,6 +71,42 @@ def run(model: Path, data: Path, out: Path, modes: list[str], rollouts: int, ext
                *MODES[mode], *extra]
         print(f"== {mode}: {' '.join(cmd[5:])}", flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
+    table(out)
+
+
+def tail(out: Path, model: str, modes: list[str], rollouts: int, stop_ids: int, max_new_tokens: int,
+         extra: list[str]) -> None:
+    """The `tail` runs: random weights with `stop_ids` stop ids (module docstring), each mode under OUT/<mode>."""
+    from transformers import AutoConfig
+
+    sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+    from loop_breakdown import write_tokenizer
+    from tests.tiny import write_arithmetic_jsonl
+
+    out.mkdir(parents=True, exist_ok=True)
+    data = write_arithmetic_jsonl(out / "prompts.jsonl", rows=512)
+    weights = (Path(model) / "model.safetensors").is_file() or any(Path(model).glob("*.safetensors"))
+    tokenizer = model
+    if not (Path(model) / "tokenizer_config.json").is_file():
+        tokenizer = str(out / "tokenizer")
+        write_tokenizer(tokenizer)
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    if not 0 < stop_ids < vocab // 2:
+        raise SystemExit(f"--stop-ids must be in 1..{vocab // 2 - 1} for a vocabulary of {vocab}, got {stop_ids}")
+    stops = list(range(vocab // 2, vocab // 2 + stop_ids))  # ids no tokenizer here gives a prompt
+    for mode in modes:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "rl.main",
+               "--config", str(ROOT / "configs/tiny.toml"), f"--model.path={model}", f"--model.tokenizer={tokenizer}",
+               *([] if weights else ["--model.random_init=true"]), f"--data.source={data}",
+               "--reward.user_fn=tests.reward_fns:digit_fraction", "--reward.num_workers=4",
+               "--rollout.rollout_batch_size=64", "--rollout.n_samples_per_prompt=8", "--rollout.max_batch_size=1024",
+               f"--rollout.max_new_tokens={max_new_tokens}", f"--rollout.max_context_len={max_new_tokens + 64}",
+               f"--rollout.stop_token_ids={json.dumps(stops)}", "--train.micro_batch_tokens=32768",
+               "--train.packing=true", "--model.compile=true", "--train.lr=1e-6", f"--train.num_rollout={rollouts}",
+               "--checkpoint.interval=-1", "--log.progress=false", f"--log.output_dir={out / mode}", *MODES[mode],
+               *extra]
+        print(f"== {mode}: {' '.join(cmd[5:])}", flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     table(out)
 
 
@@ -116,11 +162,21 @@ def main() -> None:
     r.add_argument("--rollouts", type=int, default=30)
     t = sub.add_parser("table")
     t.add_argument("out", type=Path)
+    tl = sub.add_parser("tail")
+    tl.add_argument("out", type=Path)
+    tl.add_argument("--model", default=str(ROOT / "configs/models/qwen2.5-0.5b"),
+                    help="a config folder (random weights) or a model folder")
+    tl.add_argument("--modes", nargs="+", default=["sync", "partial1", "partial2"], choices=sorted(MODES))
+    tl.add_argument("--rollouts", type=int, default=8)
+    tl.add_argument("--stop-ids", type=int, default=300)
+    tl.add_argument("--max-new-tokens", type=int, default=4096)
     args, extra = p.parse_known_args()
     if args.command == "write-data":
         write_data(args.dir)
     elif args.command == "run":
         run(args.model, args.data, args.out, args.modes, args.rollouts, extra)
+    elif args.command == "tail":
+        tail(args.out, args.model, args.modes, args.rollouts, args.stop_ids, args.max_new_tokens, extra)
     else:
         table(args.out)
 
