@@ -11,7 +11,8 @@ up to 512 new tokens, configs/recipes/gsm8k_boxed.toml with a shorter run and a 
 `tail` is the speed half of the comparison on a much longer tail, with no model to download and nothing
 learned: random weights of `--model`'s config (or a model folder's own weights) with `--stop-ids` token ids as
 stop ids, so each sampled token ends its response with probability ~stop-ids / vocabulary (300 of Qwen2.5's
-151,936: a geometric length, mean ~500, the longest of 512 samples ~3,000-3,500 of the 4,096 allowed), 64
+151,936: a geometric length, expected mean ~500, the longest of 512 samples expected near 3,000 of the 4,096
+allowed), 64
 prompts x 8, every sequence in flight given an engine row (`rollout.max_batch_size` 1024), compiled blocks and
 packed rows in the train phase, a digit reward. Its table is `table`'s, with no eval columns filled.
 
