@@ -116,9 +116,16 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     if cu_seq_lens_q is None or not query.is_cuda:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, head_dim) views: the kernels
-    # read rows and heads at any stride (a copy to contiguous cost ~1% of a 0.5B step)
+    q, k, v = (kernel_layout(t) for t in (query, key, value))
     return varlen_causal(q, k, v, cu_seq_lens_q, max_length_q, scaling)[None], None
+
+
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """A packed row's (1, heads, T, head_dim) as the varlen kernels' (T, heads, head_dim), by views alone, so
+    that the gradients come back by views too: the kernels read rows and heads at any stride (a copy to
+    contiguous cost ~1% of a 0.5B step), and a select of the row (`t[0]`) made the compiled backward copy each
+    gradient into new buffers, twice (two kernels a layer: `select_backward`, then a transposing clone)."""
+    return t.squeeze(0).transpose(0, 1)
 
 
 def varlen_causal(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None) -> torch.Tensor:
