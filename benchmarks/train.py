@@ -32,6 +32,9 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
     gqa=kernel|repeat  packed rows: grouped KV heads straight into the varlen kernel (`kernel`), or `repeat`ed to
                        the query's heads first and the queries copied to contiguous rows, as packed rows ran on
                        torch without `enable_gqa` before
+    layout=views|select    packed rows: q, k and v handed to the varlen kernels as views (`views`,
+                       `rl.packing.kernel_layout`), or through a select of the row (`t[0]`), as before: its
+                       backward copies each gradient into new buffers in the compiled blocks
     lora=0|RANK        > 0: LoRA adapters of that rank (alpha 2 x rank) on the default target layers, the base
                        frozen (rl/lora.py); the MFU still counts the full model's FLOPs a token
 
@@ -122,6 +125,7 @@ def sync(device: torch.device) -> None:
 
 CAUSAL_FORWARD = train_module.causal_forward
 VARLEN_CAUSAL = packing_module.varlen_causal
+KERNEL_LAYOUT = packing_module.kernel_layout
 
 
 def varlen_causal_repeated(q, k, v, cu_seqlens, max_seqlen, scale):
@@ -133,7 +137,7 @@ def varlen_causal_repeated(q, k, v, cu_seqlens, max_seqlen, scale):
 DEFAULTS = {"mbt": "32768", "compile": "on", "checkpointing": "off", "logprobs": "fused", "mask": "none",
             "cold": "off", "width": "64", "fresh": "off", "adamw": "fused",
             "gathered": "on", "packing": "off", "skip": "off", "context": "2048",
-            "gqa": "kernel", "lora": "0"}  # what benchmarks/loop.sh runs
+            "gqa": "kernel", "lora": "0", "layout": "views"}  # what benchmarks/loop.sh runs
 # the trainer before these options
 BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding,width=1,adamw=foreach,gathered=off"
 
@@ -162,6 +166,7 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     if not on["compile"]:  # an earlier compiled variant swapped in the RoPE op for the process: HF's again
         unfuse_rope()
     packing_module.varlen_causal = {"kernel": VARLEN_CAUSAL, "repeat": varlen_causal_repeated}[variant["gqa"]]
+    packing_module.kernel_layout = KERNEL_LAYOUT if variant["layout"] == "views" else lambda t: t[0].transpose(0, 1)
     torch._dynamo.reset()  # compiled blocks of an earlier variant called the other attention
     train_module.causal_forward = {"none": CAUSAL_FORWARD, "padding": forward_with_padding_mask,
                                    "causal": lambda model, ids: model(input_ids=ids, use_cache=False)}[variant["mask"]]
