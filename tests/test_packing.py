@@ -6,9 +6,12 @@ import copy
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
+from transformers import AttentionInterface
 
 from rl.config import AlgoConfig, TrainConfig
 from rl.metrics import graphs_compiled
+from rl import packing
 from rl.packing import cut_packed, documents, kernel_layout, packed_width, use_packed_attention
 from rl.policy import compile_blocks
 from rl.rope import unfuse_rope
@@ -16,6 +19,8 @@ from rl.train import build_schedule, collate, collate_packed, token_logprobs, tr
 from tests.test_train_options import samples
 from tests.test_zero_advantage_skip import RecordingSGD, max_rel_err
 from tests.tiny import tiny_model
+
+KERNEL_LAYOUT = packing.kernel_layout
 
 
 def test_rows_are_cut_longest_first_and_widths_stay_in_one_band():
@@ -181,3 +186,49 @@ def test_packed_rows_reach_the_varlen_kernels_and_come_back_by_views_alone():
     grad = torch.randn(5, 3, 4)
     got.backward(grad)
     assert torch.equal(projection.grad, grad[None])
+
+
+def test_the_compiled_backward_of_the_varlen_path_copies_no_gradient_through_a_select():
+    """The compiled decoder block on the packed path (the varlen branch, run on the CPU with stand-in kernels
+    for the two attention ops: only the graph around them is under test) generates no `select_backward`
+    kernel, where a select of the row generated three a layer; the gradients are the same either way."""
+    lib = torch.library.Library("rl", "IMPL")
+    lib.impl("causal_gqa", lambda q, k, v, cu, most, scale: (  # the kernels' shapes and strides, not their maths
+        torch.empty_like(q).copy_(q * 0.5), q.new_zeros((q.shape[1], q.shape[0]))), "CPU")
+    lib.impl("causal_gqa_backward", lambda grad, q, k, v, out, lse, cu, most, scale: (
+        torch.empty_like(q).copy_(grad), torch.zeros_like(k), torch.zeros_like(v)), "CPU")
+
+    def varlen_branch(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
+                      max_length_q=None, **kwargs):  # packed_attention's CUDA branch
+        q, k, v = (packing.kernel_layout(t) for t in (query, key, value))
+        return packing.causal_gqa(q, k, v, cu_seq_lens_q, max_length_q, scaling)[0][None], None
+
+    batch = samples(4)
+    results = {}
+    try:
+        for layout in ("views", "select"):
+            torch._dynamo.reset()
+            if layout == "select":
+                packing.kernel_layout = lambda t: t[0].transpose(0, 1)
+            model = tiny_model(seed=1)
+            use_packed_attention(model)
+            AttentionInterface.register(packing.ATTENTION, varlen_branch)
+            compile_blocks(model)
+            mb = collate_packed(batch, torch.device("cpu"), 64, 64)
+
+            def step():
+                logprobs, _ = token_logprobs(model, mb, 1.0)
+                (logprobs * mb.loss_mask).sum().backward()
+
+            _, code = run_and_get_code(step)
+            results[layout] = ("select_backward" in "".join(code),
+                               {n: p.grad.clone() for n, p in model.named_parameters()})
+    finally:
+        packing.kernel_layout = KERNEL_LAYOUT
+        AttentionInterface.register(packing.ATTENTION, packing.packed_attention)
+        unfuse_rope()
+        torch._dynamo.reset()
+        lib._destroy()
+    assert results["select"][0], "the stand-in graph no longer shows the select's copies: the test sees nothing"
+    assert not results["views"][0]
+    assert all(torch.equal(results["views"][1][n], g) for n, g in results["select"][1].items())
