@@ -123,8 +123,9 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """A packed row's (1, heads, T, head_dim) as the varlen kernels' (T, heads, head_dim), by views alone, so
     that the gradients come back by views too: the kernels read rows and heads at any stride (a copy to
-    contiguous cost ~1% of a 0.5B step), and a select of the row (`t[0]`) made the compiled backward copy each
-    gradient into new buffers, twice (two kernels a layer: `select_backward`, then a transposing clone)."""
+    contiguous cost ~1% of a 0.5B step), and a select of the row (`t[0]`) made the compiled backward copy the
+    q, k and v gradients into new buffers (`select_backward` and transposing clones: five kernels a layer, 4% of
+    the device time of the 0.5B replay's step on an H200)."""
     return t.squeeze(0).transpose(0, 1)
 
 
