@@ -86,7 +86,7 @@ def tail(out: Path, model: str, modes: list[str], rollouts: int, stop_ids: int, 
 
     out.mkdir(parents=True, exist_ok=True)
     data = write_arithmetic_jsonl(out / "prompts.jsonl", rows=512)
-    weights = (Path(model) / "model.safetensors").is_file() or any(Path(model).glob("*.safetensors"))
+    weights = any(Path(model).glob("*.safetensors"))
     tokenizer = model
     if not (Path(model) / "tokenizer_config.json").is_file():
         tokenizer = str(out / "tokenizer")

@@ -116,8 +116,13 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     if cu_seq_lens_q is None or not query.is_cuda:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    return varlen_attention(query, key, value, cu_seq_lens_q, max_length_q, scaling), None
+
+
+def varlen_attention(query, key, value, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None):
+    """`packed_attention`'s varlen branch: (1, heads, T, head_dim) in, (1, T, heads, head_dim) out."""
     q, k, v = (kernel_layout(t) for t in (query, key, value))
-    return varlen_causal(q, k, v, cu_seq_lens_q, max_length_q, scaling)[None], None
+    return varlen_causal(q, k, v, cu_seqlens, max_seqlen, scale)[None]
 
 
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
