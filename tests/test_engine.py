@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rl.rollout import SamplingParams
-from rl.rollout.native import NativeEngine, sample_tokens
+from rl.rollout.native import MAX_STOP_IDS, NativeEngine, sample_tokens
 from tests.tiny import tiny_model
 
 
@@ -71,6 +71,12 @@ def test_stop_conditions(engine):
     first = free[0].token_ids.index(stop_id)
     assert out.finish_reason == "stop" and out.token_ids == free[0].token_ids[: first + 1]
     assert len(out.logprobs) == len(out.token_ids)
+    # The same stop id last of many (a long-tail benchmark passes hundreds): every one is checked.
+    seen = set(free[0].token_ids[: first + 1])
+    many = [t for t in range(engine.model.shape.vocab_size) if t not in seen][: MAX_STOP_IDS - 1] + [stop_id]
+    assert len(many) > 16
+    out = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=6, stop_token_ids=tuple(many), **GREEDY))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free[0].token_ids[: first + 1]
 
 
 def test_sleep_wake_round_trip(engine, model):

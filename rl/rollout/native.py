@@ -37,7 +37,8 @@ from rl.rollout.scheduler import Kept, PagePool, Request, Scheduler, cdiv
 from rl.rollout.stop_text import STOPPED
 
 TAGS = ("weights", "kv_cache")
-MAX_STOP_IDS = 16
+# Stop ids a step compares each sampled token against (rows x 512 compares: microseconds on a GPU).
+MAX_STOP_IDS = 512
 # Padded prompt tokens per prefill forward, the kept ones of a continued prompt included (bounds its activation
 # memory, and the keys and values its attention reads back from the cache).
 PREFILL_TOKENS = 16384
