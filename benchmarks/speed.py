@@ -97,6 +97,9 @@ def table(out: Path) -> None:
         if part == "replay":
             rows = out / part / "rows.jsonl"
             for r in (json.loads(line) for line in rows.read_text().splitlines()) if rows.exists() else []:
+                if "oom" in r:
+                    print(f"| replay | {r['model']} {r['variant']} | out of memory ({r['oom']}) |")
+                    continue
                 mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
                 print(f"| replay | {r['model']} {r['variant']} | - | - | - | {r['step_s']:.2f} | {mfu} "
                       f"| {r['tokens']:,} tokens | {r['graphs']} | - | - |")

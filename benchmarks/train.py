@@ -55,6 +55,7 @@ On a CPU (`--models tiny`) it runs a small model as a smoke test.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import itertools
 import math
@@ -152,6 +153,10 @@ def parse_variant(text: str) -> dict[str, str]:
     return out
 
 
+def variant_name(variant: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in variant.items() if v != DEFAULTS[k]) or "defaults"
+
+
 def forward_with_padding_mask(model, input_ids):
     """The trainer's forward before right-padded rows ran without a mask (benchmark tokens are >= 3, padding 0)."""
     mask = (input_ids != 0).long()
@@ -231,8 +236,7 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
         profile = path.read_text()
     peak = peak_bf16_flops(d.device)
     # per timed step (its own lengths with fresh=on), then the median of each
-    row = {"model": Path(model_dir).name, "variant": ",".join(f"{k}={v}" for k, v in variant.items()
-                                                               if v != DEFAULTS[k]) or "defaults",
+    row = {"model": Path(model_dir).name, "variant": variant_name(variant),
            "first_s": first_s,
            "tokens": int(statistics.median(sum(lengths) for _, lengths in times)), "micro_batches": len(steps[0]),
            "step_s": statistics.median(s for s, _ in times), "steps_s": [s for s, _ in times], "graphs": graphs,
@@ -277,7 +281,21 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for m, v in itertools.product(models, variants):  # each row as it is measured: a later variant may not fit
-        r = run(m, v, args, d)
+        try:
+            r = run(m, v, args, d)
+        except torch.OutOfMemoryError as e:
+            if d.world_size > 1:  # the other ranks wait in a collective: stop them all
+                raise
+            r = {"model": Path(m).name, "variant": variant_name(v), "oom": (str(e).split(". ")[1:] or [str(e)])[0]}
+        if d.is_main and args.json:
+            with args.json.open("a") as f:
+                f.write(json.dumps({k: x for k, x in r.items() if k != "profile"}) + "\n")
+        if "oom" in r:  # one row that says so, and the next variant on a device the failed one let go of
+            gc.collect()
+            torch.cuda.empty_cache()
+            if d.is_main:
+                print(f"| {r['model']} | {r['variant']} | out of memory ({r['oom']}) |", flush=True)
+            continue
         rows.append(r)
         if d.is_main:
             mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
@@ -285,9 +303,6 @@ def main() -> None:
             print(f"| {r['model']} | {r['variant']} | {r['tokens']:,} | {r['micro_batches']} | {r['first_s']:.2f} | "
                   f"{r['step_s']:.2f} | {' / '.join(f'{s:.2f}' for s in r['steps_s'])} | {r['graphs']} | "
                   f"{r['tokens_per_s']:,.0f} | {mfu} | {r['forward_s']:.2f} | {peak} |", flush=True)
-            if args.json:
-                with args.json.open("a") as f:
-                    f.write(json.dumps({k: v for k, v in r.items() if k != "profile"}) + "\n")
     if d.is_main:
         for r in rows:
             if r["profile"]:
