@@ -320,10 +320,11 @@ def test_sampler_over_slices_never_picks_masked_tokens():
     assert torch.allclose(logprobs.cpu(), torch.log_softmax(row, -1)[tokens.cpu()], atol=1e-5)
 
 
-@pytest.mark.parametrize("with_text", [False, True], ids=["ids", "ids+text"])
-def test_advance_matches_torch_bookkeeping(with_text):
+@pytest.mark.parametrize("with_text,unused_stops", [(False, 0), (True, 0), (False, 298)],
+                         ids=["ids", "ids+text", "300 ids"])
+def test_advance_matches_torch_bookkeeping(with_text, unused_stops):
     """The fused end-of-step kernel against the engine's torch bookkeeping on the same random state, with a stop
-    text's automaton (rl/rollout/stop_text.py) or without."""
+    text's automaton (rl/rollout/stop_text.py) or without, and with the ids that fire last of 300."""
     import copy
     from types import SimpleNamespace
 
@@ -338,7 +339,7 @@ def test_advance_matches_torch_bookkeeping(with_text):
     state.context_lens.copy_(state.positions.int() + 1)
     state.block_tables.copy_(torch.randperm(rows * pages, generator=gen).view(rows, pages).int())
     state.input_ids.copy_(torch.randint(0, 50, (rows,), generator=gen))
-    state.stop_ids[:2] = torch.tensor([3, 7])
+    state.stop_ids[: unused_stops + 2] = torch.tensor([*range(100, 100 + unused_stops), 3, 7])  # tokens are < 10
     state.max_new_tokens.fill_(12)
     tokens = torch.randint(0, 10, (rows,), generator=gen).to(DEVICE)
     logprobs = torch.randn(rows, generator=gen).to(DEVICE)

@@ -29,8 +29,13 @@ def _advance_kernel(tokens_ptr, logprobs_ptr, done_ptr, n_gen_ptr, out_tokens_pt
     n += active.to(tl.int64)
     tl.store(n_gen_ptr + r64, n, mask=live)
     hit = tl.zeros([BLOCK], tl.int1)
-    for j in tl.static_range(NUM_STOP):
-        hit = hit | (token == tl.load(stop_ids_ptr + j))
+    # The call's stop ids lead the padded vector (-1 after them): read only those, however wide it is.
+    j = 0
+    stop = tl.load(stop_ids_ptr)
+    while stop >= 0:
+        hit = hit | (token == stop)
+        j += 1
+        stop = tl.load(stop_ids_ptr + j, mask=j < NUM_STOP, other=-1)
     if HAS_TEXT:  # the stop text's automaton (rl/rollout/stop_text.py): a state per row, a table row per state
         state = tl.load(stop_state_ptr + r64, mask=live, other=0)
         after = tl.load(stop_table_ptr + tl.maximum(state, 0).to(tl.int64) * vocab + token, mask=live, other=0)
