@@ -37,7 +37,8 @@ from rl.rollout.scheduler import Kept, PagePool, Request, Scheduler, cdiv
 from rl.rollout.stop_text import STOPPED
 
 TAGS = ("weights", "kv_cache")
-# Stop ids a step compares each sampled token against (rows x 512 compares: microseconds on a GPU).
+# Stop ids a call may pass: the torch bookkeeping compares each token with all the slots, the fused GPU step
+# with the call's ids alone (rl/kernels/advance_triton.py).
 MAX_STOP_IDS = 512
 # Padded prompt tokens per prefill forward, the kept ones of a continued prompt included (bounds its activation
 # memory, and the keys and values its attention reads back from the cache).
