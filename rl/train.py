@@ -11,11 +11,13 @@ the policy's here, the critic's value loss in rl/critic.py.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -44,33 +46,39 @@ class MicroBatch:
 
 def collate(samples: list[Sample], device: torch.device, pad_token_id: int = 0, width: int = 0) -> MicroBatch:
     """Right-padded micro-batch (to `width`, or the longest row); targets are shifted by one so row t predicts
-    token t+1."""
+    token t+1. The rows are filled in numpy: torch.tensor converts a Python list ~7x slower, and a seed rollout's
+    ~360k tokens took ~0.15 s of a train phase in which the device had nothing to do yet."""
     width = max(width, *(len(s.tokens) for s in samples))
-    b = len(samples)
-    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    loss_mask = torch.zeros((b, width - 1))
-    advantages = torch.zeros((b, width - 1))
-    rollout_logprobs = torch.zeros((b, width - 1))
+    input_ids = np.full((len(samples), width), pad_token_id, dtype=np.int64)
     for i, s in enumerate(samples):
-        n, start = len(s.tokens), s.prompt_length - 1
-        input_ids[i, :n] = torch.tensor(s.tokens)
-        loss_mask[i, start : start + s.response_length] = torch.tensor(s.loss_mask, dtype=torch.float)
-        advantages[i, start : start + s.response_length] = s.advantage
-        rollout_logprobs[i, start : start + s.response_length] = torch.tensor(s.rollout_log_probs)
-    return MicroBatch(input_ids.to(device), loss_mask.to(device), advantages.to(device), rollout_logprobs.to(device),
+        input_ids[i, : len(s.tokens)] = s.tokens
+    return _collate_targets(samples, device, torch.from_numpy(input_ids).to(device), width)
+
+
+def _collate_targets(samples: list[Sample], device: torch.device, input_ids: torch.Tensor, width: int) -> MicroBatch:
+    """A micro-batch of `input_ids` with the samples' loss mask, advantages and rollout logprobs as (rows, width - 1)
+    target rows, each sample's at its response tokens' targets."""
+    loss_mask, advantages, rollout_logprobs = (np.zeros((len(samples), width - 1), dtype=np.float32) for _ in range(3))
+    for i, s in enumerate(samples):
+        start, end = s.prompt_length - 1, s.prompt_length - 1 + s.response_length
+        loss_mask[i, start:end] = s.loss_mask
+        advantages[i, start:end] = s.advantage
+        rollout_logprobs[i, start:end] = s.rollout_log_probs
+    return MicroBatch(input_ids, *(torch.from_numpy(a).to(device) for a in (loss_mask, advantages, rollout_logprobs)),
                       [s.index for s in samples])
 
 
 def collate_packed(samples: list[Sample], device: torch.device, width: int, max_seqlen: int,
                    pad_token_id: int = 0) -> MicroBatch:
-    """`collate`'s rows, with the forward's input one packed row (train.packing): the samples back to back, then
-    padding to `width`. The last token of a sample predicts the next sample's first, a target never read."""
-    mb = collate(samples, device)
+    """`collate`'s target rows, with the forward's input one packed row (train.packing): the samples back to back,
+    then padding to `width`. The last token of a sample predicts the next sample's first, a target never read."""
     lengths = [len(s.tokens) for s in samples]
-    packed = torch.full((1, width), pad_token_id, dtype=torch.long)
-    packed[0, : sum(lengths)] = torch.tensor([t for s in samples for t in s.tokens])
-    docs = documents(lengths, width, max_seqlen, mb.input_ids.shape[1] - 1, device)
-    return dataclasses.replace(mb, input_ids=packed.to(device), documents=docs)
+    packed = np.full((1, width), pad_token_id, dtype=np.int64)
+    packed[0, : sum(lengths)] = np.fromiter(itertools.chain.from_iterable(s.tokens for s in samples), np.int64,
+                                            sum(lengths))
+    docs = documents(lengths, width, max_seqlen, max(lengths) - 1, device)
+    return dataclasses.replace(_collate_targets(samples, device, torch.from_numpy(packed).to(device), max(lengths)),
+                               documents=docs)
 
 
 def causal_forward(model: torch.nn.Module, input_ids: torch.Tensor):

@@ -11,6 +11,7 @@ from transformers import AutoConfig
 from rl import launch, main, memory
 from rl.config import ConfigError, RunStopped, config_from_dict
 from rl.memory import FP32, GB, ModelShape, Models
+from rl.rollout import vmem
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = 141e9
@@ -252,40 +253,61 @@ def test_vllms_out_of_memory_at_wake_up_is_the_same_one_line_naming_its_cache():
     assert "train.offload=true" in str(e.value)
 
 
-def test_the_vllm_engine_gives_back_the_trainers_cached_blocks_before_it_maps_memory_back(monkeypatch):
-    """A KV cache that fit at start-up must fit after a train phase: PyTorch's cached blocks are returned to the
-    device before vLLM, which allocates outside PyTorch, maps its sleeping memory back."""
+def fake_device_memory(monkeypatch, free: int, order: list) -> None:
+    """The driver reports `free` bytes free; returning PyTorch's cached blocks is recorded in `order`."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 100 << 30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("empty_cache"))
+
+
+@pytest.mark.parametrize("free, emptied", [(10 << 30, False), (8 << 30, False), ((8 << 30) - 1, True), (3 << 30, True)])
+def test_a_wake_up_gives_back_the_cached_blocks_only_when_what_it_maps_would_not_fit(monkeypatch, free, emptied):
+    """7 GiB to map outside PyTorch's allocator: with 8 GiB free or more (the mapping and its 1 GiB of headroom) the
+    trainer's cached blocks stay cached (the next train phase reuses them); with a byte less they go back first."""
+    order = []
+    fake_device_memory(monkeypatch, free, order)
+    assert vmem.make_room(torch.device("cuda", 0), 7 << 30) is emptied
+    assert order == (["empty_cache"] if emptied else [])
+    assert vmem.make_room(torch.device("cuda", 0), 0) is False  # nothing to map
+
+
+@pytest.mark.parametrize("free_gib", [2, 64])
+def test_the_vllm_engine_makes_room_for_its_unmapped_pools_before_it_maps_them_back(monkeypatch, free_gib):
+    """A KV cache that fit at start-up must fit after a train phase: when the device's free memory would not hold
+    vLLM's sleeping pools (it allocates outside PyTorch), PyTorch's cached blocks go back before vLLM maps them."""
     from rl.rollout import vllm as vllm_engine
 
     order = []
     engine = object.__new__(vllm_engine.VllmEngine)
     engine.llm = types.SimpleNamespace(wake_up=lambda tags: order.append(f"wake_up({','.join(tags)})"))
-    engine.asleep, engine.calls = {"weights": True, "kv_cache": True}, []
+    engine.asleep, engine.calls, engine.device = {"weights": True, "kv_cache": True}, [], torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("empty_cache"))
+    monkeypatch.setattr(vmem, "unmapped_allocator_bytes", lambda device: (40 << 30, 42 << 30))
+    fake_device_memory(monkeypatch, free_gib << 30, order)
     engine.wake_up(["weights"])
     engine.wake_up(["kv_cache"])
     engine.wake_up(["kv_cache"])  # awake already: nothing to map, nothing to give back
-    assert order == ["empty_cache", "wake_up(weights)", "empty_cache", "wake_up(kv_cache)"]
+    give_back = ["empty_cache"] if free_gib < 43 else []
+    assert order == [*give_back, "wake_up(weights)", *give_back, "wake_up(kv_cache)"]
 
 
-def test_the_native_engine_gives_back_the_trainers_cached_blocks_before_it_maps_memory_back(monkeypatch):
+@pytest.mark.parametrize("free_gib", [2, 64])
+def test_the_native_engine_makes_room_for_its_memory_before_it_maps_it_back(monkeypatch, free_gib):
     """The same for the native engine, whose weights and KV cache are mapped outside PyTorch's allocator too (the
     7B run with AdamW's moments in host memory stopped at its first push: 30.7 GB allocated, 134.7 GB reserved)."""
     from rl.rollout.native import NativeEngine
 
     order = []
     engine = object.__new__(NativeEngine)
-    engine.on_gpu, engine.asleep = True, {"weights": True, "kv_cache": True}
+    engine.on_gpu, engine.asleep, engine.stable = True, {"weights": True, "kv_cache": True}, True
+    engine.weight_buffer = types.SimpleNamespace(nbytes=6 << 30)
+    engine.kv_buffer = types.SimpleNamespace(nbytes=30 << 30)
     engine._new_weights = lambda: order.append("map weights") or {}
-    engine.host_weights, engine.stable, engine.rows, engine.model = None, False, None, types.SimpleNamespace()
-    engine.kv_shape, engine.dtype, engine.device, engine.page_size = (1, 2, 4, 1), torch.float32, "cpu", 2
-    engine.max_batch_size, engine.max_context_len = 1, 4
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("empty_cache"))
+    engine.host_weights, engine.device, engine.model = None, torch.device("cuda", 0), types.SimpleNamespace()
+    fake_device_memory(monkeypatch, free_gib << 30, order)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     engine.wake_up(["weights"])
     engine.wake_up(["weights"])  # awake already: nothing to map, nothing to give back
-    assert order == ["empty_cache", "map weights"]
+    assert order == (["empty_cache"] if free_gib < 7 else []) + ["map weights"]
 
 
 class Loop:

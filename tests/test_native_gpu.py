@@ -520,3 +520,37 @@ def test_sleep_keeps_decode_graphs_and_frees_memory():
         assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == want
         assert all(engine.graphs[key] is graph for key, graph in graphs.items())  # replayed, not re-captured
     engine.close()
+
+
+@needs_cuda
+def test_a_wake_up_keeps_the_trainers_cached_blocks_unless_the_engine_needs_them():
+    """The engine maps its memory outside PyTorch's allocator: a wake-up returns PyTorch's cached blocks (what a
+    train phase used and freed) to the driver only when the free memory would not hold the mapping."""
+    model = tiny_model(seed=5).eval()
+    engine = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=4, page_size=8, steps_per_poll=4)
+    if not engine.stable:
+        pytest.skip("the CUDA driver offers no virtual memory management")
+    engine.load_weights(full_weights(model))
+    greedy = SamplingParams(max_new_tokens=12, top_k=1)
+    want = [o.token_ids for o in engine.generate(PROMPTS, greedy)]
+
+    def train_phase(nbytes: int) -> int:  # what a train phase leaves behind: a freed block, cached
+        engine.sleep(2)
+        torch.cuda.synchronize()
+        del_me = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+        del del_me
+        return torch.cuda.memory_reserved()
+
+    def wake() -> None:
+        engine.wake_up(["weights"])
+        engine.load_weights(full_weights(model))
+        engine.wake_up(["kv_cache"])
+        assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == want
+
+    reserved = train_phase(1 << 30)
+    wake()
+    assert torch.cuda.memory_reserved() >= reserved  # room enough: the block stays for the next train phase
+    reserved = train_phase(torch.cuda.mem_get_info()[0] - (512 << 20))  # leaves less free than the mapping + 1 GiB
+    wake()
+    assert torch.cuda.memory_reserved() < reserved - (1 << 30)  # no room: the cached blocks went back first
+    engine.close()

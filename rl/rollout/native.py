@@ -238,21 +238,23 @@ class NativeEngine:
             self.loaded.clear()
         self.model.weights = {}
         self.asleep = {tag: True for tag in TAGS}
-        if self.stable:
+        if self.stable:  # back to the driver; PyTorch's cached blocks stay cached for the trainer (`wake_up`)
             self.weight_buffer.unmap()
             self.kv_buffer.unmap()
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+            if not self.stable:  # the weights and KV were PyTorch's own blocks
+                torch.cuda.empty_cache()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        if self.on_gpu and any(self.asleep.get(tag, False) for tag in tags or TAGS):
-            # What training freed goes back to the device first: the engine maps its memory outside PyTorch's
-            # allocator, which would otherwise keep the train phase's cached blocks (at 7B, 100 GB of them).
-            torch.cuda.empty_cache()
         for tag in tags or TAGS:
             if tag not in TAGS:
                 raise ValueError(f"unknown wake-up tag {tag!r}; expected one of {TAGS}")
+        if self.stable:  # the train phase's cached blocks go back to the driver only if the mapping needs them
+            vmem.make_room(self.device, sum(buf.nbytes for tag, buf in (("weights", self.weight_buffer),
+                                                                        ("kv_cache", self.kv_buffer))
+                                            if tag in (tags or TAGS) and self.asleep[tag]))
+        for tag in tags or TAGS:
             if not self.asleep[tag]:
                 continue
             if tag == "weights":

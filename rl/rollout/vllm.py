@@ -46,9 +46,10 @@ Departures from vLLM defaults, and why:
 - `rollout.vllm_kwargs` is passed to `vllm.LLM` last; a `compilation_config` table in it is merged
   into this file's key by key (its own `pass_config` replaces this file's whole).
 - Before vLLM maps its memory back at a wake-up, the trainer's caching allocator returns the blocks it holds
-  (`torch.cuda.empty_cache`): vLLM allocates outside PyTorch's allocator, so what training used and freed is
-  not free to it until given back, and a KV cache that fit at start-up would not fit after the first train
-  phase. The native engine allocates through PyTorch's allocator and reuses those blocks as they are.
+  (`torch.cuda.empty_cache`) if the device's free memory would not hold what vLLM maps (its unmapped pools):
+  vLLM allocates outside PyTorch's allocator, so what training used and freed is not free to it until given
+  back, and a KV cache that fit at start-up would not fit after the first train phase. When it fits, the
+  blocks stay cached for the next train phase (`vmem.make_room`; the native engine does the same).
 - Sleep mode is CUDA-only in vLLM (`enable_sleep_mode` is refused on CPU). On CPU the
   same calls still go through vLLM's engine core (scheduler pause, prefix-cache reset),
   whose CPU worker keeps weights and KV resident.
@@ -63,7 +64,7 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 
 from rl.config import RolloutConfig
-from rl.rollout import Completion, SamplingParams
+from rl.rollout import Completion, SamplingParams, vmem
 
 TAGS = ("weights", "kv_cache")
 
@@ -178,8 +179,8 @@ class VllmEngine:
             raise ValueError(f"unknown wake-up tags {sorted(unknown)}; expected some of {TAGS}")
         self.calls.append(f"wake_up({','.join(tags)})")
         if any(self.asleep[t] for t in tags):
-            if torch.cuda.is_initialized():
-                torch.cuda.empty_cache()  # module docstring: vLLM maps its memory outside PyTorch's allocator
+            if torch.cuda.is_initialized():  # module docstring: vLLM maps its memory outside PyTorch's allocator
+                vmem.make_room(self.device, vmem.unmapped_allocator_bytes(self.device)[1])
             self.llm.wake_up(tags=[t for t in tags if self.asleep[t]])
         for tag in tags:
             self.asleep[tag] = False

@@ -101,6 +101,24 @@ def unmapped_allocator_bytes(device: torch.device) -> tuple[int, int]:
     return allocated, reserved
 
 
+# Free device memory a wake-up leaves beyond what it maps, for allocations outside PyTorch's cache (cuBLAS, NCCL)
+WAKE_HEADROOM_BYTES = 1 << 30
+
+
+def make_room(device: torch.device, need: int) -> bool:
+    """Before `need` bytes are mapped outside PyTorch's caching allocator (an engine waking up): returns PyTorch's
+    cached blocks to the driver if what the driver has free would not hold them (with `WAKE_HEADROOM_BYTES` to
+    spare); whether it did. When the memory fits, the blocks stay cached, so the next train phase finds the
+    blocks of the last one instead of allocating and freeing about its whole peak every step (0.5B seed step,
+    one H200: ~0.1-0.2 s of it)."""
+    if need <= 0:
+        return False
+    if torch.cuda.mem_get_info(device)[0] >= need + WAKE_HEADROOM_BYTES:
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
 class _CudaArray:
     """Just enough of `__cuda_array_interface__` for `torch.as_tensor` to view raw device bytes."""
 
