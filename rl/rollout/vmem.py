@@ -109,8 +109,7 @@ def make_room(device: torch.device, need: int) -> bool:
     """Before `need` bytes are mapped outside PyTorch's caching allocator (an engine waking up): returns PyTorch's
     cached blocks to the driver if what the driver has free would not hold them (with `WAKE_HEADROOM_BYTES` to
     spare); whether it did. When the memory fits, the blocks stay cached, so the next train phase finds the
-    blocks of the last one instead of allocating and freeing about its whole peak every step (0.5B seed step,
-    one H200: ~0.1-0.2 s of it)."""
+    blocks of the last one instead of allocating and freeing about its whole peak every step."""
     if need <= 0:
         return False
     if torch.cuda.mem_get_info(device)[0] >= need + WAKE_HEADROOM_BYTES:
