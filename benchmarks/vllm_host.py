@@ -1,14 +1,16 @@
 """Where a vLLM engine's step goes on the host: one engine as the trainer runs it, one timed call, then the same
 call with the main thread's Python stack sampled every millisecond.
 
-    python benchmarks/vllm_host.py MODEL_DIR [--sequences 512] [--new-tokens 256] [--vllm-kwargs '{}']
+    python benchmarks/vllm_host.py MODEL_DIR [--sequences 512] [--new-tokens 256] [--vllm-kwargs '{}'] [--calls 1]
+                                   [--no-sample]
 
 MODEL_DIR may be a config folder (configs/models/...): vLLM builds random weights (the trainer's
 `load_format="dummy"`). The prompts are `--sequences / 8` random ones of 100-150 tokens, 8 samples each (a GSM
 rollout's shape), EOS ignored, so every sequence decodes `--new-tokens`. It prints the timed call's tokens/s
 and time per engine step, then the sampled call's share of samples per function, inclusive and self. The
 sampler takes the interpreter lock every millisecond, so the sampled call runs slower than the timed one; when
-it does, the host is what bounds the step. `--vllm-kwargs` goes to `vllm.LLM` as `rollout.vllm_kwargs` does.
+it does, the host is what bounds the step. `--vllm-kwargs` goes to `vllm.LLM` as `rollout.vllm_kwargs` does;
+`--calls` times that many calls, `--no-sample` leaves out the sampled one (to compare settings, one engine each).
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--vllm-kwargs", default="{}", help="a JSON object of extra vllm.LLM arguments")
+    parser.add_argument("--calls", type=int, default=1, help="timed calls, each printed")
+    parser.add_argument("--no-sample", action="store_true", help="no call with the Python stack sampled")
     args = parser.parse_args()
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29641", RANK="0", WORLD_SIZE="1",
                            LOCAL_RANK="0").items():
@@ -117,13 +121,17 @@ def main() -> None:
             torch.cuda.synchronize(device)
         return time.perf_counter() - start, sum(len(o.token_ids) for o in out)
 
-    wall, tokens = call()
-    print(f"vllm_kwargs {kwargs}: {len(prompts)} sequences x {args.new_tokens}: {wall:.2f} s, {tokens / wall:,.0f} "
-          f"tokens/s, {steps[0]} engine steps, {1e3 * wall / steps[0]:.2f} ms a step")
-    with StackSampler(threading.get_ident()) as sampler:
-        wall, _ = call()
-    print(f"sampled call: {wall:.2f} s ({steps[0]} steps), {sampler.samples} samples")
-    print(sampler.report())
+    runner = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "default")
+    for _ in range(args.calls):
+        wall, tokens = call()
+        print(f"vllm_kwargs {kwargs}, VLLM_USE_V2_MODEL_RUNNER={runner}: {len(prompts)} sequences x "
+              f"{args.new_tokens}: {wall:.2f} s, {tokens / wall:,.0f} tokens/s, {steps[0]} engine steps, "
+              f"{1e3 * wall / steps[0]:.2f} ms a step")
+    if not args.no_sample:
+        with StackSampler(threading.get_ident()) as sampler:
+            wall, _ = call()
+        print(f"sampled call: {wall:.2f} s ({steps[0]} steps), {sampler.samples} samples")
+        print(sampler.report())
     engine.close()
     parallel.teardown()
 
