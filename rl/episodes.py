@@ -27,7 +27,7 @@ from rl.data import Sample, Status
 from rl.env import EnvOutcome, EnvStep
 from rl.parallel import print0
 from rl.reward import RewardPool
-from rl.rollout import Completion, SamplingParams, append_completions, derive_seed
+from rl.rollout import Completion, SamplingParams, append_completions, decode_responses, derive_seed
 from rl.rollout.stop_text import StopText
 
 
@@ -55,8 +55,8 @@ class EpisodeLoop:
             self.take_turns(samples, params, weight_version, episodes, tally)
         finally:  # whatever ended the episodes, the engine keeps none of them
             self.engine.release(id(s) for s in samples)
-        for s in samples:
-            s.response = self.tokenizer.decode(s.tokens[s.prompt_length :], skip_special_tokens=True)
+        for s, text in zip(samples, decode_responses(self.tokenizer, samples), strict=True):
+            s.response = text
 
     def take_turns(self, samples: list[Sample], params: SamplingParams, weight_version: int,
                    episodes: dict[int, bytes | None], tally: EpisodeTally) -> None:

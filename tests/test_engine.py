@@ -1,9 +1,12 @@
+import random
+
 import pytest
 import torch
 
-from rl.rollout import SamplingParams
+from rl.data import Sample
+from rl.rollout import SamplingParams, decode_responses
 from rl.rollout.native import MAX_STOP_IDS, NativeEngine, sample_tokens
-from tests.tiny import tiny_model
+from tests.tiny import tiny_model, tiny_tokenizer
 
 
 def full_weights(model):
@@ -112,3 +115,20 @@ def test_load_weights_rejects_unknown_names(engine):
     name, tensor = next(iter(full_weights(tiny_model())))
     with pytest.raises(ValueError, match="shape"):
         engine.load_weights([(name, torch.zeros(tensor.shape[0] + 1))])
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_responses_decode_in_one_batch_as_the_tokenizer_decodes_each(clean_up):
+    """The batched decode (the fast tokenizer's backend, or batch_decode where transformers cleans the text up)
+    gives each response exactly what tokenizer.decode gives it: special tokens left out, the prompt not included."""
+    tok = tiny_tokenizer()
+    tok.clean_up_tokenization_spaces = clean_up
+    rng = random.Random(0)
+    prompt = tok.encode("What is 2 + 3?")
+    samples = []
+    for n in (0, 1, 7, 40, 200):
+        response = [rng.randrange(len(tok)) for _ in range(n)] + [tok.eos_token_id] * (n % 2)
+        samples.append(Sample(prompt="", tokens=prompt + response, response_length=len(response)))
+    assert any(t in tok.all_special_ids for s in samples for t in s.tokens[s.prompt_length:])
+    want = [tok.decode(s.tokens[s.prompt_length:], skip_special_tokens=True) for s in samples]
+    assert decode_responses(tok, samples) == want
