@@ -21,6 +21,16 @@ def test_group_expansion_seed_numbers():
     assert groups[31][0].group_index == 31
     groups[0][0].tokens.append(99)  # deep copies: samples never share lists
     assert groups[0][1].tokens == [0]
+    source = Prompt(text="p", token_ids=[1, 2], label={"answer": [3]}, metadata={"tests": [4]}, raw=[{"content": "p"}],
+                    columns={"extra": [5]})
+    first, second = expand_groups([source], 2, 0, 0)[0]
+    for sample in (first, second):  # nor dicts, nor what the prompt's row holds
+        sample.label["answer"].append(0), sample.metadata["tests"].append(0), sample.raw_prompt[0].clear()
+        sample.columns["extra"].append(0)
+    assert (second.label, second.metadata, second.raw_prompt, second.columns) == (
+        {"answer": [3, 0]}, {"tests": [4, 0]}, [{}], {"extra": [5, 0]})
+    assert (source.label, source.metadata, source.raw, source.columns) == (
+        {"answer": [3]}, {"tests": [4]}, [{"content": "p"}], {"extra": [5]})
 
 
 def test_dataset_numbering_continues_and_cursor_resumes():
