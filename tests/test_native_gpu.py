@@ -496,15 +496,21 @@ def test_stable_buffer_keeps_its_address_across_unmap():
     buf.close()
 
 
-@needs_cuda
-def test_sleep_keeps_decode_graphs_and_frees_memory():
-    model = tiny_model(seed=5).eval()
+def stable_engine(model) -> tuple[NativeEngine, SamplingParams, list[list[int]]]:
+    """A small engine whose memory keeps its addresses across sleep (skips where the driver cannot), loaded with
+    `model`, and its greedy answers to PROMPTS."""
     engine = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=4, page_size=8, steps_per_poll=4)
     if not engine.stable:
         pytest.skip("the CUDA driver offers no virtual memory management")
     engine.load_weights(full_weights(model))
     greedy = SamplingParams(max_new_tokens=12, top_k=1)
-    want = [o.token_ids for o in engine.generate(PROMPTS, greedy)]
+    return engine, greedy, [o.token_ids for o in engine.generate(PROMPTS, greedy)]
+
+
+@needs_cuda
+def test_sleep_keeps_decode_graphs_and_frees_memory():
+    model = tiny_model(seed=5).eval()
+    engine, greedy, want = stable_engine(model)
     graphs = dict(engine.graphs)
     assert graphs
     held = engine.weight_buffer.nbytes + engine.kv_buffer.nbytes
@@ -527,12 +533,7 @@ def test_a_wake_up_keeps_the_trainers_cached_blocks_unless_the_engine_needs_them
     """The engine maps its memory outside PyTorch's allocator: a wake-up returns PyTorch's cached blocks (what a
     train phase used and freed) to the driver only when the free memory would not hold the mapping."""
     model = tiny_model(seed=5).eval()
-    engine = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=4, page_size=8, steps_per_poll=4)
-    if not engine.stable:
-        pytest.skip("the CUDA driver offers no virtual memory management")
-    engine.load_weights(full_weights(model))
-    greedy = SamplingParams(max_new_tokens=12, top_k=1)
-    want = [o.token_ids for o in engine.generate(PROMPTS, greedy)]
+    engine, greedy, want = stable_engine(model)
 
     def train_phase(nbytes: int) -> int:  # what a train phase leaves behind: a freed block, cached
         engine.sleep(2)
