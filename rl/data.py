@@ -436,7 +436,7 @@ def expand_groups(prompts: list[Prompt], n_samples_per_prompt: int, group_start:
     groups, index = [], index_start
     for g, prompt in enumerate(prompts):
         # Each sample its own copy of everything; the token ids (ints) by a list copy, which a deepcopy of the
-        # whole sample made element by element (~0.1 s of a 256-sample rollout).
+        # whole sample made element by element (~0.03 s of a 256-sample rollout on two cores).
         fields = dict(label=prompt.label, metadata=prompt.metadata, raw_prompt=prompt.raw, columns=prompt.columns)
         group = []
         for _ in range(n_samples_per_prompt):
