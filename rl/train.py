@@ -73,9 +73,9 @@ def collate_packed(samples: list[Sample], device: torch.device, width: int, max_
     """`collate`'s target rows, with the forward's input one packed row (train.packing): the samples back to back,
     then padding to `width`. The last token of a sample predicts the next sample's first, a target never read."""
     lengths = [len(s.tokens) for s in samples]
+    total = sum(lengths)
     packed = np.full((1, width), pad_token_id, dtype=np.int64)
-    packed[0, : sum(lengths)] = np.fromiter(itertools.chain.from_iterable(s.tokens for s in samples), np.int64,
-                                            sum(lengths))
+    packed[0, :total] = np.fromiter(itertools.chain.from_iterable(s.tokens for s in samples), np.int64, total)
     docs = documents(lengths, width, max_seqlen, max(lengths) - 1, device)
     return dataclasses.replace(_collate_targets(samples, device, torch.from_numpy(packed).to(device), max(lengths)),
                                documents=docs)

@@ -247,14 +247,14 @@ class NativeEngine:
                 torch.cuda.empty_cache()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        for tag in tags or TAGS:
+        tags = list(tags or TAGS)
+        for tag in tags:
             if tag not in TAGS:
                 raise ValueError(f"unknown wake-up tag {tag!r}; expected one of {TAGS}")
         if self.stable:  # the train phase's cached blocks go back to the driver only if the mapping needs them
-            vmem.make_room(self.device, sum(buf.nbytes for tag, buf in (("weights", self.weight_buffer),
-                                                                        ("kv_cache", self.kv_buffer))
-                                            if tag in (tags or TAGS) and self.asleep[tag]))
-        for tag in tags or TAGS:
+            buffers = {"weights": self.weight_buffer, "kv_cache": self.kv_buffer}
+            vmem.make_room(self.device, sum(buffers[tag].nbytes for tag in tags if self.asleep[tag]))
+        for tag in tags:
             if not self.asleep[tag]:
                 continue
             if tag == "weights":
