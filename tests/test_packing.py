@@ -55,7 +55,7 @@ def step(model, batch, packing: bool, algo: AlgoConfig) -> tuple[list, dict]:
 @pytest.mark.parametrize("algo", [AlgoConfig(eps_clip_high=0.28, entropy_coef=0.01),
                                   AlgoConfig(eps_clip_high=0.28, policy_loss="gspo", loss_agg="seq_mean_token_mean",
                                              tis_cap=2.0, tis_level="sequence")], ids=["ppo_entropy", "gspo_seq"])
-def test_packed_rows_give_the_padded_rows_loss_and_gradients(algo):
+def test_packed_rows_give_the_padded_rows_loss_and_gradients(algo, one_cpu_thread):
     batch = samples(10, seed=5)
     padded = tiny_model(seed=1)
     packed = copy.deepcopy(padded)

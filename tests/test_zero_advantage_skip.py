@@ -48,7 +48,7 @@ def max_rel_err(got: list, want: list) -> float:
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 @pytest.mark.parametrize("packing", [False, True])
-def test_skipped_zero_advantage_group_changes_no_gradient(loss_agg, packing):
+def test_skipped_zero_advantage_group_changes_no_gradient(loss_agg, packing, one_cpu_thread):
     algo = AlgoConfig(eps_clip_high=0.28, loss_agg=loss_agg, loss_agg_norm=64.0, tis_cap=2.0)
     skip = skippable_samples(rollout(), algo)
     assert skip == frozenset(range(4, 8))
