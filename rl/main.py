@@ -29,7 +29,7 @@ from rl.evaluate import evaluate, load_eval_prompts
 from rl.export import export_adapter, export_policy
 from rl.health import Health, RunStopped
 from rl.learner import Learner, assign_advantages
-from rl.memory import check_disk_space, check_memory_plan, stop_on_oom
+from rl.memory import check_disk_space, check_memory_plan, choose_allocator, stop_on_oom
 from rl.metrics import StepRecord, make_logger
 from rl.parallel import print0
 from rl.reward import RewardPool
@@ -64,6 +64,7 @@ def main(argv: list[str]) -> None:
     stop = launch.StopRequests(os.environ.get("RL_STOP_FILE"), os.environ.get("RANK", "0"))
     cfg = load_config(argv)  # config errors surface before any process group or model exists
     check_paths(cfg)
+    choose_allocator(cfg)  # before CUDA starts
     dist = parallel.init_distributed()
     cfg = resolve(cfg, dist.world_size)
     if cfg.model.batch_invariant and dist.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -1,6 +1,7 @@
 """The memory plan against numbers worked out by hand, its refusal line, and the out-of-memory stop."""
 
 import dataclasses
+import os
 import types
 from pathlib import Path
 
@@ -257,6 +258,34 @@ def fake_device_memory(monkeypatch, free: int, order: list) -> None:
     """The driver reports `free` bytes free; returning PyTorch's cached blocks is recorded in `order`."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 100 << 30))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("empty_cache"))
+
+
+@pytest.mark.parametrize("engine, environ, want", [
+    ("native", {}, "expandable_segments:True"),
+    ("native", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "backend:cudaMallocAsync"),
+    ("native", {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, None),
+    ("vllm", {}, None),
+])
+def test_native_runs_grow_expandable_segments_unless_the_user_or_vllm_say_otherwise(engine, environ, want):
+    memory.choose_allocator(make(rollout={"engine": engine}), environ)
+    assert environ.get("PYTORCH_CUDA_ALLOC_CONF") == want
+
+
+def test_the_allocator_is_chosen_before_the_process_group_starts_cuda(monkeypatch, tmp_path):
+    """The setting is read once, when CUDA's allocator starts: chosen after that it would do nothing."""
+    seen = []
+
+    def init_distributed():
+        seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        raise RunStopped("stop here")
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(main, "check_paths", lambda cfg: None)
+    monkeypatch.setattr(main.parallel, "init_distributed", init_distributed)
+    with pytest.raises(RunStopped):
+        main.main(["--model.path", str(tmp_path), "--data.source", str(tmp_path / "d.jsonl")])
+    assert seen == ["expandable_segments:True"]
 
 
 @pytest.mark.parametrize("free, emptied", [(10 << 30, False), (8 << 30, False), ((8 << 30) - 1, True), (3 << 30, True)])
