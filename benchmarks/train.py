@@ -74,6 +74,7 @@ from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, LoraConfig, ModelConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
 from rl.flops import peak_bf16_flops, train_flops  # noqa: E402
+from rl.memory import choose_allocator  # noqa: E402
 from rl.metrics import graphs_compiled, profiled  # noqa: E402
 from rl.policy import build_optimizer, build_policy  # noqa: E402
 from rl.rope import unfuse_rope  # noqa: E402
@@ -266,6 +267,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also append each row to this file, one JSON object a line")
     args = p.parse_args()
     args.lengths = json.loads(Path(args.lengths).read_text()) if args.lengths else None
+    choose_allocator("native")  # the allocator a run with the native engine trains in
     d = parallel.init_distributed()
     models = list(args.models)
     if models == ["tiny"]:  # CPU smoke test

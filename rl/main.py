@@ -64,7 +64,7 @@ def main(argv: list[str]) -> None:
     stop = launch.StopRequests(os.environ.get("RL_STOP_FILE"), os.environ.get("RANK", "0"))
     cfg = load_config(argv)  # config errors surface before any process group or model exists
     check_paths(cfg)
-    choose_allocator(cfg)  # before CUDA starts
+    choose_allocator(cfg.rollout.engine)  # before CUDA starts
     dist = parallel.init_distributed()
     cfg = resolve(cfg, dist.world_size)
     if cfg.model.batch_invariant and dist.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -516,14 +516,14 @@ def check_host(cfg: Config, models: Models, world_size: int, local_ranks: int, h
 # ---------------------------------------------------------------------------- an out-of-memory error mid-run
 
 
-def choose_allocator(cfg: Config, environ=os.environ) -> None:
+def choose_allocator(engine: str, environ=os.environ) -> None:
     """Before CUDA starts: PyTorch's caching allocator grows expandable segments (one address range, mapped a
     page at a time) instead of fixed-size blocks, unless PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) says otherwise. With fixed
     blocks the free memory splinters between train phases of different shapes: at 1.5B on the seed batch (a
     train peak of 115 GB of the device's 143 usable) the fourth train phase ran out with 105.5 GB allocated
     and 139.4 GB reserved; with expandable segments six phases ran at 117.6 GB reserved. vLLM's sleep-mode
     pools refuse expandable segments (its allocator checks this variable), so a vLLM run keeps the default."""
-    if cfg.rollout.engine == "native" and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & environ.keys():
+    if engine == "native" and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & environ.keys():
         environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 

@@ -34,7 +34,7 @@ import_triton_for_its_interpreter()
 def one_cpu_thread():
     """Tests that compare two computations of the same gradients at rel 1e-5 run them on one CPU thread. With
     two, the first float32 cos, sin or exp of a process that splits across threads comes back from the second
-    thread with errors up to 1.5e-4 in some processes (torch 2.13 on these 2-core machines: 4 of 30 fresh
+    thread with errors up to 1.5e-4 in some processes (torch 2.13+cpu on a 2-core x86 host: 4 of 30 fresh
     processes, RoPE's cos over (10, 20, 64); the same call repeated is exact), which a comparison of two
     paths reads as their difference."""
     threads = torch.get_num_threads()

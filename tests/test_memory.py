@@ -267,7 +267,7 @@ def fake_device_memory(monkeypatch, free: int, order: list) -> None:
     ("vllm", {}, None),
 ])
 def test_native_runs_grow_expandable_segments_unless_the_user_or_vllm_say_otherwise(engine, environ, want):
-    memory.choose_allocator(make(rollout={"engine": engine}), environ)
+    memory.choose_allocator(engine, environ)
     assert environ.get("PYTORCH_CUDA_ALLOC_CONF") == want
 
 
