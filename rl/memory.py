@@ -1,4 +1,5 @@
-"""Device memory: the plan at start-up, and the one line an out-of-memory error becomes mid-run.
+"""Device memory: the plan at start-up, the allocator a run trains in, and the one line an out-of-memory error
+becomes mid-run.
 
 The plan estimates, per rank and per phase, what the config asks of one device, from the model's
 config.json shapes alone (no weights are loaded): the policy's fp32 parameters, gradients and AdamW
@@ -513,18 +514,21 @@ def check_host(cfg: Config, models: Models, world_size: int, local_ranks: int, h
                                                "false to run anyway if the estimate is wrong"]))
 
 
-# ---------------------------------------------------------------------------- an out-of-memory error mid-run
+# ---------------------------------------------------------------------------- the allocator
 
 
 def choose_allocator(engine: str, environ=os.environ) -> None:
     """Before CUDA starts: PyTorch's caching allocator grows expandable segments (one address range, mapped a
-    page at a time) instead of fixed-size blocks, unless PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) says otherwise. With fixed
-    blocks the free memory splinters between train phases of different shapes: at 1.5B on the seed batch (a
+    page at a time) instead of fixed-size blocks, unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF says
+    otherwise. With fixed blocks the free memory splinters between train phases: at 1.5B on the seed batch (a
     train peak of 115 GB of the device's 143 usable) the fourth train phase ran out with 105.5 GB allocated
     and 139.4 GB reserved; with expandable segments six phases ran at 117.6 GB reserved. vLLM's sleep-mode
     pools refuse expandable segments (its allocator checks this variable), so a vLLM run keeps the default."""
     if engine == "native" and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & environ.keys():
         environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
+# ---------------------------------------------------------------------------- an out-of-memory error mid-run
 
 
 def memory_in_use(device: torch.device) -> dict[str, float] | None:
