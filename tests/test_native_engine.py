@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from rl.rollout import SamplingParams
-from rl.rollout.native import NativeEngine, decode_splits
+from rl.rollout import native
+from rl.rollout.native import NativeEngine, decode_splits, prefill_chunks
 from rl.rollout.scheduler import PagePool, Scheduler
 from tests.test_engine import full_weights, reference_logprobs
 from tests.tiny import tiny_config, tiny_model
@@ -45,6 +46,26 @@ def test_continuous_batching_equals_one_at_a_time(model):
     assert [o.finish_reason for o in batched] == [o.finish_reason for o in single]
     assert {o.finish_reason for o in batched} == {"stop", "length"}
     assert len({len(o.token_ids) for o in batched}) > 1
+
+
+def test_prefill_chunks_pad_little_and_keep_their_budget():
+    # A partial rollout's prefill: continued samples of up to ~4,000 tokens among fresh 150-token prompts.
+    lengths = [150 + (i * 337) % 3900 if i % 3 else 150 for i in range(300)]
+    chunks = prefill_chunks(lengths, 16384)
+    assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+    widths = [max(lengths[i] for i in c) for c in chunks]
+    assert all(w * len(c) <= 16384 for w, c in zip(widths, chunks))
+    assert sum(w * len(c) for w, c in zip(widths, chunks)) < 1.2 * sum(lengths)
+    assert prefill_chunks([20000, 5], 16384) == [[1], [0]]  # one past the budget goes alone
+
+
+def test_prompts_of_mixed_lengths_over_several_prefill_chunks_generate_as_one_at_a_time(model, monkeypatch):
+    monkeypatch.setattr(native, "PREFILL_TOKENS", 24)  # GROUPED's distinct prompts: 9, 2, 12 and 1 tokens
+    engine = make_engine(model, max_batch_size=8, page_size=4)
+    params = SamplingParams(max_new_tokens=6, **GREEDY)
+    batched = engine.generate(GROUPED, params)
+    single = one_at_a_time(engine, GROUPED, params)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in single]
 
 
 def test_polls_behind_the_next_chunk_when_nothing_waits(model, monkeypatch):

@@ -55,6 +55,20 @@ def kv_cache_pages(kv_cache_tokens: int, max_batch_size: int, max_context_len: i
     return max_batch_size * (cdiv(max_context_len, page_size) + 1) + 1
 
 
+def prefill_chunks(lengths: list[int], budget: int) -> list[list[int]]:
+    """The prompts of one prefill, as index lists of padded forwards of at most `budget` tokens (a prompt longer
+    than that goes alone). Shortest first: a chunk pads to its longest, and prompts of mixed lengths (continued
+    samples of a partial rollout, 150 to 4,000 tokens, among fresh 150-token prompts) in arrival order padded
+    ~2.8x the real tokens, against ~1.1x sorted."""
+    chunks: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):  # each prompt is its chunk's longest so far
+        if chunks and lengths[i] * (len(chunks[-1]) + 1) <= budget:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
 def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float | torch.Tensor | None) -> torch.Tensor:
     """Sets logits outside the top-k / top-p nucleus to -inf (top_p None: no nucleus cut)."""
     if 0 < top_k < logits.shape[-1]:
@@ -413,14 +427,8 @@ class NativeEngine:
     def _prefill(self, prompts) -> None:
         """Writes each prompt's KV into its pages (past the tokens a kept sequence holds) and keeps the logits
         after its last token."""
-        chunk: list = []
-        for prompt in [*prompts, None]:
-            width = max([len(p.tokens) for p in chunk] + [len(prompt.tokens) if prompt else 0])
-            if chunk and (prompt is None or width * (len(chunk) + 1) > PREFILL_TOKENS):
-                self._prefill_chunk(chunk)
-                chunk = []
-            if prompt is not None:
-                chunk.append(prompt)
+        for chunk in prefill_chunks([len(p.tokens) for p in prompts], PREFILL_TOKENS):
+            self._prefill_chunk([prompts[i] for i in chunk])
 
     def _prefill_chunk(self, prompts) -> None:
         tokens = torch.zeros(len(prompts), max(len(p.tokens) - p.cached for p in prompts), dtype=torch.long)
