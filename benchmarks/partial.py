@@ -21,6 +21,7 @@ Modes: `sync` (the synchronous loop), `partial1` / `partial2` (rollout.partial_r
 default train settings: the training state stays on the device); the asynchronous ones weigh tokens by truncated
 importance weights (algo.tis_cap = 2). The table: median rollout tokens/s and step seconds (rollout 1 on: rollout 0 holds
 CUDA-graph captures), mean and max staleness, the fraction of trained samples that crossed a weight push,
+the median response tokens a rollout continued (their KV computed again under the new weights),
 held-out greedy accuracy at the end, the minutes of steps until the eval first reached the synchronous
 run's final accuracy, the train phase's peak device memory and the seconds the engine's KV cache took to come
 back after it. Curves: `python -m rl.plot OUT/sync OUT/partial1 ...`.
@@ -129,8 +130,9 @@ def table(out: Path) -> None:
     runs = {d.name: rows(d) for d in sorted(out.iterdir()) if (d / "metrics.jsonl").is_file()}
     target = next((r["eval/accuracy"] for r in reversed(runs.get("sync", [])) if "eval/accuracy" in r), None)
     print(f"| mode | rollout tokens/s | step s | rollout s | train s | staleness mean / max | partial frac "
-          f"| final eval acc | minutes to sync's final ({target}) | total minutes | train peak GB | KV wake-up s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| resumed tokens | final eval acc | minutes to sync's final ({target}) | total minutes | train peak GB "
+          f"| KV wake-up s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, run in runs.items():
         steps = [r for r in run if "perf/step_s" in r and r["rollout_id"] > 0]
 
@@ -144,6 +146,7 @@ def table(out: Path) -> None:
               f"| {median('perf/rollout_s'):.2f} | {median('perf/train_s'):.2f} "
               f"| {statistics.mean(lag):.2f} / {max(r.get('rollout/staleness_max', 0.0) for r in steps):.0f} "
               f"| {statistics.mean(r.get('rollout/partial_frac', 0.0) for r in steps):.2f} "
+              f"| {median('rollout/resumed_tokens'):,.0f} "
               f"| {evals[-1] if evals else float('nan'):.3f} "
               f"| {'-' if to_target is None else f'{to_target:.2f}'} "
               f"| {sum(r.get('perf/step_s', 0.0) for r in run) / 60:.2f} "

@@ -47,6 +47,7 @@ class Scored:
     env_failures: int = 0  # environment steps that raised, hung or returned garbage (every rank's)
     prompt_tokens: int = 0  # of the episodes' turns (every rank's), and those whose KV the engine reused
     reused_tokens: int = 0
+    resumed_tokens: int = 0  # response tokens of continued samples, whose KV the engine computed again
 
 
 class Collector:
@@ -82,6 +83,8 @@ class Collector:
         params = dataclasses.replace(params, seed=derive_seed(*seed, self.engine_index))
         start = time.perf_counter()
         todo = [[s for s in group if s.status not in FINISHED] for group in mine]
+        # A partial rollout's continued samples: their KV is computed again under the weights of now.
+        resumed = sum(s.response_length for group in todo for s in group) if self.env is None else 0
         episodes = EpisodeTally()
         if any(todo) and self.env is not None:
             self.episodes.run([s for group in todo for s in group], params, weight_version, episodes)
@@ -98,12 +101,14 @@ class Collector:
             stats = [self.score(done, term)] if self.pool is not None and done else []
         reward_stats = parallel.all_gather_objects(stats)
         reward_s = time.perf_counter() - start
-        env_s, env_failures, prompt_tokens, reused_tokens = zip(*parallel.all_gather_objects(
-            [(episodes.env_s, episodes.errors + episodes.timeouts, episodes.prompt_tokens, episodes.reused_tokens)]))
+        env_s, env_failures, prompt_tokens, reused_tokens, resumed = zip(*parallel.all_gather_objects(
+            [(episodes.env_s, episodes.errors + episodes.timeouts, episodes.prompt_tokens, episodes.reused_tokens,
+              resumed)]))
         # Engine order is group order when the shares are contiguous.
         local = [s for group in mine for s in group]
         return Scored(parallel.gather_engine_outputs(local, self.ro.tensor_parallel_size), reward_stats, rollout_s,
-                      reward_s, max(env_s), sum(env_failures), sum(prompt_tokens), sum(reused_tokens))
+                      reward_s, max(env_s), sum(env_failures), sum(prompt_tokens), sum(reused_tokens),
+                      sum(resumed) // self.ro.tensor_parallel_size)  # every rank of an engine holds its share
 
     def score(self, samples: list[Sample], term: str) -> dict[str, float]:
         result = self.pool.score([RewardInput(s.prompt, s.response, s.label, s.response_length,
@@ -176,6 +181,7 @@ class Collector:
         return samples, {**stats, "rollout/staleness_mean": sum(trained) / len(trained),
                          "rollout/staleness_max": float(max(trained)),
                          "rollout/partial_frac": sum(len(set(s.token_versions)) > 1 for s in samples) / len(samples),
+                         "rollout/resumed_tokens": float(tally.resumed_tokens),
                          "rollout/carried_over": float(len(buffer.groups)), "rollout/dropped_stale": float(len(stale)),
                          "rollout/dropped_stale_frac": len(stale) / (len(stale) + len(kept) + len(dropped))}
 
@@ -239,6 +245,7 @@ class Tally:
     env_failures: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    resumed_tokens: int = 0
 
     def add(self, scored: Scored, tokens: int, finished: list[list[Sample]]) -> None:
         """One round; `finished`: the groups it scored."""
@@ -251,6 +258,7 @@ class Tally:
         self.env_failures += scored.env_failures
         self.prompt_tokens += scored.prompt_tokens
         self.reused_tokens += scored.reused_tokens
+        self.resumed_tokens += scored.resumed_tokens
 
 
 def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: int,

@@ -104,8 +104,11 @@ def test_partial_rollouts_train_whole_groups_once_within_the_bound(pool, max_sta
                        max_context_len=128, partial_rollout=True, max_staleness=max_staleness,
                        over_sampling_batch_size=(max_staleness + 1) * BATCH)
     buffer = RolloutBuffer(BATCH, max_staleness)
-    trained, lags, partial = set(), [], []
+    trained, lags, partial, carried = set(), [], [], 0
     for version, samples, stats, models in run_rollouts(pool, ro, buffer, rollouts=6):
+        # The responses continued in this rollout, whose KV the engine computed again (one round a rollout here).
+        assert stats["rollout/sampling_rounds"] == 1 and stats["rollout/resumed_tokens"] == carried
+        carried = sum(s.response_length for g in buffer.unfinished() for s in g if s.status not in FINISHED)
         groups = {s.group_index for s in samples}
         assert len(samples) == BATCH * N and len(groups) == BATCH and not groups & trained  # whole, and once
         trained |= groups
@@ -119,7 +122,7 @@ def test_partial_rollouts_train_whole_groups_once_within_the_bound(pool, max_sta
         partial.append(stats["rollout/partial_frac"])
         # Nothing is lost: every group drawn was trained or is still in flight.
         assert buffer.admitted == buffer.consumed + len(buffer.groups) == len(trained) + len(buffer.groups)
-    assert max(partial) > 0 and max(lags) >= 1  # samples did cross weight pushes
+    assert max(partial) > 0 and max(lags) >= 1 and carried > 0  # samples did cross weight pushes
 
 
 def test_a_group_past_the_bound_is_dropped_untrained_and_counted(pool):
