@@ -83,8 +83,9 @@ class Collector:
         params = dataclasses.replace(params, seed=derive_seed(*seed, self.engine_index))
         start = time.perf_counter()
         todo = [[s for s in group if s.status not in FINISHED] for group in mine]
-        # A partial rollout's continued samples: their KV is computed again under the weights of now.
-        resumed = sum(s.response_length for group in todo for s in group) if self.env is None else 0
+        # A partial rollout's continued samples (the only ones that start with a response): their KV is computed
+        # again under the weights of now.
+        resumed = sum(s.response_length for group in todo for s in group)
         episodes = EpisodeTally()
         if any(todo) and self.env is not None:
             self.episodes.run([s for group in todo for s in group], params, weight_version, episodes)
