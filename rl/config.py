@@ -256,8 +256,8 @@ class LogConfig:
     run_name: str = ""
     progress: bool = True  # tqdm bar over samples during rollout
     sample_interval: int = 0  # > 0: every that many rollouts, <output_dir>/samples/rollout_<N>.jsonl
-    # >= 0: profile that rollout's train phase (host ops and device kernels) into
-    # <output_dir>/profile/train_rollout_<N>_rank<R>.txt
+    # >= 0: profile that rollout's rollout phase (generation, scoring, gather) and train phase (host ops and
+    # device kernels) into <output_dir>/profile/{generate,train}_rollout_<N>_rank<R>.txt
     profile_rollout: int = -1
 
 

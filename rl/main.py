@@ -30,7 +30,7 @@ from rl.export import export_adapter, export_policy
 from rl.health import Health, RunStopped
 from rl.learner import Learner, assign_advantages
 from rl.memory import check_disk_space, check_memory_plan, choose_allocator, stop_on_oom
-from rl.metrics import StepRecord, make_logger
+from rl.metrics import StepRecord, make_logger, profile_path, profiled
 from rl.parallel import print0
 from rl.reward import RewardPool
 from rl.rollout import SamplingParams, build_engine
@@ -149,8 +149,9 @@ def train(run: Run, logger) -> bool:
             # Held-out eval of the weights this rollout generates with (rollout 0: before the first update).
             eval_stats = run_eval(run, rollout_id) if run.eval_prompts and rollout_id % cfg.eval.interval == 0 else {}
             # Rollout: draw prompt groups, generate on every engine, score, gather, apply the dynamic filter.
-            samples, rollout_stats = run.collector.rollout(run.dataset, run.sampling, run.weight_version, rollout_id,
-                                                           barrier_timeout(run, rollout_id))
+            with profiled(profile_path(cfg.log, "generate", rollout_id, dist.rank)):
+                samples, rollout_stats = run.collector.rollout(run.dataset, run.sampling, run.weight_version,
+                                                               rollout_id, barrier_timeout(run, rollout_id))
         check_rewards(run, logger, rollout_id, rollout_stats)
         # Advantages from each group's rewards (GRPO by default).
         assign_advantages(samples, cfg.algo)
@@ -160,9 +161,8 @@ def train(run: Run, logger) -> bool:
             run.engine.sleep(cfg.rollout.sleep_level)
         record.memory_after("asleep")
         # Train: reference and old logprobs where needed, the policy loss, the optimizer steps.
-        profile = Path(cfg.log.output_dir) / "profile" / f"train_rollout_{rollout_id}_rank{dist.rank}.txt"
         with stop_on_oom("train", cfg, dist.device):
-            result = run.learner.train(samples, record, profile if rollout_id == cfg.log.profile_rollout else None)
+            result = run.learner.train(samples, record, profile_path(cfg.log, "train", rollout_id, dist.rank))
         # Weights into the engine; the version moves when a step was taken.
         with stop_on_oom("push", cfg, dist.device):
             sync_stats = run.learner.push(run.engine, record)

@@ -60,6 +60,14 @@ def graphs_compiled(counts: dict[str, float], key: str):
         counts[key] = counts.get(key, 0) + stats["unique_graphs"] - before
 
 
+def profile_path(log, phase: str, rollout_id: int, rank: int) -> Path | None:
+    """Where `profiled` writes `phase` ("generate": the rollout phase; "train") of rollout `rollout_id` on `rank`,
+    when `log.profile_rollout` names that rollout; else None."""
+    if rollout_id != log.profile_rollout:
+        return None
+    return Path(log.output_dir) / "profile" / f"{phase}_rollout_{rollout_id}_rank{rank}.txt"
+
+
 @contextlib.contextmanager
 def profiled(path: Path | None):
     """With a path, profiles the block with torch.profiler (host ops, and device kernels on CUDA) and writes

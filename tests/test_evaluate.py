@@ -117,8 +117,10 @@ def test_eval_and_sample_dumps_in_the_loop(tmp_path):
     assert max(gaps) <= rows[2]["rollout/logprob_abs_diff_max"]
     assert sorted((out / "samples").iterdir()) == sorted(out / "samples" / name for name in (
         "eval_rollout_0.jsonl", "eval_rollout_2.jsonl", "eval_rollout_3.jsonl", "rollout_0.jsonl", "rollout_2.jsonl"))
-    # log.profile_rollout: rollout 1's train phase, one table per rank
+    # log.profile_rollout: rollout 1's rollout phase and train phase, one table per rank each
     profiles = sorted(p.name for p in (out / "profile").iterdir())
-    assert profiles == ["train_rollout_1_rank0.txt", "train_rollout_1_rank1.txt"]
-    text = (out / "profile" / profiles[0]).read_text()
-    assert text.startswith("wall ") and "largest host time:" in text and "aten::" in text
+    assert profiles == ["generate_rollout_1_rank0.txt", "generate_rollout_1_rank1.txt",
+                        "train_rollout_1_rank0.txt", "train_rollout_1_rank1.txt"]
+    for name in profiles:
+        text = (out / "profile" / name).read_text()
+        assert text.startswith("wall ") and "largest host time:" in text and "aten::" in text
