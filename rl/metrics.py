@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from rl.config import LogConfig
 from rl.health import RunStopped
 from rl.rollout.vmem import unmapped_allocator_bytes
 
@@ -60,7 +61,7 @@ def graphs_compiled(counts: dict[str, float], key: str):
         counts[key] = counts.get(key, 0) + stats["unique_graphs"] - before
 
 
-def profile_path(log, phase: str, rollout_id: int, rank: int) -> Path | None:
+def profile_path(log: LogConfig, phase: str, rollout_id: int, rank: int) -> Path | None:
     """Where `profiled` writes `phase` ("generate": the rollout phase; "train") of rollout `rollout_id` on `rank`,
     when `log.profile_rollout` names that rollout; else None."""
     if rollout_id != log.profile_rollout:
