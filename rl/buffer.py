@@ -14,8 +14,12 @@ token (0 in the synchronous loop). No trained sample may exceed `max_staleness`.
   (max_staleness + 1) * rollout_batch_size. Every rollout consumes at least rollout_batch_size groups, so by
   rollout t at most rollout_batch_size groups admitted at rollout t - max_staleness or earlier are left.
 - Due groups: a group whose oldest token would pass the bound at the next rollout is due: the rollout goes
-  on generating until every due group is complete, and trains the oldest complete groups first. By the
-  admission rule the due groups fit into one rollout's batch.
+  on generating until every due group is complete, and trains the oldest complete groups first.
+- Schedule: groups finish out of order (a young group can finish before an old one and take its place in a
+  batch), so counting admissions alone lets more groups fall due in one rollout than its batch holds. A partial
+  rollout therefore also goes on until, for every k < max_staleness, at most k * rollout_batch_size unfinished
+  groups fall due within the next k rollouts (k = 0 is the due rule); then the oldest-first batches of the
+  rollouts to come can take every group before it passes the bound.
 
 A group that still passes the bound (weights pushed more often than counted here) is dropped, never
 trained, and counted. Groups stay whole: a group trains once all its samples are finished.
@@ -24,6 +28,8 @@ trained, and counted. Groups stay whole: a group trains once all its samples are
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from rl.data import Sample, Status
@@ -45,9 +51,24 @@ def staleness(group: list[Sample], weight_version: int) -> int:
     return 0 if oldest is None else weight_version - oldest
 
 
-def is_due(group: list[Sample], weight_version: int, max_staleness: int) -> bool:
-    """Whether the group must be trained in this rollout: at the next one its oldest token would be past the bound."""
-    return staleness(group, weight_version) + 1 > max_staleness and oldest_version(group) is not None
+def due_in(group: list[Sample], weight_version: int, max_staleness: int) -> int | None:
+    """Rollouts left before the group must be trained: 0 in the last rollout its oldest token is within the bound
+    (it is due); None before any token is sampled."""
+    oldest = oldest_version(group)
+    return None if oldest is None else oldest + max_staleness - weight_version
+
+
+def on_schedule(due_ins: Iterable[int | None], max_staleness: int, per_rollout: int) -> bool:
+    """Whether unfinished groups due in `due_ins` rollouts can all still be trained in time by batches of
+    `per_rollout` groups taken oldest first: for every k < max_staleness, at most k * per_rollout of them fall due
+    within k rollouts (none is due now)."""
+    counts = Counter(max(d, 0) for d in due_ins if d is not None)
+    falling = 0
+    for k in range(max_staleness):
+        falling += counts[k]
+        if falling > k * per_rollout:
+            return False
+    return True
 
 
 class RolloutBuffer:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from rl import parallel
-from rl.buffer import FINISHED, RolloutBuffer, is_due, is_finished, oldest_version, staleness
+from rl.buffer import FINISHED, RolloutBuffer, due_in, is_finished, oldest_version, on_schedule, staleness
 from rl.config import EnvConfig, RolloutConfig
 from rl.data import PromptDataset, Sample, Status
 from rl.episodes import EpisodeLoop, EpisodeTally, episode_reward_stats
@@ -147,8 +147,9 @@ class Collector:
                          rollout_id: int, barrier_timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
         """A rollout through the buffer (rl/buffer.py): drop what is past the staleness bound, admit new
         groups as far as the bound allows, generate until `rollout_batch_size` finished groups pass the
-        filter and every due group is finished (partial rollouts), or until every group is finished (not
-        partial; only when the finished ones run short), and take the oldest finished groups."""
+        filter and the unfinished groups are on schedule (none due, rl/buffer.py; partial rollouts), or until
+        every group is finished (not partial; only when the finished ones run short), and take the oldest finished
+        groups."""
         ro, buffer = self.ro, self.buffer
         stale = [g for g in buffer.groups if staleness(g, weight_version) > ro.max_staleness]
         buffer.consume(stale)
@@ -158,8 +159,8 @@ class Collector:
         rounds = 0
         while rounds < ro.max_sampling_rounds:
             ready = len(buffer.finished())
-            due = [g for g in buffer.unfinished() if is_due(g, weight_version, ro.max_staleness)]
-            if ready >= ro.rollout_batch_size and not due:
+            schedule = [due_in(g, weight_version, ro.max_staleness) for g in buffer.unfinished()]
+            if ready >= ro.rollout_batch_size and on_schedule(schedule, ro.max_staleness, ro.rollout_batch_size):
                 break
             rounds += 1
             if ro.partial_rollout or ready < ro.rollout_batch_size:
@@ -173,7 +174,7 @@ class Collector:
             filtered = [g for g in finished if not keep_group(g, ro.dynamic_filter)]
             buffer.consume(filtered)
             dropped += filtered
-        # The oldest first: the due groups are among them (by the admission rule, at most a batch of them).
+        # The oldest first: the due groups are among them (on schedule: at most a batch of them).
         ready = sorted(buffer.finished(), key=lambda g: (oldest_version(g), g[0].group_index))
         kept = ready[: ro.rollout_batch_size]
         buffer.consume(kept)
@@ -189,15 +190,16 @@ class Collector:
     def continue_groups(self, need: int, sampling: SamplingParams, weight_version: int, seed: tuple[int, ...],
                         barrier_timeout_s: float) -> Scored:
         """One round over the buffer's unfinished groups, dealt to the engines in turn (oldest groups to every
-        engine alike). With partial rollouts an engine stops once its part of `need` groups and its due groups
-        are finished, or skips the round when it owes neither; the buffer then holds every engine's groups as
-        they came back."""
+        engine alike). With partial rollouts an engine stops once its part of `need` groups is finished and its
+        groups are on schedule (its part of a batch each rollout), or skips the round when it owes neither; the
+        buffer then holds every engine's groups as they came back."""
         unfinished = self.buffer.unfinished()
         mine = unfinished[self.engine_index :: self.num_engines]
         until = None
         if self.ro.partial_rollout:
             target = math.ceil(need / self.num_engines)
-            until = stop_when_finished(mine, target, weight_version, self.ro.max_staleness)
+            until = stop_when_finished(mine, target, weight_version, self.ro.max_staleness,
+                                       self.ro.rollout_batch_size // self.num_engines)
             if until([]):  # nothing owed: this engine's groups wait for the next rollout
                 mine = []
         scored = self.generate_share(mine, sampling, weight_version, seed, barrier_timeout_s, progress=self.progress,
@@ -262,12 +264,14 @@ class Tally:
         self.resumed_tokens += scored.resumed_tokens
 
 
-def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: int,
-                       max_staleness: int) -> Callable[[list[Sample]], bool]:
+def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: int, max_staleness: int,
+                       per_rollout: int) -> Callable[[list[Sample]], bool]:
     """The early end of a partial rollout's call over `groups` (all unfinished): true once `target` of them are
-    finished and none of the due ones is left. Fed the samples that finished since the last call."""
+    finished and the rest are on schedule for batches of `per_rollout` groups (rl/buffer.py `on_schedule`: none
+    due, and no more falling due soon than the next batches can take). Fed the samples finished since the last
+    call."""
     left = {g[0].group_index: sum(s.status not in FINISHED for s in g) for g in groups}
-    due = {g[0].group_index for g in groups if is_due(g, weight_version, max_staleness)}
+    pending = {g[0].group_index: due_in(g, weight_version, max_staleness) for g in groups}
     finished = 0
 
     def until(samples: list[Sample]) -> bool:
@@ -276,8 +280,8 @@ def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: 
             left[s.group_index] -= 1
             if left[s.group_index] == 0:
                 finished += 1
-                due.discard(s.group_index)
-        return finished >= target and not due
+                del pending[s.group_index]
+        return finished >= target and on_schedule(pending.values(), max_staleness, per_rollout)
 
     return until
 

@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from rl.buffer import FINISHED, RolloutBuffer, is_due, sample_from_dict, sample_to_dict
+from rl.buffer import FINISHED, RolloutBuffer, due_in, on_schedule, sample_from_dict, sample_to_dict
 from rl.collect import Collector, sequences_per_engine
 from rl.config import Config, DataConfig, ModelConfig, RewardConfig, RolloutConfig, resolve
 from rl.data import Prompt, PromptDataset, Sample, Status
 from rl.parallel import Dist
 from rl.reward import RewardPool
-from rl.rollout import SamplingParams
+from rl.rollout import Completion, SamplingParams
 from rl.rollout.native import NativeEngine
 from tests.test_checkpoint import checkpoints, final_weights, launch, rows
 from tests.test_engine import full_weights, reference_logprobs
@@ -38,10 +38,20 @@ def test_admission_keeps_at_most_the_bound_in_flight():
 
 
 def test_a_group_is_due_when_the_next_push_would_take_it_past_the_bound():
-    assert not is_due([sample(0, [])], weight_version=5, max_staleness=1)  # nothing sampled yet: no age
-    assert not is_due([sample(0, [5, 5])], weight_version=5, max_staleness=1)
-    assert is_due([sample(0, [4, 5]), sample(0, [5])], weight_version=5, max_staleness=1)
-    assert not is_due([sample(0, [4, 5])], weight_version=5, max_staleness=2)
+    assert due_in([sample(0, [])], weight_version=5, max_staleness=1) is None  # nothing sampled yet: no age
+    assert due_in([sample(0, [5, 5])], weight_version=5, max_staleness=1) == 1
+    assert due_in([sample(0, [4, 5]), sample(0, [5])], weight_version=5, max_staleness=1) == 0  # due
+    assert due_in([sample(0, [4, 5])], weight_version=5, max_staleness=2) == 1
+
+
+def test_groups_are_on_schedule_while_the_batches_to_come_can_take_them_in_time():
+    # max_staleness 2, batches of 2: none due, and at most 2 falling due by the next rollout.
+    assert on_schedule([None, 2, 2, 2, 1, 1], max_staleness=2, per_rollout=2)
+    assert not on_schedule([1, 1, 1], max_staleness=2, per_rollout=2)  # three can't all train next rollout
+    assert not on_schedule([0, 2], max_staleness=2, per_rollout=2)  # one is due now
+    assert not on_schedule([-1], max_staleness=2, per_rollout=2)  # past due counts as due
+    assert on_schedule([1, 1, 1], max_staleness=1, per_rollout=2)  # with a bound of 1 only the due rule applies
+    assert not on_schedule([1], max_staleness=2, per_rollout=0)  # a share of no batch waits for all of them
 
 
 def test_sequences_an_engine_is_handed_count_the_groups_in_flight():
@@ -136,6 +146,53 @@ def test_a_group_past_the_bound_is_dropped_untrained_and_counted(pool):
     assert 10_000 not in {s.group_index for s in samples} and len(samples) == BATCH * N
     assert stats["rollout/dropped_stale"] == 1 and stats["rollout/dropped_stale_frac"] == 1 / (1 + BATCH)
     assert buffer.admitted == buffer.consumed + len(buffer.groups)
+
+
+class LengthEngine:
+    """A stand-in engine whose requests end after `lengths[first prompt token]` response tokens: every request gains
+    a token a step, and `on_finish` hears of those that just finished; an early end aborts the rest."""
+
+    def __init__(self, lengths: dict[int, int]):
+        self.lengths = lengths
+
+    def generate(self, prompts, params, on_finish=None, prior=None, keep=None):
+        have, out = list(prior), [None] * len(prompts)
+
+        def completion(i: int, reason: str) -> Completion:
+            return Completion([7] * (have[i] - prior[i]), [-1.0] * (have[i] - prior[i]), reason)
+
+        while None in out:
+            running = [i for i, o in enumerate(out) if o is None]
+            for i in running:
+                have[i] += 1
+            done = {i: completion(i, "stop") for i in running if have[i] >= self.lengths[prompts[i][0]]}
+            for i, c in done.items():
+                out[i] = c
+            if done and on_finish is not None and on_finish(done):
+                return [o or completion(i, "abort") for i, o in enumerate(out)]
+        return out
+
+
+def test_old_groups_finishing_last_still_train_within_the_bound(pool):
+    """Groups finish out of order: the first rollout's groups 2-5 are long, the groups after them short. Were the
+    second rollout to end once its short groups finished, they would take its batch, and the third rollout would
+    find four groups due for a batch of two: two dropped. The schedule rule keeps that rollout going until no
+    more groups fall due at the next push than its batch takes."""
+    ro = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=1, max_new_tokens=200, max_context_len=256,
+                       partial_rollout=True, max_staleness=2, over_sampling_batch_size=6)
+    kinds = [1, 1, 2, 2, 2, 2] + [1] * 20  # 1: a short response, 2: a long one
+    dataset = PromptDataset([Prompt(text=f"q{i}", token_ids=[k, 3, 4], label="1", metadata={})
+                             for i, k in enumerate(kinds)], shuffle=False, seed=0)
+    buffer = RolloutBuffer(2, 2)
+    collector = Collector(LengthEngine({1: 5, 2: 100}), pool, tiny_tokenizer(), ro, ONE_RANK, buffer=buffer)
+    trained = []
+    for rollout_id in range(6):
+        version = rollout_id + 1
+        samples, stats = collector.rollout(dataset, SamplingParams.from_config(ro, []), version, rollout_id, 60.0)
+        assert stats["rollout/dropped_stale"] == 0, (version, [s.group_index for s in samples])
+        assert all(0 <= version - v <= 2 for s in samples for v in s.token_versions)
+        trained.append([s.group_index for s in samples])
+    assert trained[:4] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the long groups trained in time, oldest first
 
 
 def test_staleness_zero_through_the_buffer_is_the_synchronous_rollout(pool):
