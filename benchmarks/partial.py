@@ -19,8 +19,9 @@ packed rows in the train phase, a digit reward. Its table is `table`'s, with no 
 Modes: `sync` (the synchronous loop), `partial1` / `partial2` (rollout.partial_rollout with max_staleness 1 / 2),
 `ahead1` (max_staleness 1 without partial rollouts), `vllm` / `vllm_partial1` (the same through vLLM, at the
 default train settings: the training state stays on the device); the asynchronous ones weigh tokens by truncated
-importance weights (algo.tis_cap = 2). The table: median rollout tokens/s and step seconds (rollout 1 on: rollout 0 holds
-CUDA-graph captures), mean and max staleness, the fraction of trained samples that crossed a weight push,
+importance weights (algo.tis_cap = 2). The table, over rollouts 1 on (rollout 0 holds CUDA-graph captures): rollout
+tokens/s as the median of the rollouts and overall (their tokens over their generation seconds: partial rollouts
+alternate between short and long, and a median weighs them alike), median step seconds, mean and max staleness, the fraction of trained samples that crossed a weight push,
 the median response tokens a rollout continued (their KV computed again under the new weights),
 held-out greedy accuracy at the end, the minutes of steps until the eval first reached the synchronous
 run's final accuracy, the train phase's peak device memory and the seconds the engine's KV cache took to come
@@ -129,10 +130,10 @@ def minutes_to(run: list[dict], accuracy: float) -> float | None:
 def table(out: Path) -> None:
     runs = {d.name: rows(d) for d in sorted(out.iterdir()) if (d / "metrics.jsonl").is_file()}
     target = next((r["eval/accuracy"] for r in reversed(runs.get("sync", [])) if "eval/accuracy" in r), None)
-    print(f"| mode | rollout tokens/s | step s | rollout s | train s | staleness mean / max | partial frac "
+    print(f"| mode | rollout tokens/s | overall | step s | rollout s | train s | staleness mean / max | partial frac "
           f"| resumed tokens | final eval acc | minutes to sync's final ({target}) | total minutes | train peak GB "
           f"| KV wake-up s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, run in runs.items():
         steps = [r for r in run if "perf/step_s" in r and r["rollout_id"] > 0]
 
@@ -142,7 +143,10 @@ def table(out: Path) -> None:
         evals = [r["eval/accuracy"] for r in run if "eval/accuracy" in r]
         lag = [r.get("rollout/staleness_mean", 0.0) for r in steps]
         to_target = minutes_to(run, target) if target is not None else None
-        print(f"| {name} | {median('perf/rollout_tokens_per_s'):,.0f} | {median('perf/step_s'):.2f} "
+        generating = [r for r in steps if r.get("perf/rollout_tokens_per_s")]
+        overall = sum(r["perf/rollout_tokens_per_s"] * r["perf/rollout_s"] for r in generating) / max(
+            sum(r["perf/rollout_s"] for r in generating), 1e-9)
+        print(f"| {name} | {median('perf/rollout_tokens_per_s'):,.0f} | {overall:,.0f} | {median('perf/step_s'):.2f} "
               f"| {median('perf/rollout_s'):.2f} | {median('perf/train_s'):.2f} "
               f"| {statistics.mean(lag):.2f} / {max(r.get('rollout/staleness_max', 0.0) for r in steps):.0f} "
               f"| {statistics.mean(r.get('rollout/partial_frac', 0.0) for r in steps):.2f} "
