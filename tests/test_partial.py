@@ -173,26 +173,43 @@ class LengthEngine:
         return out
 
 
+def rollouts_over_lengths(pool, kinds: list[int], max_staleness: int, rollouts: int = 6) -> list[list[int]]:
+    """Partial rollouts (batches of 2 groups of 1 sample) over prompts whose responses end after a length set by
+    their kind (1: 5 tokens, 2: 50, 3: 200): the groups trained by each rollout, checked to be within the bound."""
+    ro = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=1, max_new_tokens=250, max_context_len=256,
+                       partial_rollout=True, max_staleness=max_staleness,
+                       over_sampling_batch_size=2 * (max_staleness + 1))
+    dataset = PromptDataset([Prompt(text=f"q{i}", token_ids=[k, 3, 4], label="1", metadata={})
+                             for i, k in enumerate(kinds)], shuffle=False, seed=0)
+    buffer = RolloutBuffer(2, max_staleness)
+    engine = LengthEngine({1: 5, 2: 50, 3: 200})
+    collector = Collector(engine, pool, tiny_tokenizer(), ro, ONE_RANK, buffer=buffer)
+    trained = []
+    for rollout_id in range(rollouts):
+        version = rollout_id + 1
+        samples, stats = collector.rollout(dataset, SamplingParams.from_config(ro, []), version, rollout_id, 60.0)
+        assert stats["rollout/dropped_stale"] == 0, (version, trained)
+        assert all(0 <= version - v <= max_staleness for s in samples for v in s.token_versions)
+        trained.append([s.group_index for s in samples])
+    return trained
+
+
 def test_old_groups_finishing_last_still_train_within_the_bound(pool):
     """Groups finish out of order: the first rollout's groups 2-5 are long, the groups after them short. Were the
     second rollout to end once its short groups finished, they would take its batch, and the third rollout would
     find four groups due for a batch of two: two dropped. The schedule rule keeps that rollout going until no
     more groups fall due at the next push than its batch takes."""
-    ro = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=1, max_new_tokens=200, max_context_len=256,
-                       partial_rollout=True, max_staleness=2, over_sampling_batch_size=6)
-    kinds = [1, 1, 2, 2, 2, 2] + [1] * 20  # 1: a short response, 2: a long one
-    dataset = PromptDataset([Prompt(text=f"q{i}", token_ids=[k, 3, 4], label="1", metadata={})
-                             for i, k in enumerate(kinds)], shuffle=False, seed=0)
-    buffer = RolloutBuffer(2, 2)
-    collector = Collector(LengthEngine({1: 5, 2: 100}), pool, tiny_tokenizer(), ro, ONE_RANK, buffer=buffer)
-    trained = []
-    for rollout_id in range(6):
-        version = rollout_id + 1
-        samples, stats = collector.rollout(dataset, SamplingParams.from_config(ro, []), version, rollout_id, 60.0)
-        assert stats["rollout/dropped_stale"] == 0, (version, [s.group_index for s in samples])
-        assert all(0 <= version - v <= 2 for s in samples for v in s.token_versions)
-        trained.append([s.group_index for s in samples])
+    trained = rollouts_over_lengths(pool, [1, 1, 3, 3, 3, 3] + [1] * 20, max_staleness=2)
     assert trained[:4] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the long groups trained in time, oldest first
+
+
+def test_a_rollout_behind_schedule_generates_even_with_a_batch_ready(pool):
+    """max_staleness 3: after rollout 2 four long groups of rollout 1 are unfinished (two batches' worth, on
+    schedule for two pushes ahead) and two short groups are ready. At rollout 3 those four fall due within one
+    push: the rollout must generate until two of them finish, though a batch is ready; were it to train the
+    ready groups without generating, rollout 4 would find all four due and two would pass the bound."""
+    trained = rollouts_over_lengths(pool, [1, 1, 3, 3, 3, 3, 2, 2] + [1] * 20, max_staleness=3)
+    assert trained[:5] == [[0, 1], [6, 7], [2, 3], [4, 5], [8, 9]]
 
 
 def test_staleness_zero_through_the_buffer_is_the_synchronous_rollout(pool):
