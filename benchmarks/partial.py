@@ -16,7 +16,8 @@ allowed), 64
 prompts x 8, every sequence in flight given an engine row (`rollout.max_batch_size` 1024), compiled blocks and
 packed rows in the train phase, a digit reward. Its table is `table`'s, with no eval columns filled.
 
-Modes: `sync` (the synchronous loop), `partial1` / `partial2` (rollout.partial_rollout with max_staleness 1 / 2),
+Modes: `sync` (the synchronous loop), `partial1` / `partial2` (rollout.partial_rollout with max_staleness 1 / 2 and
+the default groups in flight, half the bound's room), `partial1_wide` / `partial2_wide` (the bound's whole room),
 `ahead1` (max_staleness 1 without partial rollouts), `vllm` / `vllm_partial1` (the same through vLLM, at the
 default train settings: the training state stays on the device); the asynchronous ones weigh tokens by truncated
 importance weights (algo.tis_cap = 2). The table, over rollouts 1 on (rollout 0 holds CUDA-graph captures): rollout
@@ -43,6 +44,11 @@ MODES = {
     "sync": [],
     "partial1": ["--rollout.partial_rollout=true", "--rollout.max_staleness=1", "--algo.tis_cap=2.0"],
     "partial2": ["--rollout.partial_rollout=true", "--rollout.max_staleness=2", "--algo.tis_cap=2.0"],
+    # The bound's whole room in flight (both commands draw 64 groups a rollout): every trained sample near the bound.
+    "partial1_wide": ["--rollout.partial_rollout=true", "--rollout.max_staleness=1", "--algo.tis_cap=2.0",
+                      "--rollout.over_sampling_batch_size=128"],
+    "partial2_wide": ["--rollout.partial_rollout=true", "--rollout.max_staleness=2", "--algo.tis_cap=2.0",
+                      "--rollout.over_sampling_batch_size=192"],
     "ahead1": ["--rollout.max_staleness=1", "--algo.tis_cap=2.0"],
     "vllm": ["--rollout.engine=vllm"],
     "vllm_partial1": ["--rollout.engine=vllm", "--rollout.partial_rollout=true", "--rollout.max_staleness=1",

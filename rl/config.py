@@ -84,8 +84,10 @@ class RolloutConfig:
     rollout_batch_size: int = 32  # prompts per rollout step
     n_samples_per_prompt: int = 8
     # Prompts drawn per sampling round; defaults to rollout_batch_size. With partial rollouts or max_staleness: the
-    # groups kept in flight (at most (max_staleness + 1) * rollout_batch_size, the default): more cuts more of the
-    # tail, fewer keeps trained samples fresher.
+    # groups kept in flight, at most (max_staleness + 1) * rollout_batch_size: more cuts more of the tail, fewer keeps
+    # trained samples fresher (a group waits about in_flight / rollout_batch_size - 1 pushes, the oldest trained
+    # first). Default with partial rollouts: rollout_batch_size * (1 + max_staleness / 2), rounded up, so a typical
+    # sample is about half the bound old and only the slowest reach it; without: the bound's (max_staleness + 1) *.
     over_sampling_batch_size: int | None = None
     dynamic_filter: str = ""  # "" keeps every group; "nonzero_std" drops groups whose rewards are all equal
     max_sampling_rounds: int = 8  # bound on refill rounds when the filter drops groups
@@ -93,8 +95,8 @@ class RolloutConfig:
     # longest sample; unfinished samples carry over and continue under the next weights (needs max_staleness >= 1).
     partial_rollout: bool = False
     # The most weight versions a trained sample's oldest token may lag the weights being trained (0: on-policy,
-    # the synchronous loop). Admission keeps up to (max_staleness + 1) * rollout_batch_size groups in flight; without
-    # partial rollouts a rollout generates that many at once and the next max_staleness rollouts train on them.
+    # the synchronous loop). Admission keeps up to over_sampling_batch_size groups in flight; without partial
+    # rollouts a rollout generates (max_staleness + 1) rollouts' worth at once and the next max_staleness train on them.
     max_staleness: int = 0
     max_new_tokens: int = 1024  # the seed's rollout_max_response_len
     max_context_len: int = 4096
@@ -476,8 +478,12 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     """Fills the seed's derived values and checks combinations; `world_size` adds the DP checks."""
     ro, tr, algo = cfg.rollout, cfg.train, cfg.algo
     if ro.over_sampling_batch_size is None:
-        in_flight = max(ro.max_staleness, 0) + 1 if ro.partial_rollout or ro.max_staleness else 1
-        ro = dataclasses.replace(ro, over_sampling_batch_size=in_flight * ro.rollout_batch_size)
+        groups, bound = ro.rollout_batch_size, max(ro.max_staleness, 0)
+        if ro.partial_rollout:  # half the room the bound leaves beyond a batch: samples about half the bound old
+            groups += math.ceil(bound * ro.rollout_batch_size / 2)
+        else:  # max_staleness without partial rollouts: the rollouts' worth that one engine pass generates
+            groups *= bound + 1
+        ro = dataclasses.replace(ro, over_sampling_batch_size=groups)
     if algo.eps_clip_high is None:
         algo = dataclasses.replace(algo, eps_clip_high=algo.eps_clip)
     if algo.loss_agg_norm is None:

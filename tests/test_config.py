@@ -72,7 +72,7 @@ def test_impossible_combinations():
     with pytest.raises(ConfigError, match=r"over_sampling_batch_size \(65\) .* groups kept in flight: from "
                                           r"rollout_batch_size \(32\) to .* \(64\)"):
         make(rollout={"max_staleness": 1, "over_sampling_batch_size": 65})
-    assert make(rollout={"max_staleness": 2, "partial_rollout": True}).rollout.over_sampling_batch_size == 96
+    assert make(rollout={"max_staleness": 2, "partial_rollout": True}).rollout.over_sampling_batch_size == 64
     with pytest.raises(ConfigError, match="algo.tis_mode must be one of truncate, mask"):
         make(algo={"tis_mode": "clip"})
     # groups go to the engines one by one through the buffer: any batch size splits

@@ -59,7 +59,21 @@ def test_sequences_an_engine_is_handed_count_the_groups_in_flight():
     assert sequences_per_engine(seed, num_engines=1) == 512 and sequences_per_engine(seed, num_engines=3) == 176
     partial = resolve(Config(model=ModelConfig(path="m"), data=DataConfig(source="d.jsonl"), rollout=RolloutConfig(
         rollout_batch_size=64, n_samples_per_prompt=8, partial_rollout=True, max_staleness=2)), 2).rollout
-    assert sequences_per_engine(partial, num_engines=2) == 3 * 64 * 8 // 2  # the groups in flight, by default
+    assert sequences_per_engine(partial, num_engines=2) == 2 * 64 * 8 // 2  # the groups in flight, by default
+
+
+def in_flight(rollout_batch_size: int, max_staleness: int, partial_rollout: bool) -> int:
+    return resolve(Config(model=ModelConfig(path="m"), data=DataConfig(source="d.jsonl"), rollout=RolloutConfig(
+        rollout_batch_size=rollout_batch_size, partial_rollout=partial_rollout, max_staleness=max_staleness)),
+        1).rollout.over_sampling_batch_size
+
+
+def test_partial_rollouts_keep_half_the_bounds_room_in_flight_by_default():
+    # A group waits about in_flight / rollout_batch_size - 1 pushes (oldest first): half the bound, so only the
+    # slowest samples reach it (all of them would with the bound's whole room, and the health check would warn).
+    assert in_flight(64, 1, True) == 96 and in_flight(64, 2, True) == 128 and in_flight(64, 4, True) == 192
+    assert in_flight(1, 1, True) == 2 and in_flight(5, 1, True) == 8  # rounded up: room for an early end
+    assert in_flight(64, 1, False) == 128 and in_flight(64, 0, False) == 64  # without: the rollouts' worth
 
 
 def test_samples_round_trip_through_the_checkpoint_form_exactly():
