@@ -8,15 +8,16 @@ up to (max_staleness + 1) rollouts' worth of groups at once and later rollouts t
 it kept, without generating.
 
 Staleness of a sample: the version of the weights being trained minus the version that sampled its oldest
-token (0 in the synchronous loop). No trained sample may exceed `max_staleness`. Two rules keep it so:
+token (0 in the synchronous loop). No trained sample may exceed `max_staleness`. Three rules keep it so:
 
 - Admission: groups admitted so far <= groups consumed (trained, filtered out, dropped) before this moment +
-  (max_staleness + 1) * rollout_batch_size. Every rollout consumes at least rollout_batch_size groups, so by
-  rollout t at most rollout_batch_size groups admitted at rollout t - max_staleness or earlier are left.
+  rollout.over_sampling_batch_size, at most (max_staleness + 1) * rollout_batch_size: every rollout consumes
+  at least rollout_batch_size groups, so were they consumed in admission order, by rollout t at most
+  rollout_batch_size groups admitted at rollout t - max_staleness or earlier would be left.
 - Due groups: a group whose oldest token would pass the bound at the next rollout is due: the rollout goes
   on generating until every due group is complete, and trains the oldest complete groups first.
 - Schedule: groups finish out of order (a young group can finish before an old one and take its place in a
-  batch), so counting admissions alone lets more groups fall due in one rollout than its batch holds. A partial
+  batch), so admission alone lets more groups fall due in one rollout than its batch holds. A partial
   rollout therefore also goes on until, for every k < max_staleness, at most k * rollout_batch_size unfinished
   groups fall due within the next k rollouts (k = 0 is the due rule); then the oldest-first batches of the
   rollouts to come can take every group before it passes the bound.

@@ -87,7 +87,7 @@ class RolloutConfig:
     # groups kept in flight, at most (max_staleness + 1) * rollout_batch_size: more cuts more of the tail, fewer keeps
     # trained samples fresher (a group waits about in_flight / rollout_batch_size - 1 pushes, the oldest trained
     # first). Default with partial rollouts: rollout_batch_size * (1 + max_staleness / 2), rounded up, so a typical
-    # sample is about half the bound old and only the slowest reach it; without: the bound's (max_staleness + 1) *.
+    # sample is about half the bound old and only the slowest reach it; without: (max_staleness + 1) * that.
     over_sampling_batch_size: int | None = None
     dynamic_filter: str = ""  # "" keeps every group; "nonzero_std" drops groups whose rewards are all equal
     max_sampling_rounds: int = 8  # bound on refill rounds when the filter drops groups
