@@ -5,7 +5,7 @@ up to 512 new tokens, configs/recipes/gsm8k_boxed.toml with a shorter run and a 
     python benchmarks/partial.py write-data DIR        # needs reasoning-gym: DIR/train.jsonl, DIR/eval.jsonl
     python benchmarks/partial.py run MODEL_DIR DIR OUT [--modes sync partial1 partial2] [--rollouts 30]
     python benchmarks/partial.py table OUT             # one table from the runs under OUT
-    python benchmarks/partial.py tail OUT [--modes sync partial1 partial2] [--rollouts 8] [--stop-ids 300]
+    python benchmarks/partial.py tail OUT [--modes full sync partial1 partial2] [--rollouts 8] [--stop-ids 300]
                                  [--max-new-tokens 4096] [--model configs/models/qwen2.5-0.5b]
 
 `tail` is the speed half of the comparison on a much longer tail, with no model to download and nothing
@@ -19,10 +19,12 @@ packed rows in the train phase, a digit reward. Its table is `table`'s, with no 
 Modes: `sync` (the synchronous loop), `partial1` / `partial2` (rollout.partial_rollout with max_staleness 1 / 2 and
 the default groups in flight, half the bound's room), `partial1_wide` / `partial2_wide` (the bound's whole room),
 `ahead1` (max_staleness 1 without partial rollouts), `vllm` / `vllm_partial1` (the same through vLLM, at the
-default train settings: the training state stays on the device); the asynchronous ones weigh tokens by truncated
-importance weights (algo.tis_cap = 2). The table, over rollouts 1 on (rollout 0 holds CUDA-graph captures): rollout
-tokens/s as the median of the rollouts and overall (their tokens over their generation seconds: partial rollouts
-alternate between short and long, and a median weighs them alike), median step seconds, mean and max staleness, the fraction of trained samples that crossed a weight push,
+default train settings: the training state stays on the device), and for `tail` `full` (no stop ids: all 512
+samples run min(512, --max-new-tokens) tokens, the engine's full-batch rate on the same start); the asynchronous
+ones weigh tokens by truncated importance weights (algo.tis_cap = 2). The table, over rollouts 1 on (rollout 0 holds CUDA-graph
+captures): rollout tokens/s as the median of the rollouts and overall (their tokens over their generation seconds:
+partial rollouts alternate between short and long, and a median weighs them alike) and that as a fraction of
+`full`'s, median step seconds, mean and max staleness, the fraction of trained samples that crossed a weight push,
 the median response tokens a rollout continued (their KV computed again under the new weights),
 held-out greedy accuracy at the end, the minutes of steps until the eval first reached the synchronous
 run's final accuracy, the train phase's peak device memory and the seconds the engine's KV cache took to come
@@ -50,6 +52,8 @@ MODES = {
     "partial2_wide": ["--rollout.partial_rollout=true", "--rollout.max_staleness=2", "--algo.tis_cap=2.0",
                       "--rollout.over_sampling_batch_size=192"],
     "ahead1": ["--rollout.max_staleness=1", "--algo.tis_cap=2.0"],
+    # `tail` only: no stop ids, every sample runs up to 512 tokens: the engine's full-batch rate on the same start.
+    "full": [],
     "vllm": ["--rollout.engine=vllm"],
     "vllm_partial1": ["--rollout.engine=vllm", "--rollout.partial_rollout=true", "--rollout.max_staleness=1",
                       "--algo.tis_cap=2.0"],
@@ -104,13 +108,15 @@ def tail(out: Path, model: str, modes: list[str], rollouts: int, stop_ids: int, 
         raise SystemExit(f"--stop-ids must be in 1..{vocab // 2 - 1} for a vocabulary of {vocab}, got {stop_ids}")
     stops = list(range(vocab // 2, vocab // 2 + stop_ids))  # ids no tokenizer here gives a prompt
     for mode in modes:
+        new_tokens = min(max_new_tokens, 512) if mode == "full" else max_new_tokens
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "rl.main",
                "--config", str(ROOT / "configs/tiny.toml"), f"--model.path={model}", f"--model.tokenizer={tokenizer}",
                *([] if weights else ["--model.random_init=true"]), f"--data.source={data}",
                "--reward.user_fn=tests.reward_fns:digit_fraction", "--reward.num_workers=4",
                "--rollout.rollout_batch_size=64", "--rollout.n_samples_per_prompt=8", "--rollout.max_batch_size=1024",
-               f"--rollout.max_new_tokens={max_new_tokens}", f"--rollout.max_context_len={max_new_tokens + 64}",
-               f"--rollout.stop_token_ids={json.dumps(stops)}", "--train.micro_batch_tokens=32768",
+               f"--rollout.max_new_tokens={new_tokens}", f"--rollout.max_context_len={new_tokens + 64}",
+               f"--rollout.stop_token_ids={json.dumps([] if mode == 'full' else stops)}",
+               "--train.micro_batch_tokens=32768",
                "--train.packing=true", "--model.compile=true", "--train.lr=1e-6", f"--train.num_rollout={rollouts}",
                "--checkpoint.interval=-1", "--log.progress=false", f"--log.output_dir={out / mode}", *MODES[mode],
                *extra]
@@ -133,13 +139,21 @@ def minutes_to(run: list[dict], accuracy: float) -> float | None:
     return None
 
 
+def overall_rate(steps: list[dict]) -> float:
+    """Tokens over generation seconds, over the rollouts that generated."""
+    generating = [r for r in steps if r.get("perf/rollout_tokens_per_s")]
+    return sum(r["perf/rollout_tokens_per_s"] * r["perf/rollout_s"] for r in generating) / max(
+        sum(r["perf/rollout_s"] for r in generating), 1e-9)
+
+
 def table(out: Path) -> None:
     runs = {d.name: rows(d) for d in sorted(out.iterdir()) if (d / "metrics.jsonl").is_file()}
     target = next((r["eval/accuracy"] for r in reversed(runs.get("sync", [])) if "eval/accuracy" in r), None)
-    print(f"| mode | rollout tokens/s | overall | step s | rollout s | train s | staleness mean / max | partial frac "
-          f"| resumed tokens | final eval acc | minutes to sync's final ({target}) | total minutes | train peak GB "
-          f"| KV wake-up s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    full = overall_rate([r for r in runs["full"] if r["rollout_id"] > 0]) if "full" in runs else None
+    print(f"| mode | rollout tokens/s | overall | of full | step s | rollout s | train s | staleness mean / max "
+          f"| partial frac | resumed tokens | final eval acc | minutes to sync's final ({target}) | total minutes "
+          f"| train peak GB | KV wake-up s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, run in runs.items():
         steps = [r for r in run if "perf/step_s" in r and r["rollout_id"] > 0]
 
@@ -149,10 +163,9 @@ def table(out: Path) -> None:
         evals = [r["eval/accuracy"] for r in run if "eval/accuracy" in r]
         lag = [r.get("rollout/staleness_mean", 0.0) for r in steps]
         to_target = minutes_to(run, target) if target is not None else None
-        generating = [r for r in steps if r.get("perf/rollout_tokens_per_s")]
-        overall = sum(r["perf/rollout_tokens_per_s"] * r["perf/rollout_s"] for r in generating) / max(
-            sum(r["perf/rollout_s"] for r in generating), 1e-9)
-        print(f"| {name} | {median('perf/rollout_tokens_per_s'):,.0f} | {overall:,.0f} | {median('perf/step_s'):.2f} "
+        overall = overall_rate(steps)
+        print(f"| {name} | {median('perf/rollout_tokens_per_s'):,.0f} | {overall:,.0f} "
+              f"| {'-' if not full else f'{overall / full:.0%}'} | {median('perf/step_s'):.2f} "
               f"| {median('perf/rollout_s'):.2f} | {median('perf/train_s'):.2f} "
               f"| {statistics.mean(lag):.2f} / {max(r.get('rollout/staleness_max', 0.0) for r in steps):.0f} "
               f"| {statistics.mean(r.get('rollout/partial_frac', 0.0) for r in steps):.2f} "
@@ -172,7 +185,8 @@ def main() -> None:
     r.add_argument("model", type=Path)
     r.add_argument("data", type=Path)
     r.add_argument("out", type=Path)
-    r.add_argument("--modes", nargs="+", default=["sync", "partial1", "partial2"], choices=sorted(MODES))
+    r.add_argument("--modes", nargs="+", default=["sync", "partial1", "partial2"],
+                   choices=sorted(set(MODES) - {"full"}))
     r.add_argument("--rollouts", type=int, default=30)
     t = sub.add_parser("table")
     t.add_argument("out", type=Path)
@@ -180,7 +194,7 @@ def main() -> None:
     tl.add_argument("out", type=Path)
     tl.add_argument("--model", default=str(ROOT / "configs/models/qwen2.5-0.5b"),
                     help="a config folder (random weights) or a model folder")
-    tl.add_argument("--modes", nargs="+", default=["sync", "partial1", "partial2"], choices=sorted(MODES))
+    tl.add_argument("--modes", nargs="+", default=["full", "sync", "partial1", "partial2"], choices=sorted(MODES))
     tl.add_argument("--rollouts", type=int, default=8)
     tl.add_argument("--stop-ids", type=int, default=300)
     tl.add_argument("--max-new-tokens", type=int, default=4096)
