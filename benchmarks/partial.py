@@ -18,17 +18,18 @@ packed rows in the train phase, a digit reward. Its table is `table`'s, with no 
 
 Modes: `sync` (the synchronous loop), `partial1` / `partial2` (rollout.partial_rollout with max_staleness 1 / 2 and
 the default groups in flight, half the bound's room), `partial1_wide` / `partial2_wide` (the bound's whole room),
-`ahead1` (max_staleness 1 without partial rollouts), `vllm` / `vllm_partial1` (the same through vLLM, at the
-default train settings: the training state stays on the device), and for `tail` `full` (no stop ids: all 512
-samples run min(512, --max-new-tokens) tokens, the engine's full-batch rate on the same start); the asynchronous
-ones weigh tokens by truncated importance weights (algo.tis_cap = 2). The table, over rollouts 1 on (rollout 0 holds CUDA-graph
+`ahead1` (max_staleness 1 without partial rollouts), `vllm` / `vllm_partial1` (the same through vLLM, at the default
+train settings: the training state stays on the device), and for `tail` `full` (no stop ids: all 512 samples run
+min(512, --max-new-tokens) tokens, the engine's full-batch rate on the same start); the asynchronous ones weigh
+tokens by truncated importance weights (algo.tis_cap = 2). The table, over rollouts 1 on (rollout 0 holds CUDA-graph
 captures): rollout tokens/s as the median of the rollouts and overall (their tokens over their generation seconds:
 partial rollouts alternate between short and long, and a median weighs them alike) and that as a fraction of
 `full`'s, median step seconds, mean and max staleness, the fraction of trained samples that crossed a weight push,
-the median response tokens a rollout continued (their KV computed again under the new weights),
-held-out greedy accuracy at the end, the minutes of steps until the eval first reached the synchronous
-run's final accuracy, the train phase's peak device memory and the seconds the engine's KV cache took to come
-back after it. Curves: `python -m rl.plot OUT/sync OUT/partial1 ...`.
+the median response tokens a rollout continued (their KV computed again under the new weights), held-out greedy
+accuracy at the end, the minutes of steps until the eval first reached the synchronous run's final accuracy, the
+train phase's peak device memory and the seconds the engine's KV cache took to come back after it. Curves:
+`python -m rl.plot OUT/sync OUT/partial1 ...`. A mode whose run under OUT finished is skipped: the same command
+again goes on where the last one stopped.
 """
 
 from __future__ import annotations
@@ -74,8 +75,18 @@ def write_data(out: Path, columns: dict | None = None) -> None:
     print(f"wrote {out}/train.jsonl (4000) and {out}/eval.jsonl (128)")
 
 
+def done(run_dir: Path, rollouts: int) -> bool:
+    """Whether the run under `run_dir` logged its last rollout: the same command again skips it, so a comparison
+    longer than one sitting goes on where it stopped (an unfinished run's folder stops it: rl.main never writes over
+    a run)."""
+    finished = (run_dir / "metrics.jsonl").is_file() and any(r.get("rollout_id") == rollouts - 1 for r in rows(run_dir))
+    if finished:
+        print(f"== {run_dir.name}: finished before, skipped", flush=True)
+    return finished
+
+
 def run(model: Path, data: Path, out: Path, modes: list[str], rollouts: int, extra: list[str]) -> None:
-    for mode in modes:
+    for mode in [m for m in modes if not done(out / m, rollouts)]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "rl.main",
                "--config", str(ROOT / "configs/recipes/gsm8k_boxed.toml"), f"--model.path={model}",
                f"--data.source={data / 'train.jsonl'}", f"--eval.source={data / 'eval.jsonl'}",
@@ -107,7 +118,7 @@ def tail(out: Path, model: str, modes: list[str], rollouts: int, stop_ids: int, 
     if not 0 < stop_ids < vocab // 2:
         raise SystemExit(f"--stop-ids must be in 1..{vocab // 2 - 1} for a vocabulary of {vocab}, got {stop_ids}")
     stops = list(range(vocab // 2, vocab // 2 + stop_ids))  # ids no tokenizer here gives a prompt
-    for mode in modes:
+    for mode in [m for m in modes if not done(out / m, rollouts)]:
         new_tokens = min(max_new_tokens, 512) if mode == "full" else max_new_tokens
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "rl.main",
                "--config", str(ROOT / "configs/tiny.toml"), f"--model.path={model}", f"--model.tokenizer={tokenizer}",
