@@ -27,7 +27,9 @@ partial rollouts alternate between short and long, and a median weighs them alik
 `full`'s, median step seconds, mean and max staleness, the fraction of trained samples that crossed a weight push,
 the median response tokens a rollout continued (their KV computed again under the new weights), held-out greedy
 accuracy at the end, the minutes of steps until the eval first reached the synchronous run's final accuracy, the
-train phase's peak device memory and the seconds the engine's KV cache took to come back after it. Curves:
+train phase's peak device memory and the seconds the engine's KV cache took to come back after it; the mean step
+with and without its eval, and the latter's speed-up over `sync`; the decode steps a rollout ran and the rows a step
+ran on average (a tail drains the batch: many steps over few rows). Curves:
 `python -m rl.plot OUT/sync OUT/partial1 ...`. A mode whose run under OUT finished is skipped: the same command
 again goes on where the last one stopped.
 """
@@ -160,13 +162,14 @@ def overall_rate(steps: list[dict]) -> float:
 def table(out: Path) -> None:
     runs = {d.name: rows(d) for d in sorted(out.iterdir()) if (d / "metrics.jsonl").is_file()}
     target = next((r["eval/accuracy"] for r in reversed(runs.get("sync", [])) if "eval/accuracy" in r), None)
-    full = overall_rate([r for r in runs["full"] if r["rollout_id"] > 0]) if "full" in runs else None
-    print(f"| mode | rollout tokens/s | overall | of full | step s | rollout s | train s | staleness mean / max "
-          f"| partial frac | resumed tokens | final eval acc | minutes to sync's final ({target}) | total minutes "
-          f"| train peak GB | KV wake-up s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    full = overall_rate(after_first(runs["full"])) if "full" in runs else None
+    sync = training_step_s(after_first(runs["sync"])) if "sync" in runs else None
+    print(f"| mode | rollout tokens/s | overall | of full | step s | mean step s | without evals | x sync | rollout s "
+          f"| train s | decode steps | rows a step | staleness mean / max | partial frac | resumed tokens "
+          f"| final eval acc | minutes to sync's final ({target}) | total minutes | train peak GB | KV wake-up s |")
+    print("|---" * 20 + "|")
     for name, run in runs.items():
-        steps = [r for r in run if "perf/step_s" in r and r["rollout_id"] > 0]
+        steps = after_first(run)
 
         def median(key: str) -> float:
             return statistics.median(r.get(key, 0.0) for r in steps)
@@ -175,9 +178,14 @@ def table(out: Path) -> None:
         lag = [r.get("rollout/staleness_mean", 0.0) for r in steps]
         to_target = minutes_to(run, target) if target is not None else None
         overall = overall_rate(steps)
+        decode = sum(r.get("rollout/decode_steps", 0.0) for r in steps)
+        row_steps = sum(r.get("rollout/decode_steps", 0.0) * r.get("rollout/decode_rows_mean", 0.0) for r in steps)
         print(f"| {name} | {median('perf/rollout_tokens_per_s'):,.0f} | {overall:,.0f} "
               f"| {'-' if not full else f'{overall / full:.0%}'} | {median('perf/step_s'):.2f} "
+              f"| {statistics.mean(r['perf/step_s'] for r in steps):.2f} | {training_step_s(steps):.2f} "
+              f"| {'-' if not sync else f'{sync / training_step_s(steps):.2f}x'} "
               f"| {median('perf/rollout_s'):.2f} | {median('perf/train_s'):.2f} "
+              f"| {decode / len(steps):,.0f} | {row_steps / max(decode, 1):,.0f} "
               f"| {statistics.mean(lag):.2f} / {max(r.get('rollout/staleness_max', 0.0) for r in steps):.0f} "
               f"| {statistics.mean(r.get('rollout/partial_frac', 0.0) for r in steps):.2f} "
               f"| {median('rollout/resumed_tokens'):,.0f} "
@@ -185,6 +193,17 @@ def table(out: Path) -> None:
               f"| {'-' if to_target is None else f'{to_target:.2f}'} "
               f"| {sum(r.get('perf/step_s', 0.0) for r in run) / 60:.2f} "
               f"| {max(r.get('memory/train_peak_gb', 0.0) for r in steps):.1f} | {median('perf/onload_kv_s'):.2f} |")
+
+
+def after_first(run: list[dict]) -> list[dict]:
+    """The steps of rollouts 1 on (rollout 0 holds CUDA-graph captures and compiles)."""
+    return [r for r in run if "perf/step_s" in r and r["rollout_id"] > 0]
+
+
+def training_step_s(steps: list[dict]) -> float:
+    """The mean step without its held-out eval: evals are the same work in every mode, and their greedy loops to
+    the cap (in some evals, not others) are noise on a comparison of the rollout modes."""
+    return statistics.mean(r["perf/step_s"] - (r.get("perf/eval_s") or 0.0) for r in steps)
 
 
 def main() -> None:

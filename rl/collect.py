@@ -48,6 +48,8 @@ class Scored:
     prompt_tokens: int = 0  # of the episodes' turns (every rank's), and those whose KV the engine reused
     reused_tokens: int = 0
     resumed_tokens: int = 0  # response tokens of continued samples, whose KV the engine computed again
+    decode_steps: int = 0  # the engines' decode steps (summed over engines) and the rows they ran, summed over steps
+    decode_row_steps: int = 0
 
 
 class Collector:
@@ -87,12 +89,14 @@ class Collector:
         # again under the weights of now.
         resumed = sum(s.response_length for group in todo for s in group)
         episodes = EpisodeTally()
+        counters = engine_counters(self.engine)
         if any(todo) and self.env is not None:
             self.episodes.run([s for group in todo for s in group], params, weight_version, episodes)
         elif any(todo):
             generate_rollout(self.engine, todo, params, weight_version, self.tokenizer, progress=progress, until=until)
         parallel.step_barrier(self.dist, barrier_timeout_s, "the end of rollout generation")
         rollout_s = parallel.all_reduce_max(time.perf_counter() - start)
+        steps, row_steps = (after - before for after, before in zip(engine_counters(self.engine), counters))
         start = time.perf_counter()
         # A call that may end early scores only its finished groups; the others are scored once they finish.
         done = [s for group in mine if until is None or is_finished(group) for s in group]
@@ -102,14 +106,15 @@ class Collector:
             stats = [self.score(done, term)] if self.pool is not None and done else []
         reward_stats = parallel.all_gather_objects(stats)
         reward_s = time.perf_counter() - start
-        env_s, env_failures, prompt_tokens, reused_tokens, resumed = zip(*parallel.all_gather_objects(
-            [(episodes.env_s, episodes.errors + episodes.timeouts, episodes.prompt_tokens, episodes.reused_tokens,
-              resumed)]))
+        env_s, env_failures, prompt_tokens, reused_tokens, resumed, steps, row_steps = zip(
+            *parallel.all_gather_objects([(episodes.env_s, episodes.errors + episodes.timeouts, episodes.prompt_tokens,
+                                           episodes.reused_tokens, resumed, steps, row_steps)]))
         # Engine order is group order when the shares are contiguous.
         local = [s for group in mine for s in group]
-        return Scored(parallel.gather_engine_outputs(local, self.ro.tensor_parallel_size), reward_stats, rollout_s,
-                      reward_s, max(env_s), sum(env_failures), sum(prompt_tokens), sum(reused_tokens),
-                      sum(resumed) // self.ro.tensor_parallel_size)  # every rank of an engine holds its share
+        tp = self.ro.tensor_parallel_size  # every rank of an engine holds its share and counts its steps
+        return Scored(parallel.gather_engine_outputs(local, tp), reward_stats, rollout_s, reward_s, max(env_s),
+                      sum(env_failures), sum(prompt_tokens), sum(reused_tokens), sum(resumed) // tp,
+                      sum(steps) // tp, sum(row_steps) // tp)
 
     def score(self, samples: list[Sample], term: str) -> dict[str, float]:
         result = self.pool.score([RewardInput(s.prompt, s.response, s.label, s.response_length,
@@ -230,6 +235,9 @@ class Collector:
             stats |= {"rollout/turns_mean": sum(s.turns for s in samples) / len(samples),
                       "rollout/tool_calls_mean": sum(s.tool_calls for s in samples) / len(samples),
                       "rollout/tool_errors": float(tally.env_failures), "perf/env_s": tally.env_s}
+        if tally.decode_steps:  # the long tail in numbers: decode steps an engine ran, and the rows a step ran
+            stats["rollout/decode_steps"] = tally.decode_steps / self.num_engines
+            stats["rollout/decode_rows_mean"] = tally.decode_row_steps / tally.decode_steps
         if tally.prompt_tokens:  # an engine that counts them (the native one)
             stats["rollout/prefill_tokens_reused_frac"] = tally.reused_tokens / tally.prompt_tokens
         return samples, stats
@@ -249,6 +257,8 @@ class Tally:
     prompt_tokens: int = 0
     reused_tokens: int = 0
     resumed_tokens: int = 0
+    decode_steps: int = 0
+    decode_row_steps: int = 0
 
     def add(self, scored: Scored, tokens: int, finished: list[list[Sample]]) -> None:
         """One round; `finished`: the groups it scored."""
@@ -262,6 +272,8 @@ class Tally:
         self.prompt_tokens += scored.prompt_tokens
         self.reused_tokens += scored.reused_tokens
         self.resumed_tokens += scored.resumed_tokens
+        self.decode_steps += scored.decode_steps
+        self.decode_row_steps += scored.decode_row_steps
 
 
 def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: int, max_staleness: int,
@@ -284,6 +296,11 @@ def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: 
         return finished >= target and on_schedule(pending.values(), max_staleness, per_rollout)
 
     return until
+
+
+def engine_counters(engine) -> tuple[int, int]:
+    """The engine's decode steps and rows summed over them, so far (0, 0 for an engine that does not count)."""
+    return getattr(engine, "decode_steps", 0), getattr(engine, "decode_row_steps", 0)
 
 
 def split_by_group(samples: list[Sample]) -> list[list[Sample]]:

@@ -64,6 +64,9 @@ def test_main_loop_two_ranks(tmp_path):
         assert all(key in row for key in REQUIRED), sorted(set(REQUIRED) - set(row))
         assert row["rollout/num_samples"] == 8 * 4
         assert row["train/grad_norm"] > 0
+        # Each of the two engines ran its 16 sequences, up to 8 tokens each (the first one comes with the prefill).
+        assert row["rollout/response_length_max"] - 1 <= row["rollout/decode_steps"] <= 8 - 1
+        assert 1 <= row["rollout/decode_rows_mean"] <= 8 * 4 / 2
 
 
 def test_the_seeds_layout_of_eight_ranks(tmp_path):

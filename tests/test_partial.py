@@ -111,6 +111,23 @@ def run_rollouts(pool, ro: RolloutConfig, buffer: RolloutBuffer | None, rollouts
         engine.load_weights(full_weights(models[version + 1]))
 
 
+def test_a_rollout_counts_its_decode_steps_and_the_rows_they_ran(pool):
+    """3 samples (a graph bucket of 4 rows) of exactly 6 tokens: the first comes with the prefill, 5 decode steps
+    over 3 rows."""
+    ro = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=1, max_new_tokens=6, max_context_len=32,
+                       over_sampling_batch_size=3)
+    model = tiny_model(seed=1).eval()
+    engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=8, seed=0,
+                          max_context_len=32, steps_per_poll=4)
+    engine.load_weights(full_weights(model))
+    collector = Collector(engine, pool, tiny_tokenizer(), ro, ONE_RANK)
+    dataset = PromptDataset(prompts(), shuffle=False, seed=0)
+    for rollout_id in range(2):
+        _, stats = collector.rollout(dataset, SamplingParams.from_config(ro, []), 1, rollout_id, 60.0)
+        assert stats["rollout/decode_steps"] == 5 and stats["rollout/decode_rows_mean"] == 3
+    assert (engine.decode_steps, engine.decode_row_steps) == (10, 30)  # over the engine's life
+
+
 def check_tokens_against_their_versions(sample: Sample, models: dict) -> None:
     """Each response token's engine logprob is its recorded version's, given everything before it: no token
     was sampled by other weights than it says, nor continued on a prefix (KV) computed by other weights."""

@@ -90,6 +90,9 @@ def test_main_loop_with_vllm(tmp_path):
     for row in rows:
         assert row["rollout/logprob_abs_diff_max"] < GAP
         assert 0 <= row["rollout/logprob_k3_kl"] < K3
+        # A step gives a sequence one token at most, and runs between one and all of them.
+        assert row["rollout/decode_steps"] >= row["rollout/response_length_max"]
+        assert 1 <= row["rollout/decode_rows_mean"] <= row["rollout/num_samples"]
 
 
 @needs_vllm

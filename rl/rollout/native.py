@@ -204,6 +204,9 @@ class NativeEngine:
         self.loaded: set[tuple] = set()
         self.kept: dict[Hashable, Kept] = {}  # finished sequences' KV, by the caller's key (see `generate`)
         self.asleep = {tag: True for tag in TAGS}
+        # Over the engine's life: decode steps, and the rows holding a sequence summed over them (their ratio is
+        # the batch a step ran, what a long tail drains).
+        self.decode_steps = self.decode_row_steps = 0
         self.wake_up()
 
     # ------------------------------------------------------------------ weights and memory
@@ -387,6 +390,8 @@ class NativeEngine:
                     self._run_decode(bucket)
                 for request in sched.running:
                     request.generated += steps
+                self.decode_steps += steps
+                self.decode_row_steps += steps * len(sched.running)
                 # While no request waits for a row, the host reads a one-flag summary of the chunk
                 # before this one as this one runs, and stops the GPU for a full poll only once a
                 # row has finished: the device never idles on a poll that finds nothing. Finished

@@ -162,6 +162,8 @@ class VllmEngine:
         self.asleep = {tag: False for tag in TAGS}
         self.calls: list[str] = []  # the order of weight loads and memory transitions, for the tests
         self.call_count = 0  # request ids are unique over the engine's life
+        # Engine steps over the engine's life, and the sequences unfinished (running or waiting) summed over them.
+        self.decode_steps = self.decode_row_steps = 0
 
     # ------------------------------------------------------------------ memory
 
@@ -262,6 +264,8 @@ class VllmEngine:
         run_of = {request_id: run for request_id, run in zip(ids, runs)}
         while engine.has_unfinished_requests():
             finished = {}
+            self.decode_steps += 1
+            self.decode_row_steps += engine.get_num_unfinished_requests()
             for out in engine.step():
                 if not out.finished:
                     continue
