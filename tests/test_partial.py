@@ -166,6 +166,33 @@ def test_partial_rollouts_train_whole_groups_once_within_the_bound(pool, max_sta
     assert max(partial) > 0 and max(lags) >= 1 and carried > 0  # samples did cross weight pushes
 
 
+def test_the_dynamic_filter_drops_flat_groups_from_the_buffer_and_frees_their_place():
+    """Partial rollouts with rollout.dynamic_filter: a finished group whose rewards are all equal (every answer
+    that is a multiple of 4 scores 0) leaves the buffer untrained, counted as consumed, and new groups take its
+    place; the batch is whole groups with a reward signal, within the bound, each trained once."""
+    ro = RolloutConfig(rollout_batch_size=BATCH, n_samples_per_prompt=N, max_new_tokens=48, stop_token_ids=STOPS,
+                       max_context_len=128, partial_rollout=True, max_staleness=1, dynamic_filter="nonzero_std",
+                       over_sampling_batch_size=6, max_sampling_rounds=16)
+    buffer = RolloutBuffer(BATCH, 1)
+    trained, filtered = set(), []
+    with RewardPool(RewardConfig(user_fn="tests.reward_fns:flat_on_multiples_of_4", num_workers=1)) as flat:
+        for version, samples, stats, _ in run_rollouts(flat, ro, buffer, rollouts=5):
+            groups = {}
+            for s in samples:
+                groups.setdefault(s.group_index, []).append(s)
+            assert len(groups) == BATCH and not groups.keys() & trained and stats["rollout/topped_up_groups"] == 0
+            trained |= groups.keys()
+            for group in groups.values():
+                assert len(group) == N and len({s.reward for s in group}) > 1  # a signal in every trained group
+                assert all(0 <= version - v <= 1 for s in group for v in s.token_versions)
+            # No flat group waits in the buffer, and every group drawn is trained, filtered out (consumed untrained)
+            # or still in flight.
+            assert all(len({s.reward for s in g}) > 1 for g in buffer.finished())
+            assert buffer.admitted == buffer.consumed + len(buffer.groups)
+            filtered.append(stats["rollout/filtered_group_frac"])
+    assert buffer.consumed > len(trained) and max(filtered) > 0  # the filter did drop groups
+
+
 def test_a_group_past_the_bound_is_dropped_untrained_and_counted(pool):
     """A group older than the bound (here: put in flight by hand, as a resume with a lower bound would leave it)
     never trains; the rollout counts it and the health band reads the fraction."""
