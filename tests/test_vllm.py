@@ -96,6 +96,22 @@ def test_main_loop_with_vllm(tmp_path):
 
 
 @needs_vllm
+def test_main_loop_with_vllm_partial_rollouts(tmp_path):
+    """Partial rollouts through vLLM in the loop: each rollout ends once its batch of groups is finished, the rest are
+    read back, aborted and continued after the push; every trained token is within the bound, and groups crossed it."""
+    stops = list(range(100, 115))  # a random tiny model stops after a few to a few dozen tokens
+    rows = run_loop(tmp_path, RANKS, "--train.num_rollout=4", "--rollout.engine=vllm",
+                    "--rollout.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction",
+                    "--rollout.partial_rollout=true", "--rollout.max_staleness=1", "--rollout.max_new_tokens=32",
+                    f"--rollout.stop_token_ids={stops}", "--algo.tis_cap=2.0")
+    assert [r["weight_version"] for r in rows] == [2, 3, 4, 5]
+    for row in rows:
+        assert row["rollout/num_samples"] == 8 * 4 and row["rollout/staleness_max"] <= 1
+        assert row["rollout/dropped_stale"] == 0
+    assert max(r["rollout/partial_frac"] for r in rows) > 0 and max(r["rollout/resumed_tokens"] for r in rows) > 0
+
+
+@needs_vllm
 @needs_ranks(4)
 def test_main_loop_with_vllm_two_tensor_parallel_groups(tmp_path):
     """4 ranks with TP=2: two engines of two ranks each (the seed's 8 GPUs -> 4 engines, halved)."""
