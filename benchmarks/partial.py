@@ -6,14 +6,15 @@ up to 512 new tokens, configs/recipes/gsm8k_boxed.toml with a shorter run and a 
     python benchmarks/partial.py run MODEL_DIR DIR OUT [--modes sync partial1 partial2] [--rollouts 30]
     python benchmarks/partial.py table OUT             # one table from the runs under OUT
     python benchmarks/partial.py tail OUT [--modes full sync partial1 partial2] [--rollouts 8] [--stop-ids 300]
-                                 [--max-new-tokens 4096] [--model configs/models/qwen2.5-0.5b]
+                                 [--max-new-tokens 4096] [--prompts 64] [--model configs/models/qwen2.5-0.5b]
 
 `tail` is the speed half of the comparison on a much longer tail, with no model to download and nothing
 learned: random weights of `--model`'s config (or a model folder's own weights) with `--stop-ids` token ids as
 stop ids, so each sampled token ends its response with probability ~stop-ids / vocabulary (300 of Qwen2.5's
 151,936: a geometric length, expected mean ~500, the longest of 512 samples expected near 3,000 of the 4,096
 allowed), 64
-prompts x 8, every sequence in flight given an engine row (`rollout.max_batch_size` 1024), compiled blocks and
+prompts x 8 (`--prompts`: more samples a rollout give the steps the bound asks for more rows), every sequence in
+flight given an engine row up to 1,024 (`rollout.max_batch_size`: its worst-case KV fills an H200), compiled blocks and
 packed rows in the train phase, a digit reward. Its table is `table`'s, with no eval columns filled.
 
 Modes: `sync` (the synchronous loop), `partial1` / `partial2` (rollout.partial_rollout with max_staleness 1 / 2 and
@@ -49,11 +50,12 @@ MODES = {
     "sync": [],
     "partial1": ["--rollout.partial_rollout=true", "--rollout.max_staleness=1", "--algo.tis_cap=2.0"],
     "partial2": ["--rollout.partial_rollout=true", "--rollout.max_staleness=2", "--algo.tis_cap=2.0"],
-    # The bound's whole room in flight (both commands draw 64 groups a rollout): every trained sample near the bound.
+    # The bound's whole room in flight, (max_staleness + 1) batches ({batch}: the groups a rollout trains): every
+    # trained sample near the bound.
     "partial1_wide": ["--rollout.partial_rollout=true", "--rollout.max_staleness=1", "--algo.tis_cap=2.0",
-                      "--rollout.over_sampling_batch_size=128"],
+                      "--rollout.over_sampling_batch_size={2 * batch}"],
     "partial2_wide": ["--rollout.partial_rollout=true", "--rollout.max_staleness=2", "--algo.tis_cap=2.0",
-                      "--rollout.over_sampling_batch_size=192"],
+                      "--rollout.over_sampling_batch_size={3 * batch}"],
     "ahead1": ["--rollout.max_staleness=1", "--algo.tis_cap=2.0"],
     # `tail` only: no stop ids, every sample runs up to 512 tokens: the engine's full-batch rate on the same start.
     "full": [],
@@ -61,6 +63,11 @@ MODES = {
     "vllm_partial1": ["--rollout.engine=vllm", "--rollout.partial_rollout=true", "--rollout.max_staleness=1",
                       "--algo.tis_cap=2.0"],
 }
+
+
+def mode_args(mode: str, batch: int) -> list[str]:
+    """The mode's overrides for a rollout of `batch` groups."""
+    return [arg.replace("{2 * batch}", str(2 * batch)).replace("{3 * batch}", str(3 * batch)) for arg in MODES[mode]]
 
 
 def write_data(out: Path, columns: dict | None = None) -> None:
@@ -94,13 +101,13 @@ def run(model: Path, data: Path, out: Path, modes: list[str], rollouts: int, ext
                f"--data.source={data / 'train.jsonl'}", f"--eval.source={data / 'eval.jsonl'}",
                "--eval.interval=5", f"--train.num_rollout={rollouts}", "--train.lr=3e-6", "--train.lr_warmup_steps=2",
                "--checkpoint.interval=0", "--log.progress=false", f"--log.output_dir={out / mode}",
-               *MODES[mode], *extra]
+               *mode_args(mode, 64), *extra]
         print(f"== {mode}: {' '.join(cmd[5:])}", flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
     table(out)
 
 
-def tail(out: Path, model: str, modes: list[str], rollouts: int, stop_ids: int, max_new_tokens: int,
+def tail(out: Path, model: str, modes: list[str], rollouts: int, stop_ids: int, max_new_tokens: int, prompts: int,
          extra: list[str]) -> None:
     """The `tail` runs: random weights with `stop_ids` stop ids (module docstring), each mode under OUT/<mode>."""
     from transformers import AutoConfig
@@ -110,7 +117,7 @@ def tail(out: Path, model: str, modes: list[str], rollouts: int, stop_ids: int, 
     from tests.tiny import write_arithmetic_jsonl
 
     out.mkdir(parents=True, exist_ok=True)
-    data = write_arithmetic_jsonl(out / "prompts.jsonl", rows=512)
+    data = write_arithmetic_jsonl(out / "prompts.jsonl", rows=max(512, 4 * prompts))
     weights = any(Path(model).glob("*.safetensors"))
     tokenizer = model
     if not (Path(model) / "tokenizer_config.json").is_file():
@@ -126,12 +133,14 @@ def tail(out: Path, model: str, modes: list[str], rollouts: int, stop_ids: int, 
                "--config", str(ROOT / "configs/tiny.toml"), f"--model.path={model}", f"--model.tokenizer={tokenizer}",
                *([] if weights else ["--model.random_init=true"]), f"--data.source={data}",
                "--reward.user_fn=tests.reward_fns:digit_fraction", "--reward.num_workers=4",
-               "--rollout.rollout_batch_size=64", "--rollout.n_samples_per_prompt=8", "--rollout.max_batch_size=1024",
+               f"--rollout.rollout_batch_size={prompts}", "--rollout.n_samples_per_prompt=8",
+               "--rollout.max_batch_size=1024",
                f"--rollout.max_new_tokens={new_tokens}", f"--rollout.max_context_len={new_tokens + 64}",
                f"--rollout.stop_token_ids={json.dumps([] if mode == 'full' else stops)}",
                "--train.micro_batch_tokens=32768",
                "--train.packing=true", "--model.compile=true", "--train.lr=1e-6", f"--train.num_rollout={rollouts}",
-               "--checkpoint.interval=-1", "--log.progress=false", f"--log.output_dir={out / mode}", *MODES[mode],
+               "--checkpoint.interval=-1", "--log.progress=false", f"--log.output_dir={out / mode}",
+               *mode_args(mode, prompts),
                *extra]
         print(f"== {mode}: {' '.join(cmd[5:])}", flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -228,13 +237,14 @@ def main() -> None:
     tl.add_argument("--rollouts", type=int, default=8)
     tl.add_argument("--stop-ids", type=int, default=300)
     tl.add_argument("--max-new-tokens", type=int, default=4096)
+    tl.add_argument("--prompts", type=int, default=64, help="prompts a rollout trains (x 8 samples)")
     args, extra = p.parse_known_args()
     if args.command == "write-data":
         write_data(args.dir)
     elif args.command == "run":
         run(args.model, args.data, args.out, args.modes, args.rollouts, extra)
     elif args.command == "tail":
-        tail(args.out, args.model, args.modes, args.rollouts, args.stop_ids, args.max_new_tokens, extra)
+        tail(args.out, args.model, args.modes, args.rollouts, args.stop_ids, args.max_new_tokens, args.prompts, extra)
     else:
         table(args.out)
 
