@@ -90,9 +90,10 @@ def test_main_loop_with_vllm(tmp_path):
     for row in rows:
         assert row["rollout/logprob_abs_diff_max"] < GAP
         assert 0 <= row["rollout/logprob_k3_kl"] < K3
-        # A step gives a sequence one token at most, and runs between one and all of them.
-        assert row["rollout/decode_steps"] >= row["rollout/response_length_max"]
-        assert 1 <= row["rollout/decode_rows_mean"] <= row["rollout/num_samples"]
+        # Per engine: a step gives a sequence one token at most (the first with its prompt's prefill) and runs
+        # between one and all of the engine's sequences.
+        assert row["rollout/response_length_mean"] <= row["rollout/decode_steps"] <= 8
+        assert 1 <= row["rollout/decode_rows_mean"] <= row["rollout/num_samples"] / RANKS
 
 
 @needs_vllm
@@ -123,6 +124,9 @@ def test_main_loop_with_vllm_two_tensor_parallel_groups(tmp_path):
     for row in rows:
         assert row["rollout/num_samples"] == 8 * 4  # each engine's groups once, not once per rank
         assert row["rollout/logprob_abs_diff_max"] < GAP
+        # An engine's steps once, not once per rank of it: up to 8 tokens for each of its 16 sequences.
+        assert row["rollout/response_length_mean"] <= row["rollout/decode_steps"] <= 8
+        assert 1 <= row["rollout/decode_rows_mean"] <= 16
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
