@@ -187,12 +187,13 @@ def table(out: Path) -> None:
         lag = [r.get("rollout/staleness_mean", 0.0) for r in steps]
         to_target = minutes_to(run, target) if target is not None else None
         overall = overall_rate(steps)
+        without_evals = training_step_s(steps)
         decode = sum(r.get("rollout/decode_steps", 0.0) for r in steps)
         row_steps = sum(r.get("rollout/decode_steps", 0.0) * r.get("rollout/decode_rows_mean", 0.0) for r in steps)
         print(f"| {name} | {median('perf/rollout_tokens_per_s'):,.0f} | {overall:,.0f} "
               f"| {'-' if not full else f'{overall / full:.0%}'} | {median('perf/step_s'):.2f} "
-              f"| {statistics.mean(r['perf/step_s'] for r in steps):.2f} | {training_step_s(steps):.2f} "
-              f"| {'-' if not sync else f'{sync / training_step_s(steps):.2f}x'} "
+              f"| {statistics.mean(r['perf/step_s'] for r in steps):.2f} | {without_evals:.2f} "
+              f"| {'-' if not sync else f'{sync / without_evals:.2f}x'} "
               f"| {median('perf/rollout_s'):.2f} | {median('perf/train_s'):.2f} "
               f"| {decode / len(steps):,.0f} | {row_steps / max(decode, 1):,.0f} "
               f"| {statistics.mean(lag):.2f} / {max(r.get('rollout/staleness_max', 0.0) for r in steps):.0f} "
