@@ -294,6 +294,31 @@ def test_kept_sequences_continue_exactly_as_a_full_prefill(model, params):
     assert engine.kept_pages() == 0 and not engine.kept
 
 
+def test_prefill_attention_never_goes_through_cudnn(model, monkeypatch):
+    """cuDNN's attention builds a plan for every new shape and each prefill brings new ones (~1.2 s against
+    0.41-0.46 s for 200k tokens of continued samples on an H200): fresh prompts and prompts continued from kept KV
+    (the masked path) attend with it switched off, and the switch is back on after the call."""
+    seen, prefilling = [], []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",  # the CPU decode calls it too
+                        lambda *a, **k: prefilling and seen.append((torch.backends.cuda.cudnn_sdp_enabled(),
+                                                                    "attn_mask" in k)) or sdpa(*a, **k))
+    engine = make_engine(model, max_batch_size=8, page_size=4)
+    prefill = engine.model.prefill
+
+    def traced(*args):
+        prefilling.append(1)
+        out = prefill(*args)
+        prefilling.clear()
+        return out
+
+    monkeypatch.setattr(engine.model, "prefill", traced)
+    episode_turns(engine, SamplingParams(max_new_tokens=5, **GREEDY), keep=True)
+    assert {masked for _, masked in seen} == {False, True}  # both paths ran
+    assert not any(cudnn for cudnn, _ in seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_kept_sequences_are_dropped_when_they_could_go_stale(model):
     """reset_prefix_cache, a weight load and sleep drop every kept sequence (their pages go back), and a call after
     new weights recomputes the whole sequence under them; release drops only the keys it names."""

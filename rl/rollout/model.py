@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM
 
 from rl.kernels import attention
@@ -32,6 +33,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SMALL_BATCH_ROWS = 256
 QKV_SPLITS = 2
 DOWN_SPLITS = 2
+# The prefill's attention kernels. Not cuDNN's: it builds a plan for every new shape, and every prefill comes in
+# shapes of its own (a partial rollout's continued samples above all): 200k tokens of them took ~1.2 s through
+# cuDNN against 0.41-0.46 s through FlashAttention on an H200 (benchmarks/RESULTS.md, "The prefill's attention, and
+# partial rollouts after it").
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -279,7 +285,8 @@ class DecoderModel:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.head_dim ** -0.5)
             return out.transpose(1, 2).reshape(n * length, s.num_heads * s.head_dim)
 
-        x, residual = self.layers(tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1), kv, attend)
+        with sdpa_kernel(PREFILL_ATTENTION):
+            x, residual = self.layers(tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1), kv, attend)
         last = torch.arange(n, device=tokens.device) * length + counts - 1
         return self.logits(x[last], residual[last])
 

@@ -1,0 +1,96 @@
+"""The native engine's prefill of a partial rollout's continued samples, by attention kernel, on CUDA.
+
+    python benchmarks/prefill.py [--model configs/models/qwen2.5-0.5b] [--sets 3]
+
+A partial rollout resumes each unfinished sample by prefilling its prompt and the response so far under the new
+weights: ~200 samples of 300 to 4,000 tokens, in padded chunks whose shapes differ from one rollout to the next.
+Each set here is such a rollout's worth (48 prompts x 5 samples, responses of 300 tokens plus a geometric tail of
+mean 500, up to 4,000), new lengths every set, so every set brings new shapes. Per attention kernel the table gives
+the first prefill of each new set (what a rollout pays) and a second of the same set (shapes seen before): `cudnn`
+is torch's default choice on Hopper, `engine` the engine's own choice (rl/rollout/model.py PREFILL_ATTENTION).
+Random weights of the config: the work is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import rl.rollout.model as model_module  # noqa: E402
+from rl.rollout.native import NativeEngine  # noqa: E402
+from rl.rollout.scheduler import PagePool, Scheduler  # noqa: E402
+
+KERNELS = {"cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                     SDPBackend.MATH],
+           "engine": model_module.PREFILL_ATTENTION}
+
+
+def continued_set(rng: random.Random, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """A rollout's continued samples: (prompt + response so far, response length) each."""
+    prompts = [[rng.randrange(100, vocab // 2) for _ in range(rng.randrange(40, 90))] for _ in range(48)]
+    tokens, prior = [], []
+    for prompt in prompts:
+        for _ in range(5):
+            n = 300
+            while rng.random() > 1 / 500 and n < 4000:
+                n += 1
+            tokens.append(prompt + [rng.randrange(100, vocab // 2) for _ in range(n)])
+            prior.append(n)
+    return tokens, prior
+
+
+def prefill_s(engine: NativeEngine, tokens: list[list[int]], prior: list[int]) -> float:
+    sched = Scheduler(tokens, 4000, engine.page_size, PagePool(engine.num_pages), engine.max_batch_size, prior)
+    to_prefill, _ = sched.admit()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine._prefill(to_prefill)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(ROOT / "configs/models/qwen2.5-0.5b"))
+    p.add_argument("--sets", type=int, default=3, help="new sets per kernel")
+    args = p.parse_args()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/prefill.py measures CUDA kernels: no CUDA device here")
+    config = AutoConfig.from_pretrained(args.model)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
+    engine = NativeEngine(config, torch.device("cuda"), torch.bfloat16, max_batch_size=1024, max_context_len=4160)
+    engine.load_weights(hf.state_dict().items())
+    del hf
+    rng = random.Random(0)
+    prefill_s(engine, *continued_set(rng, config.vocab_size))  # the first call of the process: lazy set-ups
+    print("| attention | tokens a set | first prefill of a new set, s | tokens/s | again, same shapes, s | tokens/s |")
+    print("|---|---|---|---|---|---|")
+    for name, kernels in KERNELS.items():
+        model_module.PREFILL_ATTENTION = kernels
+        first, again, tokens = [], [], []
+        for _ in range(args.sets):
+            batch = continued_set(rng, config.vocab_size)
+            tokens.append(sum(map(len, batch[0])))
+            first.append(prefill_s(engine, *batch))
+            again.append(prefill_s(engine, *batch))
+        n = statistics.mean(tokens)
+        a, b = statistics.mean(first), statistics.mean(again)
+        print(f"| {name} | {n:,.0f} | {a:.3f} ({' '.join(f'{t:.2f}' for t in first)}) | {n / a:,.0f} "
+              f"| {b:.3f} | {n / b:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
