@@ -30,7 +30,9 @@ the median response tokens a rollout continued (their KV computed again under th
 accuracy at the end, the minutes of steps until the eval first reached the synchronous run's final accuracy, the
 train phase's peak device memory and the seconds the engine's KV cache took to come back after it; the mean step
 with and without its eval, and the latter's speed-up over `sync`; the decode steps a rollout ran and the rows a step
-ran on average (a tail drains the batch: many steps over few rows). Curves:
+ran on average (a tail drains the batch: many steps over few rows), and the tokens a generated token was sampled
+over, averaged over the generated tokens (`rollout/context_mean`: what a decode step reads from the KV cache a
+row). Curves:
 `python -m rl.plot OUT/sync OUT/partial1 ...`. A mode whose run under OUT finished is skipped: the same command
 again goes on where the last one stopped.
 """
@@ -174,9 +176,9 @@ def table(out: Path) -> None:
     full = overall_rate(after_first(runs["full"])) if "full" in runs else None
     sync = training_step_s(after_first(runs["sync"])) if "sync" in runs else None
     print(f"| mode | rollout tokens/s | overall | of full | step s | mean step s | without evals | x sync | rollout s "
-          f"| train s | decode steps | rows a step | staleness mean / max | partial frac | resumed tokens "
+          f"| train s | decode steps | rows a step | context a token | staleness mean / max | partial frac | resumed tokens "
           f"| final eval acc | minutes to sync's final ({target}) | total minutes | train peak GB | KV wake-up s |")
-    print("|---" * 20 + "|")
+    print("|---" * 21 + "|")
     for name, run in runs.items():
         steps = after_first(run)
 
@@ -195,7 +197,7 @@ def table(out: Path) -> None:
               f"| {statistics.mean(r['perf/step_s'] for r in steps):.2f} | {without_evals:.2f} "
               f"| {'-' if not sync else f'{sync / without_evals:.2f}x'} "
               f"| {median('perf/rollout_s'):.2f} | {median('perf/train_s'):.2f} "
-              f"| {decode / len(steps):,.0f} | {row_steps / max(decode, 1):,.0f} "
+              f"| {decode / len(steps):,.0f} | {row_steps / max(decode, 1):,.0f} | {mean_context(steps):,.0f} "
               f"| {statistics.mean(lag):.2f} / {max(r.get('rollout/staleness_max', 0.0) for r in steps):.0f} "
               f"| {statistics.mean(r.get('rollout/partial_frac', 0.0) for r in steps):.2f} "
               f"| {median('rollout/resumed_tokens'):,.0f} "
@@ -203,6 +205,13 @@ def table(out: Path) -> None:
               f"| {'-' if to_target is None else f'{to_target:.2f}'} "
               f"| {sum(r.get('perf/step_s', 0.0) for r in run) / 60:.2f} "
               f"| {max(r.get('memory/train_peak_gb', 0.0) for r in steps):.1f} | {median('perf/onload_kv_s'):.2f} |")
+
+
+def mean_context(steps: list[dict]) -> float:
+    """The tokens a generated token was sampled over, averaged over the rollouts' generated tokens (0: not logged)."""
+    tokens = [r.get("perf/rollout_tokens_per_s", 0.0) * r.get("perf/rollout_s", 0.0) for r in steps]
+    weighted = sum(t * r.get("rollout/context_mean", 0.0) for t, r in zip(tokens, steps))
+    return weighted / max(sum(t for t, r in zip(tokens, steps) if "rollout/context_mean" in r), 1e-9)
 
 
 def after_first(run: list[dict]) -> list[dict]:

@@ -50,6 +50,7 @@ class Scored:
     resumed_tokens: int = 0  # response tokens of continued samples, whose KV the engine computed again
     decode_steps: int = 0  # the engines' decode steps (summed over engines) and the rows they ran, summed over steps
     decode_row_steps: int = 0
+    context_tokens: int = 0  # the contexts the generated tokens were sampled over, summed (`attended`; no episodes)
 
 
 class Collector:
@@ -87,16 +88,19 @@ class Collector:
         todo = [[s for s in group if s.status not in FINISHED] for group in mine]
         # A partial rollout's continued samples (the only ones that start with a response): their KV is computed
         # again under the weights of now.
-        resumed = sum(s.response_length for group in todo for s in group)
+        pending = [s for group in todo for s in group]
+        resumed = sum(s.response_length for s in pending)
+        starts = [len(s.tokens) for s in pending]
         episodes = EpisodeTally()
         counters = engine_counters(self.engine)
         if any(todo) and self.env is not None:
-            self.episodes.run([s for group in todo for s in group], params, weight_version, episodes)
+            self.episodes.run(pending, params, weight_version, episodes)
         elif any(todo):
             generate_rollout(self.engine, todo, params, weight_version, self.tokenizer, progress=progress, until=until)
         parallel.step_barrier(self.dist, barrier_timeout_s, "the end of rollout generation")
         rollout_s = parallel.all_reduce_max(time.perf_counter() - start)
         steps, row_steps = (after - before for after, before in zip(engine_counters(self.engine), counters))
+        context = 0 if self.env is not None else sum(attended(n, len(s.tokens) - n) for n, s in zip(starts, pending))
         start = time.perf_counter()
         # A call that may end early scores only its finished groups; the others are scored once they finish.
         done = [s for group in mine if until is None or is_finished(group) for s in group]
@@ -106,15 +110,15 @@ class Collector:
             stats = [self.score(done, term)] if self.pool is not None and done else []
         reward_stats = parallel.all_gather_objects(stats)
         reward_s = time.perf_counter() - start
-        env_s, env_failures, prompt_tokens, reused_tokens, resumed, steps, row_steps = zip(
+        env_s, env_failures, prompt_tokens, reused_tokens, resumed, steps, row_steps, context = zip(
             *parallel.all_gather_objects([(episodes.env_s, episodes.errors + episodes.timeouts, episodes.prompt_tokens,
-                                           episodes.reused_tokens, resumed, steps, row_steps)]))
+                                           episodes.reused_tokens, resumed, steps, row_steps, context)]))
         # Engine order is group order when the shares are contiguous.
         local = [s for group in mine for s in group]
         tp = self.ro.tensor_parallel_size  # every rank of an engine holds its share and counts its steps
         return Scored(parallel.gather_engine_outputs(local, tp), reward_stats, rollout_s, reward_s, max(env_s),
                       sum(env_failures), sum(prompt_tokens), sum(reused_tokens), sum(resumed) // tp,
-                      sum(steps) // tp, sum(row_steps) // tp)
+                      sum(steps) // tp, sum(row_steps) // tp, sum(context) // tp)
 
     def score(self, samples: list[Sample], term: str) -> dict[str, float]:
         result = self.pool.score([RewardInput(s.prompt, s.response, s.label, s.response_length,
@@ -238,6 +242,8 @@ class Collector:
         if tally.decode_steps:  # the long tail in numbers: decode steps an engine ran, and the rows a step ran
             stats["rollout/decode_steps"] = tally.decode_steps / self.num_engines
             stats["rollout/decode_rows_mean"] = tally.decode_row_steps / tally.decode_steps
+        if tally.context_tokens:  # what a token's attention read: long contexts cost bandwidth a decode step
+            stats["rollout/context_mean"] = tally.context_tokens / tally.tokens
         if tally.prompt_tokens:  # an engine that counts them (the native one)
             stats["rollout/prefill_tokens_reused_frac"] = tally.reused_tokens / tally.prompt_tokens
         return samples, stats
@@ -259,6 +265,7 @@ class Tally:
     resumed_tokens: int = 0
     decode_steps: int = 0
     decode_row_steps: int = 0
+    context_tokens: int = 0
 
     def add(self, scored: Scored, tokens: int, finished: list[list[Sample]]) -> None:
         """One round; `finished`: the groups it scored."""
@@ -274,6 +281,7 @@ class Tally:
         self.resumed_tokens += scored.resumed_tokens
         self.decode_steps += scored.decode_steps
         self.decode_row_steps += scored.decode_row_steps
+        self.context_tokens += scored.context_tokens
 
 
 def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: int, max_staleness: int,
@@ -296,6 +304,11 @@ def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: 
         return finished >= target and on_schedule(pending.values(), max_staleness, per_rollout)
 
     return until
+
+
+def attended(start: int, new: int) -> int:
+    """The contexts `new` tokens sampled after `start` ones were sampled over, summed: the j-th over start + j."""
+    return new * start + new * (new - 1) // 2
 
 
 def engine_counters(engine) -> tuple[int, int]:

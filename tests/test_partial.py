@@ -270,6 +270,23 @@ def test_a_rollout_behind_schedule_generates_even_with_a_batch_ready(pool):
     assert trained[:5] == [[0, 1], [6, 7], [2, 3], [4, 5], [8, 9]]
 
 
+def test_a_rollout_logs_the_mean_context_its_tokens_were_sampled_over(pool):
+    """Batches of one group of one sample over 3-token prompts: group 0 runs 200 tokens, the others 5. Rollout 1
+    samples 5 tokens of groups 0 and 1 (over contexts 3..7), rollout 2 five more of group 0 where it left off (over
+    8..12) and 5 of group 2, rollout 3 the last 190 of group 0 (over 13..202), which is due, and 5 of group 3."""
+    ro = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=1, max_new_tokens=250, max_context_len=256,
+                       partial_rollout=True, max_staleness=2, over_sampling_batch_size=2)  # the default
+    dataset = PromptDataset([Prompt(text=f"q{i}", token_ids=[k, 3, 4], label="1", metadata={})
+                             for i, k in enumerate([3, 1, 1, 1, 1])], shuffle=False, seed=0)
+    collector = Collector(LengthEngine({1: 5, 3: 200}), pool, tiny_tokenizer(), ro, ONE_RANK,
+                          buffer=RolloutBuffer(1, 2))
+    five = 5 * 3 + 10  # tokens sampled over 3, 4, 5, 6 and 7 tokens
+    want = [(five + five) / 10, (5 * 8 + 10 + five) / 10, (190 * 13 + 190 * 189 // 2 + five) / 195]
+    for rollout_id, mean in enumerate(want):
+        _, stats = collector.rollout(dataset, SamplingParams.from_config(ro, []), rollout_id + 1, rollout_id, 60.0)
+        assert stats["rollout/context_mean"] == pytest.approx(mean)
+
+
 def test_staleness_zero_through_the_buffer_is_the_synchronous_rollout(pool):
     """With max_staleness 0 and no partial rollouts the buffer's path draws, generates and keeps exactly what the
     synchronous path does: the bound's machinery adds nothing of its own."""
