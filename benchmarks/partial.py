@@ -163,11 +163,15 @@ def minutes_to(run: list[dict], accuracy: float) -> float | None:
     return None
 
 
+def generated(step: dict) -> float:
+    """The tokens the step's rollout generated."""
+    return step.get("perf/rollout_tokens_per_s", 0.0) * step.get("perf/rollout_s", 0.0)
+
+
 def overall_rate(steps: list[dict]) -> float:
     """Tokens over generation seconds, over the rollouts that generated."""
     generating = [r for r in steps if r.get("perf/rollout_tokens_per_s")]
-    return sum(r["perf/rollout_tokens_per_s"] * r["perf/rollout_s"] for r in generating) / max(
-        sum(r["perf/rollout_s"] for r in generating), 1e-9)
+    return sum(map(generated, generating)) / max(sum(r["perf/rollout_s"] for r in generating), 1e-9)
 
 
 def table(out: Path) -> None:
@@ -209,9 +213,8 @@ def table(out: Path) -> None:
 
 def mean_context(steps: list[dict]) -> float:
     """The tokens a generated token was sampled over, averaged over the rollouts' generated tokens (0: not logged)."""
-    tokens = [r.get("perf/rollout_tokens_per_s", 0.0) * r.get("perf/rollout_s", 0.0) for r in steps]
-    weighted = sum(t * r.get("rollout/context_mean", 0.0) for t, r in zip(tokens, steps))
-    return weighted / max(sum(t for t, r in zip(tokens, steps) if "rollout/context_mean" in r), 1e-9)
+    logged = [r for r in steps if "rollout/context_mean" in r]
+    return sum(generated(r) * r["rollout/context_mean"] for r in logged) / max(sum(map(generated, logged)), 1e-9)
 
 
 def after_first(run: list[dict]) -> list[dict]:

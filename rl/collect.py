@@ -86,9 +86,9 @@ class Collector:
         params = dataclasses.replace(params, seed=derive_seed(*seed, self.engine_index))
         start = time.perf_counter()
         todo = [[s for s in group if s.status not in FINISHED] for group in mine]
+        pending = [s for group in todo for s in group]
         # A partial rollout's continued samples (the only ones that start with a response): their KV is computed
         # again under the weights of now.
-        pending = [s for group in todo for s in group]
         resumed = sum(s.response_length for s in pending)
         starts = [len(s.tokens) for s in pending]
         episodes = EpisodeTally()
