@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 from rl.config import RewardConfig
 from rl.answers import math_correct
 from rl.env import EnvStep, step_episode
-from rl.reward import RewardInput, function_paths, load_function, score_one, scores_groups
+from rl.reward import function_paths, load_function, score_one, scores_groups
 from rl.reward_groups import score_group
 
 PR_SET_PDEATHSIG = 1
