@@ -2,11 +2,17 @@
 responses have a long tail: GSM-style word problems (reasoning-gym's gsm_symbolic), answers in \\boxed{},
 up to 512 new tokens, configs/recipes/gsm8k_boxed.toml with a shorter run and a held-out eval every 5 rollouts.
 
-    python benchmarks/partial.py write-data DIR        # needs reasoning-gym: DIR/train.jsonl, DIR/eval.jsonl
+    python benchmarks/partial.py write-data DIR [--bundles]  # needs reasoning-gym: DIR/train.jsonl, DIR/eval.jsonl
     python benchmarks/partial.py run MODEL_DIR DIR OUT [--modes sync partial1 partial2] [--rollouts 30]
     python benchmarks/partial.py table OUT             # one table from the runs under OUT
     python benchmarks/partial.py tail OUT [--modes full sync partial1 partial2] [--rollouts 8] [--stop-ids 300]
                                  [--max-new-tokens 4096] [--prompts 64] [--model configs/models/qwen2.5-0.5b]
+
+`write-data --bundles` makes the tail the real model's own: a training prompt bundles 1-12 problems (most one,
+BUNDLE_SIZES) and asks for the sum of their answers, so a response's length follows its bundle (~260 tokens a
+problem for Qwen2.5-Coder-0.5B-Instruct); run it with room for the long prompts and responses:
+`run MODEL DIR OUT --rollout.max_new_tokens=4096 --rollout.max_context_len=5376 --data.max_prompt_len=1280
+--rollout.max_batch_size=1024` (benchmarks/RESULTS.md, "A natural long tail on the real model").
 
 `tail` is the speed half of the comparison on a much longer tail, with no model to download and nothing
 learned: random weights of `--model`'s config (or a model folder's own weights) with `--stop-ids` token ids as
@@ -72,18 +78,50 @@ def mode_args(mode: str, batch: int) -> list[str]:
     return [arg.replace("{2 * batch}", str(2 * batch)).replace("{3 * batch}", str(3 * batch)) for arg in MODES[mode]]
 
 
-def write_data(out: Path, columns: dict | None = None) -> None:
-    """gsm_symbolic rows as `prompt` and `answer`, with `columns` added to every row."""
+# `write-data --bundles`: how many problems a training prompt bundles, and how often. A response works through
+# each problem in turn (~260 tokens a problem for Qwen2.5-Coder-0.5B-Instruct), so the count sets its length: most
+# prompts are one problem, and a 64-prompt rollout holds ~3 of 8 or 12 (a response of ~2,000-3,500 tokens).
+BUNDLE_SIZES = {1: 0.70, 2: 0.10, 3: 0.06, 4: 0.05, 6: 0.04, 8: 0.03, 12: 0.02}
+GSM_ASK = " Give the result as your final answer. Do not include units."
+
+
+def write_data(out: Path, columns: dict | None = None, bundles: bool = False) -> None:
+    """gsm_symbolic rows as `prompt` and `answer`, with `columns` added to every row. With `bundles`, a training
+    prompt holds BUNDLE_SIZES problems and asks for the sum of their answers: a real task whose response lengths
+    have a long tail by the prompt (held-out rows stay single problems)."""
+    import random
+
     import reasoning_gym
 
     out.mkdir(parents=True, exist_ok=True)
     # The recipe's seeds: training items from 1234 on, eval items from 1000000 on (no overlap).
     for name, size, seed in (("train", 4000, 1234), ("eval", 128, 1000000)):
-        rows = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
+        items = list(reasoning_gym.create_dataset("gsm_symbolic", size=size * (3 if bundles else 1), seed=seed))
+        if bundles and name == "train":
+            items = bundle(items, size, random.Random(seed))
         with (out / f"{name}.jsonl").open("w") as f:
-            for row in rows:
+            for row in items[:size]:
                 f.write(json.dumps({"prompt": row["question"], "answer": row["answer"], **(columns or {})}) + "\n")
     print(f"wrote {out}/train.jsonl (4000) and {out}/eval.jsonl (128)")
+
+
+def bundle(items: list[dict], size: int, rng) -> list[dict]:
+    """`size` prompts of BUNDLE_SIZES problems each, drawn in order from `items`: the question names each problem and
+    asks for the sum of their answers."""
+    rows, taken = [], 0
+    for k in rng.choices(list(BUNDLE_SIZES), weights=list(BUNDLE_SIZES.values()), k=size):
+        group, taken = items[taken:taken + k], taken + k
+        if len(group) < k:
+            raise ValueError(f"bundle: {len(items)} problems are too few for {size} prompts")
+        if k == 1:
+            rows.append(group[0])
+            continue
+        body = "\n\n".join(f"Problem {i + 1}: {g['question'].replace(GSM_ASK, '')}" for i, g in enumerate(group))
+        total = sum(float(g["answer"]) for g in group)
+        rows.append({"question": f"Solve each of the following {k} problems, then add up their {k} answers and give "
+                                 f"that sum as your final answer. Do not include units.\n\n{body}",
+                     "answer": f"{total:.6f}".rstrip("0").rstrip(".")})
+    return rows
 
 
 def done(run_dir: Path, rollouts: int) -> bool:
@@ -180,9 +218,10 @@ def table(out: Path) -> None:
     full = overall_rate(after_first(runs["full"])) if "full" in runs else None
     sync = training_step_s(after_first(runs["sync"])) if "sync" in runs else None
     print(f"| mode | rollout tokens/s | overall | of full | step s | mean step s | without evals | x sync | rollout s "
-          f"| train s | decode steps | rows a step | context a token | staleness mean / max | partial frac | resumed tokens "
+          f"| train s | response mean / max | decode steps | rows a step | context a token | staleness mean / max "
+          f"| partial frac | resumed tokens "
           f"| final eval acc | minutes to sync's final ({target}) | total minutes | train peak GB | KV wake-up s |")
-    print("|---" * 21 + "|")
+    print("|---" * 22 + "|")
     for name, run in runs.items():
         steps = after_first(run)
 
@@ -195,12 +234,14 @@ def table(out: Path) -> None:
         overall = overall_rate(steps)
         without_evals = training_step_s(steps)
         decode = sum(r.get("rollout/decode_steps", 0.0) for r in steps)
+        longest = max(r.get("rollout/response_length_max", 0.0) for r in steps)
         row_steps = sum(r.get("rollout/decode_steps", 0.0) * r.get("rollout/decode_rows_mean", 0.0) for r in steps)
         print(f"| {name} | {median('perf/rollout_tokens_per_s'):,.0f} | {overall:,.0f} "
               f"| {'-' if not full else f'{overall / full:.0%}'} | {median('perf/step_s'):.2f} "
               f"| {statistics.mean(r['perf/step_s'] for r in steps):.2f} | {without_evals:.2f} "
               f"| {'-' if not sync else f'{sync / without_evals:.2f}x'} "
               f"| {median('perf/rollout_s'):.2f} | {median('perf/train_s'):.2f} "
+              f"| {median('rollout/response_length_mean'):,.0f} / {longest:,.0f} "
               f"| {decode / len(steps):,.0f} | {row_steps / max(decode, 1):,.0f} | {mean_context(steps):,.0f} "
               f"| {statistics.mean(lag):.2f} / {max(r.get('rollout/staleness_max', 0.0) for r in steps):.0f} "
               f"| {statistics.mean(r.get('rollout/partial_frac', 0.0) for r in steps):.2f} "
@@ -233,6 +274,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write-data")
     w.add_argument("dir", type=Path)
+    w.add_argument("--bundles", action="store_true", help="training prompts of 1-12 problems, their answers summed")
     r = sub.add_parser("run")
     r.add_argument("model", type=Path)
     r.add_argument("data", type=Path)
@@ -253,7 +295,7 @@ def main() -> None:
     tl.add_argument("--prompts", type=int, default=64, help="prompts a rollout trains (x 8 samples)")
     args, extra = p.parse_known_args()
     if args.command == "write-data":
-        write_data(args.dir)
+        write_data(args.dir, bundles=args.bundles)
     elif args.command == "run":
         run(args.model, args.data, args.out, args.modes, args.rollouts, extra)
     elif args.command == "tail":
