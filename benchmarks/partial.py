@@ -4,6 +4,7 @@ up to 512 new tokens, configs/recipes/gsm8k_boxed.toml with a shorter run and a 
 
     python benchmarks/partial.py write-data DIR [--bundles]  # needs reasoning-gym: DIR/train.jsonl, DIR/eval.jsonl
     python benchmarks/partial.py run MODEL_DIR DIR OUT [--modes sync partial1 partial2] [--rollouts 30]
+                                 [--async-rollouts 45]
     python benchmarks/partial.py table OUT             # one table from the runs under OUT
     python benchmarks/partial.py tail OUT [--modes full sync partial1 partial2] [--rollouts 8] [--stop-ids 300]
                                  [--max-new-tokens 4096] [--prompts 64] [--model configs/models/qwen2.5-0.5b]
@@ -33,13 +34,15 @@ captures): rollout tokens/s as the median of the rollouts and overall (their tok
 partial rollouts alternate between short and long, and a median weighs them alike) and that as a fraction of
 `full`'s, median step seconds, mean and max staleness, the fraction of trained samples that crossed a weight push,
 the median response tokens a rollout continued (their KV computed again under the new weights), held-out greedy
-accuracy at the end, the minutes of steps until the eval first reached the synchronous run's final accuracy, the
-train phase's peak device memory and the seconds the engine's KV cache took to come back after it; the mean step
-with and without its eval, and the latter's speed-up over `sync`; the decode steps a rollout ran and the rows a step
-ran on average (a tail drains the batch: many steps over few rows), and the tokens a generated token was sampled
-over, averaged over the generated tokens (`rollout/context_mean`: what a decode step reads from the KV cache a
-row). Curves:
-`python -m rl.plot OUT/sync OUT/partial1 ...`. A mode whose run under OUT finished is skipped: the same command
+accuracy at the end and the last within as many minutes of steps as the synchronous run took, the minutes of steps
+until the eval first reached the synchronous run's final accuracy, the train phase's peak device memory and the
+seconds the engine's KV cache took to come back after it; the mean step with and without its eval, and the latter's
+speed-up over `sync`; the decode steps a rollout ran and the rows a step ran on average (a tail drains the batch:
+many steps over few rows), the tokens a generated token was sampled over, averaged over the generated tokens
+(`rollout/context_mean`: what a decode step reads from the KV cache a row), and the mean and longest response. The
+speed columns take rollouts 1 to the last every run has: `run --async-rollouts N` runs the asynchronous modes
+longer than `--rollouts`, so that their accuracy curves span the synchronous run's minutes. Curves: `python -m
+rl.plot OUT/sync OUT/partial1 ... --x minutes`. A mode whose run under OUT finished is skipped: the same command
 again goes on where the last one stopped.
 """
 
@@ -85,24 +88,24 @@ BUNDLE_SIZES = {1: 0.70, 2: 0.10, 3: 0.06, 4: 0.05, 6: 0.04, 8: 0.03, 12: 0.02}
 GSM_ASK = " Give the result as your final answer. Do not include units."
 
 
-def write_data(out: Path, columns: dict | None = None, bundles: bool = False) -> None:
-    """gsm_symbolic rows as `prompt` and `answer`, with `columns` added to every row. With `bundles`, a training
-    prompt holds BUNDLE_SIZES problems and asks for the sum of their answers: a real task whose response lengths
-    have a long tail by the prompt (held-out rows stay single problems)."""
+def write_data(out: Path, columns: dict | None = None, bundles: bool = False, eval_rows: int = 128) -> None:
+    """gsm_symbolic rows as `prompt` and `answer`, with `columns` added to every row: 4000 for training and
+    `eval_rows` held out. With `bundles`, a training prompt holds BUNDLE_SIZES problems and asks for the sum of their
+    answers: a real task whose response lengths have a long tail by the prompt (held-out rows stay single problems)."""
     import random
 
     import reasoning_gym
 
     out.mkdir(parents=True, exist_ok=True)
     # The recipe's seeds: training items from 1234 on, eval items from 1000000 on (no overlap).
-    for name, size, seed in (("train", 4000, 1234), ("eval", 128, 1000000)):
+    for name, size, seed in (("train", 4000, 1234), ("eval", eval_rows, 1000000)):
         items = list(reasoning_gym.create_dataset("gsm_symbolic", size=size * (3 if bundles else 1), seed=seed))
         if bundles and name == "train":
             items = bundle(items, size, random.Random(seed))
         with (out / f"{name}.jsonl").open("w") as f:
             for row in items[:size]:
                 f.write(json.dumps({"prompt": row["question"], "answer": row["answer"], **(columns or {})}) + "\n")
-    print(f"wrote {out}/train.jsonl (4000) and {out}/eval.jsonl (128)")
+    print(f"wrote {out}/train.jsonl (4000) and {out}/eval.jsonl ({eval_rows})")
 
 
 def bundle(items: list[dict], size: int, rng) -> list[dict]:
@@ -134,8 +137,17 @@ def done(run_dir: Path, rollouts: int) -> bool:
     return finished
 
 
-def run(model: Path, data: Path, out: Path, modes: list[str], rollouts: int, extra: list[str]) -> None:
-    for mode in [m for m in modes if not done(out / m, rollouts)]:
+def asynchronous(mode: str) -> bool:
+    return any("max_staleness" in arg for arg in MODES[mode])
+
+
+def run(model: Path, data: Path, out: Path, modes: list[str], rollouts: int, extra: list[str],
+        async_rollouts: int | None = None) -> None:
+    """Each mode's run under OUT/<mode>: `rollouts` rollouts, `async_rollouts` for the asynchronous modes (more, for
+    their curves to run as many minutes as the synchronous one's)."""
+    count = {m: async_rollouts if async_rollouts and asynchronous(m) else rollouts for m in modes}
+    for mode in [m for m in modes if not done(out / m, count[m])]:
+        rollouts = count[mode]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "rl.main",
                "--config", str(ROOT / "configs/recipes/gsm8k_boxed.toml"), f"--model.path={model}",
                f"--data.source={data / 'train.jsonl'}", f"--eval.source={data / 'eval.jsonl'}",
@@ -201,6 +213,16 @@ def minutes_to(run: list[dict], accuracy: float) -> float | None:
     return None
 
 
+def accuracy_within(run: list[dict], minutes: float) -> float | None:
+    """The last held-out accuracy the run logged within `minutes` of steps (evals included)."""
+    seconds, accuracy = 0.0, None
+    for r in run:
+        if r.get("eval/accuracy") is not None and seconds <= minutes * 60 + 1e-6:
+            accuracy = r["eval/accuracy"]
+        seconds += r.get("perf/step_s", 0.0)
+    return accuracy
+
+
 def generated(step: dict) -> float:
     """The tokens the step's rollout generated."""
     return step.get("perf/rollout_tokens_per_s", 0.0) * step.get("perf/rollout_s", 0.0)
@@ -216,14 +238,19 @@ def table(out: Path) -> None:
     runs = {d.name: rows(d) for d in sorted(out.iterdir()) if (d / "metrics.jsonl").is_file()}
     target = next((r["eval/accuracy"] for r in reversed(runs.get("sync", [])) if "eval/accuracy" in r), None)
     full = overall_rate(after_first(runs["full"])) if "full" in runs else None
-    sync = training_step_s(after_first(runs["sync"])) if "sync" in runs else None
+    # The speed columns compare the rollouts every run has (`full`, the reference rate, whatever its count); the
+    # eval columns take each run whole.
+    last = min((max(r["rollout_id"] for r in run) for name, run in runs.items() if name != "full"), default=None)
+    sync = training_step_s(after_first(runs["sync"], last)) if "sync" in runs else None
+    sync_minutes = sum(r.get("perf/step_s", 0.0) for r in runs["sync"]) / 60 if "sync" in runs else None
     print(f"| mode | rollout tokens/s | overall | of full | step s | mean step s | without evals | x sync | rollout s "
           f"| train s | response mean / max | decode steps | rows a step | context a token | staleness mean / max "
           f"| partial frac | resumed tokens "
-          f"| final eval acc | minutes to sync's final ({target}) | total minutes | train peak GB | KV wake-up s |")
-    print("|---" * 22 + "|")
+          f"| final eval acc | eval acc in sync's minutes | minutes to sync's final ({target}) | total minutes "
+          f"| train peak GB | KV wake-up s |")
+    print("|---" * 23 + "|")
     for name, run in runs.items():
-        steps = after_first(run)
+        steps = after_first(run, last)
 
         def median(key: str) -> float:
             return statistics.median(r.get(key, 0.0) for r in steps)
@@ -231,6 +258,7 @@ def table(out: Path) -> None:
         evals = [r["eval/accuracy"] for r in run if "eval/accuracy" in r]
         lag = [r.get("rollout/staleness_mean", 0.0) for r in steps]
         to_target = minutes_to(run, target) if target is not None else None
+        in_sync_minutes = accuracy_within(run, sync_minutes) if sync_minutes is not None else None
         overall = overall_rate(steps)
         without_evals = training_step_s(steps)
         decode = sum(r.get("rollout/decode_steps", 0.0) for r in steps)
@@ -247,6 +275,7 @@ def table(out: Path) -> None:
               f"| {statistics.mean(r.get('rollout/partial_frac', 0.0) for r in steps):.2f} "
               f"| {median('rollout/resumed_tokens'):,.0f} "
               f"| {evals[-1] if evals else float('nan'):.3f} "
+              f"| {'-' if in_sync_minutes is None else f'{in_sync_minutes:.3f}'} "
               f"| {'-' if to_target is None else f'{to_target:.2f}'} "
               f"| {sum(r.get('perf/step_s', 0.0) for r in run) / 60:.2f} "
               f"| {max(r.get('memory/train_peak_gb', 0.0) for r in steps):.1f} | {median('perf/onload_kv_s'):.2f} |")
@@ -258,9 +287,9 @@ def mean_context(steps: list[dict]) -> float:
     return sum(generated(r) * r["rollout/context_mean"] for r in logged) / max(sum(map(generated, logged)), 1e-9)
 
 
-def after_first(run: list[dict]) -> list[dict]:
-    """The steps of rollouts 1 on (rollout 0 holds CUDA-graph captures and compiles)."""
-    return [r for r in run if "perf/step_s" in r and r["rollout_id"] > 0]
+def after_first(run: list[dict], last: int | None = None) -> list[dict]:
+    """The steps of rollouts 1 to `last` (rollout 0 holds CUDA-graph captures and compiles)."""
+    return [r for r in run if "perf/step_s" in r and r["rollout_id"] > 0 and (last is None or r["rollout_id"] <= last)]
 
 
 def training_step_s(steps: list[dict]) -> float:
@@ -275,6 +304,7 @@ def main() -> None:
     w = sub.add_parser("write-data")
     w.add_argument("dir", type=Path)
     w.add_argument("--bundles", action="store_true", help="training prompts of 1-12 problems, their answers summed")
+    w.add_argument("--eval-rows", type=int, default=128, help="held-out problems")
     r = sub.add_parser("run")
     r.add_argument("model", type=Path)
     r.add_argument("data", type=Path)
@@ -282,6 +312,7 @@ def main() -> None:
     r.add_argument("--modes", nargs="+", default=["sync", "partial1", "partial2"],
                    choices=sorted(set(MODES) - {"full"}))
     r.add_argument("--rollouts", type=int, default=30)
+    r.add_argument("--async-rollouts", type=int, help="rollouts of the asynchronous modes (default: --rollouts)")
     t = sub.add_parser("table")
     t.add_argument("out", type=Path)
     tl = sub.add_parser("tail")
@@ -295,9 +326,9 @@ def main() -> None:
     tl.add_argument("--prompts", type=int, default=64, help="prompts a rollout trains (x 8 samples)")
     args, extra = p.parse_known_args()
     if args.command == "write-data":
-        write_data(args.dir, bundles=args.bundles)
+        write_data(args.dir, bundles=args.bundles, eval_rows=args.eval_rows)
     elif args.command == "run":
-        run(args.model, args.data, args.out, args.modes, args.rollouts, extra)
+        run(args.model, args.data, args.out, args.modes, args.rollouts, extra, args.async_rollouts)
     elif args.command == "tail":
         tail(args.out, args.model, args.modes, args.rollouts, args.stop_ids, args.max_new_tokens, args.prompts, extra)
     else:
