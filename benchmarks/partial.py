@@ -111,20 +111,20 @@ def write_data(out: Path, columns: dict | None = None, bundles: bool = False, ev
 def bundle(items: list[dict], size: int, rng) -> list[dict]:
     """`size` prompts of BUNDLE_SIZES problems each, drawn in order from `items`: the question names each problem and
     asks for the sum of their answers."""
-    rows, taken = [], 0
+    prompts, taken = [], 0
     for k in rng.choices(list(BUNDLE_SIZES), weights=list(BUNDLE_SIZES.values()), k=size):
         group, taken = items[taken:taken + k], taken + k
         if len(group) < k:
             raise ValueError(f"bundle: {len(items)} problems are too few for {size} prompts")
         if k == 1:
-            rows.append(group[0])
+            prompts.append(group[0])
             continue
         body = "\n\n".join(f"Problem {i + 1}: {g['question'].replace(GSM_ASK, '')}" for i, g in enumerate(group))
         total = sum(float(g["answer"]) for g in group)
-        rows.append({"question": f"Solve each of the following {k} problems, then add up their {k} answers and give "
-                                 f"that sum as your final answer. Do not include units.\n\n{body}",
-                     "answer": f"{total:.6f}".rstrip("0").rstrip(".")})
-    return rows
+        prompts.append({"question": f"Solve each of the following {k} problems, then add up their {k} answers and give "
+                                    f"that sum as your final answer. Do not include units.\n\n{body}",
+                        "answer": f"{total:.6f}".rstrip("0").rstrip(".")})
+    return prompts
 
 
 def done(run_dir: Path, rollouts: int) -> bool:
@@ -147,11 +147,11 @@ def run(model: Path, data: Path, out: Path, modes: list[str], rollouts: int, ext
     their curves to run as many minutes as the synchronous one's)."""
     count = {m: async_rollouts if async_rollouts and asynchronous(m) else rollouts for m in modes}
     for mode in [m for m in modes if not done(out / m, count[m])]:
-        rollouts = count[mode]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "rl.main",
                "--config", str(ROOT / "configs/recipes/gsm8k_boxed.toml"), f"--model.path={model}",
                f"--data.source={data / 'train.jsonl'}", f"--eval.source={data / 'eval.jsonl'}",
-               "--eval.interval=5", f"--train.num_rollout={rollouts}", "--train.lr=3e-6", "--train.lr_warmup_steps=2",
+               "--eval.interval=5", f"--train.num_rollout={count[mode]}", "--train.lr=3e-6",
+               "--train.lr_warmup_steps=2",
                "--checkpoint.interval=0", "--log.progress=false", f"--log.output_dir={out / mode}",
                *mode_args(mode, 64), *extra]
         print(f"== {mode}: {' '.join(cmd[5:])}", flush=True)
