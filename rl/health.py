@@ -40,9 +40,11 @@ TREND_WINDOW = 10  # rollouts of history the trend checks compare with
 
 
 class Health:
-    def __init__(self, max_bad_steps: int, max_failed_steps: int, vocab_size: int, max_staleness: int = 0):
+    def __init__(self, max_bad_steps: int, max_failed_steps: int, vocab_size: int, max_staleness: int = 0,
+                 rollout_samples: int = 0):
         self.max_bad_steps, self.max_failed_steps = max_bad_steps, max_failed_steps
         self.max_staleness = max_staleness
+        self.rollout_samples = rollout_samples  # the samples a rollout trains: rollout_batch_size x n_samples
         self.uniform_entropy = math.log(vocab_size)
         self.bad_steps = 0  # optimizer steps skipped in a row
         self.failed_steps = 0  # rollout steps in a row where every reward failed
@@ -148,7 +150,10 @@ class Health:
     def check_trends(self, row: dict[str, Any]) -> None:
         """The seed's trend signals: the reward jumping or dropping in one rollout, the response length
         collapsing, the rollout throughput falling and staying low (a leak)."""
-        reward = self._push("rollout/reward_mean_all_scored", row)
+        # A partial rollout that ended after a few decode steps scored only the groups that finished in them (one
+        # group of 8 against a batch's 512, say): their mean is too noisy to judge as a jump or to judge others by.
+        few = row.get("rollout/num_scored", self.rollout_samples) < self.rollout_samples / 4
+        reward = None if few else self._push("rollout/reward_mean_all_scored", row)
         if reward is not None:
             *earlier, now = reward
             steps = [b - a for a, b in zip(earlier, earlier[1:])]

@@ -121,7 +121,7 @@ def start_up(cfg: Config, dist: parallel.Dist, stop: launch.StopRequests) -> Run
     eval_prompts = held_out_prompts(cfg, tokenizer, dataset) if cfg.eval.source else []
     learner = Learner(cfg, dist)
     health = Health(cfg.train.max_bad_steps, cfg.reward.max_failed_steps, learner.policy.config.vocab_size,
-                    cfg.rollout.max_staleness)
+                    cfg.rollout.max_staleness, cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt)
     buffer = None  # the synchronous loop: each rollout generates and trains its own groups
     if cfg.rollout.partial_rollout or cfg.rollout.max_staleness:
         buffer = RolloutBuffer(cfg.rollout.rollout_batch_size, cfg.rollout.max_staleness)

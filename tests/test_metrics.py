@@ -113,6 +113,25 @@ def test_the_seed_metric_table_bands_and_trends_warn(capsys):
     assert out.count("health warning: perf/rollout_tokens_per_s") == 1
 
 
+def test_a_reward_jump_is_judged_on_rollouts_that_scored_a_batch(capsys):
+    """A partial rollout that ends after a few steps scores only the groups that finished in them (8 samples of a
+    512-sample batch, on one H200): their mean is no reward jump, and it does not count among the means the next
+    rollouts are judged by. A batch's worth of samples with the same mean is."""
+    def rollout(reward: float, scored: int) -> dict:
+        return row(**{"rollout/reward_mean_all_scored": reward, "rollout/num_scored": float(scored)})
+
+    steady = [0.20, 0.22, 0.19, 0.21, 0.20, 0.23, 0.21, 0.22, 0.20]
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100, rollout_samples=512)
+    for reward in steady:
+        health.after_train(rollout(reward, 512), steps=1)
+    health.after_train(rollout(1.1, 8), steps=1)  # one group of 8, all right
+    health.after_train(rollout(0.21, 512), steps=1)
+    assert "health warning" not in capsys.readouterr().out
+    assert health.history["rollout/reward_mean_all_scored"][-2:] == [0.20, 0.21]
+    health.after_train(rollout(1.1, 512), steps=1)
+    assert "rollout/reward_mean_all_scored = 1.1" in capsys.readouterr().out
+
+
 def test_staleness_pinned_at_the_bound_or_many_dropped_warns(capsys):
     """The seed's staleness row: healthy below the bound; every trained sample at the bound for 3 rollouts in a
     row, or more than 20% of the groups dropped as too stale, is a warning."""
