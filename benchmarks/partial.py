@@ -240,7 +240,9 @@ def table(out: Path) -> None:
     full = overall_rate(after_first(runs["full"])) if "full" in runs else None
     # The speed columns compare the rollouts every run has (`full`, the reference rate, whatever its count); the
     # eval columns take each run whole.
-    last = min((max(r["rollout_id"] for r in run) for name, run in runs.items() if name != "full"), default=None)
+    # (A run's last row can be its final eval alone, with no step: its rollout id is one past the last step's.)
+    last = min((max(r["rollout_id"] for r in run if "perf/step_s" in r) for name, run in runs.items()
+                if name != "full"), default=None)
     sync = training_step_s(after_first(runs["sync"], last)) if "sync" in runs else None
     sync_minutes = sum(r.get("perf/step_s", 0.0) for r in runs["sync"]) / 60 if "sync" in runs else None
     print(f"| mode | rollout tokens/s | overall | of full | step s | mean step s | without evals | x sync | rollout s "
