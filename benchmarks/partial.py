@@ -203,24 +203,24 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def minutes_to(run: list[dict], accuracy: float) -> float | None:
-    """Minutes of steps (perf/step_s, evals included) before the eval first reached `accuracy`."""
-    seconds = 0.0
+def eval_minutes(run: list[dict]) -> list[tuple[float, float]]:
+    """Each eval as (minutes of steps before it, evals included, as `rl.plot --x minutes` places it; accuracy)."""
+    evals, seconds = [], 0.0
     for r in run:
-        if r.get("eval/accuracy") is not None and r["eval/accuracy"] >= accuracy:
-            return seconds / 60
+        if r.get("eval/accuracy") is not None:
+            evals.append((seconds / 60, r["eval/accuracy"]))
         seconds += r.get("perf/step_s", 0.0)
-    return None
+    return evals
+
+
+def minutes_to(run: list[dict], accuracy: float) -> float | None:
+    """Minutes of steps before the eval first reached `accuracy`."""
+    return next((minutes for minutes, reached in eval_minutes(run) if reached >= accuracy), None)
 
 
 def accuracy_within(run: list[dict], minutes: float) -> float | None:
-    """The last held-out accuracy the run logged within `minutes` of steps (evals included)."""
-    seconds, accuracy = 0.0, None
-    for r in run:
-        if r.get("eval/accuracy") is not None and seconds <= minutes * 60 + 1e-6:
-            accuracy = r["eval/accuracy"]
-        seconds += r.get("perf/step_s", 0.0)
-    return accuracy
+    """The last held-out accuracy the run logged within `minutes` of steps."""
+    return next((a for m, a in reversed(eval_minutes(run)) if m <= minutes + 1e-8), None)
 
 
 def generated(step: dict) -> float:
