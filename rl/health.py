@@ -54,6 +54,8 @@ class Health:
         self.out_of_band: dict[str, int] = {}  # rollouts in a row each check has warned
         self.warned_now: set[str] = set()
         self.history: dict[str, list[float]] = {}  # the last TREND_WINDOW values of the trend metrics
+        # The rewards scored since the all-scored mean was last judged: (their sum, how many, over how many rollouts).
+        self.scored = (0.0, 0, 0)
         # This process's first train phase compiles kernels (model.compile) and fills caches, and a later one
         # that compiles a new kind of micro-batch (`perf/train_graphs_compiled`) is seconds slower: neither's
         # speed is judged.
@@ -62,7 +64,8 @@ class Health:
     def state_dict(self) -> dict[str, Any]:
         return {"bad_steps": self.bad_steps, "failed_steps": self.failed_steps, "zero_grad_steps": self.zero_grad_steps,
                 "first_entropy": self.first_entropy, "warnings": dict(self.warnings),
-                "out_of_band": dict(self.out_of_band), "history": {k: list(v) for k, v in self.history.items()}}
+                "out_of_band": dict(self.out_of_band), "history": {k: list(v) for k, v in self.history.items()},
+                "scored": list(self.scored)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.bad_steps, self.failed_steps = state["bad_steps"], state["failed_steps"]
@@ -70,6 +73,7 @@ class Health:
         self.warnings = collections.Counter(state["warnings"])
         self.out_of_band = dict(state.get("out_of_band", {}))
         self.history = {k: list(v) for k, v in state.get("history", {}).items()}
+        self.scored = tuple(state.get("scored", (0.0, 0, 0)))
 
     def after_rewards(self, scored: int, failed: int) -> None:
         """Every reward of a step failing (raised, timed out, worker died) is survivable a few times. A step that
@@ -150,10 +154,7 @@ class Health:
     def check_trends(self, row: dict[str, Any]) -> None:
         """The seed's trend signals: the reward jumping or dropping in one rollout, the response length
         collapsing, the rollout throughput falling and staying low (a leak)."""
-        # A partial rollout that ended after a few decode steps scored only the groups that finished in them (one
-        # group of 8 against a batch's 512, say): their mean is too noisy to judge as a jump or to judge others by.
-        few = row.get("rollout/num_scored", self.rollout_samples) < self.rollout_samples / 4
-        reward = None if few else self._push("rollout/reward_mean_all_scored", row)
+        reward, rollouts = self.pool_scored(row)
         if reward is not None:
             *earlier, now = reward
             steps = [b - a for a, b in zip(earlier, earlier[1:])]
@@ -161,9 +162,10 @@ class Health:
                 sigma = statistics.pstdev(steps)
                 jump = now - earlier[-1]
                 if abs(jump) > max(5 * sigma, 1e-6):
+                    pooled = f" (over the last {rollouts} rollouts' scored samples)" if rollouts > 1 else ""
                     self.warn("rollout/reward_mean_all_scored", now,
                               f"a change within 5 sigma ({5 * sigma:.3g}) of the last rollouts' steps, not "
-                              f"{jump:+.3g}: {'reward hacking?' if jump > 0 else 'training collapsing?'}")
+                              f"{jump:+.3g}{pooled}: {'reward hacking?' if jump > 0 else 'training collapsing?'}")
         length = self._push("rollout/response_length_mean", row)
         if length is not None and len(length) >= 4:
             typical = statistics.median(length[:-1])
@@ -176,6 +178,25 @@ class Health:
             if max(speed[-3:]) < 0.5 * typical:
                 self.warn("perf/rollout_tokens_per_s", speed[-1],
                           f">= half the earlier median {typical:.4g}: 3 rollouts in a row below it (a memory leak?)")
+
+    def pool_scored(self, row: dict[str, Any]) -> tuple[list[float] | None, int]:
+        """The all-scored reward mean to judge, over at least half a batch's samples, and the rollouts it spans. A
+        partial rollout that ended after a few decode steps scored only the groups that finished in them, the
+        quick ones (152 samples of a 512-sample batch at 0.61 against the batch's ~0.3, on one H200): alone their
+        mean is noise and bias, so it is pooled with the next rollouts' until half a batch is scored. A rollout
+        that scores a whole batch (every synchronous one) is judged alone."""
+        mean = row.get("rollout/reward_mean_all_scored")
+        count = int(row.get("rollout/num_scored", max(self.rollout_samples, 1)))
+        if mean is None or not math.isfinite(mean) or count <= 0:
+            return None, 0
+        total, pooled, rollouts = self.scored
+        total, pooled, rollouts = total + mean * count, pooled + count, rollouts + 1
+        if pooled < self.rollout_samples / 2:
+            self.scored = (total, pooled, rollouts)
+            return None, 0
+        self.scored = (0.0, 0, 0)
+        metric = "rollout/reward_mean_all_scored"
+        return self._push(metric, {metric: total / pooled}), rollouts
 
     def _push(self, metric: str, row: dict[str, Any]) -> list[float] | None:
         value = row.get(metric)

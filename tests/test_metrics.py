@@ -113,10 +113,10 @@ def test_the_seed_metric_table_bands_and_trends_warn(capsys):
     assert out.count("health warning: perf/rollout_tokens_per_s") == 1
 
 
-def test_a_reward_jump_is_judged_on_rollouts_that_scored_a_batch(capsys):
+def test_a_reward_jump_is_judged_over_half_a_batch_of_scored_samples(capsys):
     """A partial rollout that ends after a few steps scores only the groups that finished in them (8 samples of a
-    512-sample batch, on one H200): their mean is no reward jump, and it does not count among the means the next
-    rollouts are judged by. A batch's worth of samples with the same mean is."""
+    512-sample batch, on one H200): their mean alone is no reward jump; it is pooled with the next rollouts' until
+    half a batch is scored, and the pool survives a checkpoint. Half a batch's samples with a jump is one."""
     def rollout(reward: float, scored: int) -> dict:
         return row(**{"rollout/reward_mean_all_scored": reward, "rollout/num_scored": float(scored)})
 
@@ -125,11 +125,19 @@ def test_a_reward_jump_is_judged_on_rollouts_that_scored_a_batch(capsys):
     for reward in steady:
         health.after_train(rollout(reward, 512), steps=1)
     health.after_train(rollout(1.1, 8), steps=1)  # one group of 8, all right
-    health.after_train(rollout(0.21, 512), steps=1)
+    resumed = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100, rollout_samples=512)
+    resumed.load_state_dict(health.state_dict())
+    for run in (health, resumed):
+        run.after_train(rollout(0.19, 512), steps=1)
+        assert run.history["rollout/reward_mean_all_scored"][-2:] == [0.20, pytest.approx((8 * 1.1 + 512 * 0.19) / 520)]
     assert "health warning" not in capsys.readouterr().out
-    assert health.history["rollout/reward_mean_all_scored"][-2:] == [0.20, 0.21]
-    health.after_train(rollout(1.1, 512), steps=1)
-    assert "rollout/reward_mean_all_scored = 1.1" in capsys.readouterr().out
+    health.after_train(rollout(1.1, 100), steps=1)
+    assert "health warning" not in capsys.readouterr().out
+    health.after_train(rollout(1.1, 200), steps=1)
+    assert ("rollout/reward_mean_all_scored = 1.1, expected a change within 5 sigma" in (out := capsys.readouterr().out)
+            and "(over the last 2 rollouts' scored samples)" in out)
+    health.after_train(rollout(0.3, 512), steps=1)  # a whole batch: judged alone, the pool emptied
+    assert health.history["rollout/reward_mean_all_scored"][-2:] == [1.1, 0.3]
 
 
 def test_staleness_pinned_at_the_bound_or_many_dropped_warns(capsys):
