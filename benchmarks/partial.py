@@ -203,14 +203,33 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def eval_minutes(run: list[dict]) -> list[tuple[float, float]]:
-    """Each eval as (minutes of steps before it, evals included, as `rl.plot --x minutes` places it; accuracy)."""
+def eval_points(run: list[dict]) -> list[tuple[int, float, float]]:
+    """Each eval as (rollout id; minutes of steps before it, evals included, as `rl.plot --x minutes` places it;
+    accuracy)."""
     evals, seconds = [], 0.0
     for r in run:
         if r.get("eval/accuracy") is not None:
-            evals.append((seconds / 60, r["eval/accuracy"]))
+            evals.append((r["rollout_id"], seconds / 60, r["eval/accuracy"]))
         seconds += r.get("perf/step_s", 0.0)
     return evals
+
+
+def eval_minutes(run: list[dict]) -> list[tuple[float, float]]:
+    return [(minutes, accuracy) for _, minutes, accuracy in eval_points(run)]
+
+
+def curves(runs: dict[str, list[dict]]) -> None:
+    """Held-out accuracy at each eval's rollout, the minutes of steps before it in brackets."""
+    points = {name: {rollout: (m, a) for rollout, m, a in eval_points(run)} for name, run in runs.items()}
+    columns = sorted({rollout for by_rollout in points.values() for rollout in by_rollout})
+    if not columns:
+        return
+    print("\n| run | " + " | ".join(map(str, columns)) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for name, by_rollout in points.items():
+        cells = [(f"{by_rollout[c][1]:.3f}" + (f" ({by_rollout[c][0]:.2f})" if by_rollout[c][0] else ""))
+                 if c in by_rollout else "" for c in columns]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def minutes_to(run: list[dict], accuracy: float) -> float | None:
@@ -248,7 +267,8 @@ def table(out: Path) -> None:
     print(f"| mode | rollout tokens/s | overall | of full | step s | mean step s | without evals | x sync | rollout s "
           f"| train s | response mean / max | decode steps | rows a step | context a token | staleness mean / max "
           f"| partial frac | resumed tokens "
-          f"| final eval acc | eval acc in sync's minutes | minutes to sync's final ({target}) | total minutes "
+          f"| final eval acc | eval acc in sync's minutes "
+          f"| minutes to sync's final ({'-' if target is None else f'{target:.3f}'}) | total minutes "
           f"| train peak GB | KV wake-up s |")
     print("|---" * 23 + "|")
     for name, run in runs.items():
@@ -281,6 +301,7 @@ def table(out: Path) -> None:
               f"| {'-' if to_target is None else f'{to_target:.2f}'} "
               f"| {sum(r.get('perf/step_s', 0.0) for r in run) / 60:.2f} "
               f"| {max(r.get('memory/train_peak_gb', 0.0) for r in steps):.1f} | {median('perf/onload_kv_s'):.2f} |")
+    curves(runs)
 
 
 def mean_context(steps: list[dict]) -> float:
