@@ -248,8 +248,8 @@ def vllm_call_s(engine, prompts: list[list[int]], params: SamplingParams, change
     return seconds
 
 
-def kernel_times(engine: NativeEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    """Device milliseconds by kernel name over one generate() call."""
+def kernel_times(engine: NativeEngine, prompts: list[list[int]], new_tokens: int, counts: bool = False) -> dict:
+    """Device milliseconds by kernel name over one generate() call (`counts`: (ms, launches) by name)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -257,7 +257,8 @@ def kernel_times(engine: NativeEngine, prompts: list[list[int]], new_tokens: int
     times = {}
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", None)
-        times[evt.key[:90]] = (getattr(evt, "self_cuda_time_total", 0) if us is None else us) / 1e3
+        ms = (getattr(evt, "self_cuda_time_total", 0) if us is None else us) / 1e3
+        times[evt.key[:90]] = (ms, evt.count) if counts else ms
     return times
 
 
