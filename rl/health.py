@@ -184,7 +184,7 @@ class Health:
         partial rollout that ended after a few decode steps scored only the groups that finished in them, the
         quick ones (152 samples of a 512-sample batch at 0.61 against the batch's ~0.3, on one H200): alone their
         mean is noise and bias, so it is pooled with the next rollouts' until half a batch is scored. A rollout
-        that scores a whole batch (every synchronous one) is judged alone."""
+        that scores half a batch or more with nothing pooled before it (every synchronous one) is judged alone."""
         mean = row.get("rollout/reward_mean_all_scored")
         count = int(row.get("rollout/num_scored", max(self.rollout_samples, 1)))
         if mean is None or not math.isfinite(mean) or count <= 0:
