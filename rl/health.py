@@ -142,7 +142,8 @@ class Health:
                       "fresher")
 
     def check_bands(self, row: dict[str, Any]) -> None:
-        speed_judged = self.warmed_up and not row.get("perf/train_graphs_compiled")
+        small = self.small_batch(row)  # every rollout's tokens join the median, judged or not
+        speed_judged = self.warmed_up and not row.get("perf/train_graphs_compiled") and not small
         for metric, low, high, meaning in BANDS:
             value = row.get(metric)
             if value is None or not math.isfinite(value) or (metric.startswith("perf/") and not speed_judged):
@@ -150,6 +151,13 @@ class Health:
             if (low is not None and value < low) or (high is not None and value > high):
                 band = f">= {low:g}" if high is None else f"<= {high:g}" if low is None else f"in [{low:g}, {high:g}]"
                 self.warn(metric, value, f"{band}: {meaning}")
+
+    def small_batch(self, row: dict[str, Any]) -> bool:
+        """A train phase with under half the recent median of tokens: most of its groups scored all alike (83-95%
+        of them in a partial rollout of long bundled problems on one H200, 6-29k tokens against a median of 55k),
+        so there was little to train, and its speed says nothing of the training's efficiency."""
+        tokens = self._push("train/tokens", row)
+        return tokens is not None and len(tokens) >= 4 and tokens[-1] < 0.5 * statistics.median(tokens[:-1])
 
     def check_trends(self, row: dict[str, Any]) -> None:
         """The seed's trend signals: the reward jumping or dropping in one rollout, the response length

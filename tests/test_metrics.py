@@ -172,6 +172,22 @@ def test_the_first_train_phase_of_a_process_is_not_judged_on_speed(capsys):
     assert "perf/train_mfu" not in capsys.readouterr().out
 
 
+def test_a_train_phase_with_little_to_train_is_not_judged_on_speed(capsys):
+    """A rollout whose groups mostly scored all alike leaves a few thousand tokens to train (6k against a median
+    of 55k on one H200), too few to keep the device busy: under half the recent median of tokens, its MFU is no
+    warning. The median counts every rollout's tokens, the first one's too, which is not judged on speed."""
+    def phase(tokens: int, mfu: float) -> dict:
+        return row(**{"train/tokens": float(tokens), "perf/train_mfu": mfu})
+
+    health = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    for _ in range(3):  # the first compiles and warms up
+        health.after_train(phase(100_000, 0.35), steps=1)
+    health.after_train(phase(30_000, 0.10), steps=1)
+    assert "health warning" not in capsys.readouterr().out
+    health.after_train(phase(60_000, 0.10), steps=1)
+    assert "perf/train_mfu = 0.1, expected >= 0.2" in capsys.readouterr().out
+
+
 def test_a_train_phase_that_compiled_is_not_judged_on_speed(capsys):
     """A later rollout whose train phase compiled a new kind of micro-batch (model.compile) is seconds slower
     once: no MFU warning then; the same MFU without compiling is one."""
