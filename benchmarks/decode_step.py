@@ -56,8 +56,10 @@ def wall_ms(engine: NativeEngine, prompts: list[list[int]], steps: int, repeats:
 
 
 def kernels_a_step(engine: NativeEngine, prompts: list[list[int]], steps: int) -> dict[str, tuple[float, float]]:
-    """Per kernel name: (device ms, launches) a decode step, eager steps less the prefill's call."""
-    use_graphs, engine.use_graphs = engine.use_graphs, False
+    """Per kernel name: (device ms, launches) a decode step, eager steps less the prefill's call (the captured
+    graphs set aside: a step finds none, so it runs eagerly, and captures none)."""
+    use_graphs, graphs = engine.use_graphs, engine.graphs
+    engine.use_graphs, engine.graphs = False, {}
     try:
         before = engine.decode_steps
         prefill = kernel_times(engine, prompts, 1, counts=True)
@@ -65,7 +67,7 @@ def kernels_a_step(engine: NativeEngine, prompts: list[list[int]], steps: int) -
         full = kernel_times(engine, prompts, 1 + steps, counts=True)
         decoded = (engine.decode_steps - middle) - (middle - before)
     finally:
-        engine.use_graphs = use_graphs
+        engine.use_graphs, engine.graphs = use_graphs, graphs
     out = {}
     for name, (ms, count) in full.items():
         ms0, count0 = prefill.get(name, (0.0, 0))

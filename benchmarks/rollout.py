@@ -264,11 +264,12 @@ def kernel_times(engine: NativeEngine, prompts: list[list[int]], new_tokens: int
 
 def profile_decode(engine: NativeEngine, prompts: list[list[int]], steps: int = 32) -> list[tuple[str, float]]:
     """Device time per decode step by kernel: a run of `steps` decode steps minus a prefill-only run
-    (eager steps; a graph replays the same kernels)."""
-    use_graphs, engine.use_graphs = engine.use_graphs, False
+    (eager steps, the captured graphs set aside; a graph replays the same kernels)."""
+    use_graphs, graphs = engine.use_graphs, engine.graphs
+    engine.use_graphs, engine.graphs = False, {}
     prefill = kernel_times(engine, prompts, 1)
     full = kernel_times(engine, prompts, steps + 1)
-    engine.use_graphs = use_graphs
+    engine.use_graphs, engine.graphs = use_graphs, graphs
     rows = [(name, (ms - prefill.get(name, 0.0)) / steps) for name, ms in full.items()]
     return sorted([r for r in rows if r[1] > 0.0005], key=lambda r: -r[1])[:25]
 
