@@ -41,8 +41,9 @@ speed-up over `sync`; the decode steps a rollout ran and the rows a step ran on 
 many steps over few rows), the tokens a generated token was sampled over, averaged over the generated tokens
 (`rollout/context_mean`: what a decode step reads from the KV cache a row), and the mean and longest response. The
 speed columns take rollouts 1 to the last every run has: `run --async-rollouts N` runs the asynchronous modes
-longer than `--rollouts`, so that their accuracy curves span the synchronous run's minutes. Curves: `python -m
-rl.plot OUT/sync OUT/partial1 ... --x minutes`. A mode whose run under OUT finished is skipped: the same command
+longer than `--rollouts`, so that their accuracy curves span the synchronous run's minutes. Under the table, each
+run's held-out accuracy at every eval with the minutes of steps before it. Curves: `python -m rl.plot OUT/sync
+OUT/partial1 ... --x minutes`. A mode whose run under OUT finished is skipped: the same command
 again goes on where the last one stopped.
 """
 
