@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from rollout import all_weights, kernel_times, random_prompts, sync  # noqa: E402
+from rollout import all_weights, decode_kernels, random_prompts, sync  # noqa: E402
 
 from rl.rollout import SamplingParams  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
@@ -53,27 +53,6 @@ def wall_ms(engine: NativeEngine, prompts: list[list[int]], steps: int, repeats:
         (short, short_steps), (long, long_steps) = call(1), call(1 + steps)
         per_step.append((long - short) / (long_steps - short_steps) * 1e3)
     return statistics.median(per_step)
-
-
-def kernels_a_step(engine: NativeEngine, prompts: list[list[int]], steps: int) -> dict[str, tuple[float, float]]:
-    """Per kernel name: (device ms, launches) a decode step, eager steps less the prefill's call (the captured
-    graphs set aside: a step finds none, so it runs eagerly, and captures none)."""
-    use_graphs, graphs = engine.use_graphs, engine.graphs
-    engine.use_graphs, engine.graphs = False, {}
-    try:
-        before = engine.decode_steps
-        prefill = kernel_times(engine, prompts, 1, counts=True)
-        middle = engine.decode_steps
-        full = kernel_times(engine, prompts, 1 + steps, counts=True)
-        decoded = (engine.decode_steps - middle) - (middle - before)
-    finally:
-        engine.use_graphs, engine.graphs = use_graphs, graphs
-    out = {}
-    for name, (ms, count) in full.items():
-        ms0, count0 = prefill.get(name, (0.0, 0))
-        if count > count0:
-            out[name] = ((ms - ms0) / decoded, (count - count0) / decoded)
-    return out
 
 
 def fit(rows: list[int], ms: list[float]) -> tuple[float, float]:
@@ -111,7 +90,7 @@ def main() -> None:
         distinct = random_prompts(cfg.vocab_size, rows // args.samples, args.context, args.context)
         prompts = [prompt for prompt in distinct for _ in range(args.samples)]
         ms = wall_ms(engine, prompts, args.steps, args.repeats)
-        kernels[rows] = kernels_a_step(engine, prompts, min(args.steps, 32)) if profiled else {}
+        kernels[rows] = decode_kernels(engine, prompts, min(args.steps, 32)) if profiled else {}
         device_ms = sum(k[0] for k in kernels[rows].values())
         launches = sum(k[1] for k in kernels[rows].values())
         results.append((rows, ms, device_ms, launches))

@@ -248,8 +248,8 @@ def vllm_call_s(engine, prompts: list[list[int]], params: SamplingParams, change
     return seconds
 
 
-def kernel_times(engine: NativeEngine, prompts: list[list[int]], new_tokens: int, counts: bool = False) -> dict:
-    """Device milliseconds by kernel name over one generate() call (`counts`: (ms, launches) by name)."""
+def kernel_times(engine: NativeEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, tuple[float, int]]:
+    """Device milliseconds and launches by kernel name over one generate() call."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -257,20 +257,35 @@ def kernel_times(engine: NativeEngine, prompts: list[list[int]], new_tokens: int
     times = {}
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", None)
-        ms = (getattr(evt, "self_cuda_time_total", 0) if us is None else us) / 1e3
-        times[evt.key[:90]] = (ms, evt.count) if counts else ms
+        times[evt.key[:90]] = ((getattr(evt, "self_cuda_time_total", 0) if us is None else us) / 1e3, evt.count)
     return times
 
 
-def profile_decode(engine: NativeEngine, prompts: list[list[int]], steps: int = 32) -> list[tuple[str, float]]:
-    """Device time per decode step by kernel: a run of `steps` decode steps minus a prefill-only run
-    (eager steps, the captured graphs set aside; a graph replays the same kernels)."""
+def decode_kernels(engine: NativeEngine, prompts: list[list[int]], steps: int) -> dict[str, tuple[float, float]]:
+    """Per kernel name: (device ms, launches) a decode step, a call of 1 + steps tokens less a call of 1 (the
+    prefill and its token), over eager steps: the captured graphs are set aside, so a step finds none, runs
+    eagerly and captures none (a graph replays the same kernels)."""
     use_graphs, graphs = engine.use_graphs, engine.graphs
     engine.use_graphs, engine.graphs = False, {}
-    prefill = kernel_times(engine, prompts, 1)
-    full = kernel_times(engine, prompts, steps + 1)
-    engine.use_graphs, engine.graphs = use_graphs, graphs
-    rows = [(name, (ms - prefill.get(name, 0.0)) / steps) for name, ms in full.items()]
+    try:
+        before = engine.decode_steps
+        prefill = kernel_times(engine, prompts, 1)
+        middle = engine.decode_steps
+        full = kernel_times(engine, prompts, 1 + steps)
+        decoded = (engine.decode_steps - middle) - (middle - before)
+    finally:
+        engine.use_graphs, engine.graphs = use_graphs, graphs
+    out = {}
+    for name, (ms, count) in full.items():
+        ms0, count0 = prefill.get(name, (0.0, 0))
+        if count > count0:
+            out[name] = ((ms - ms0) / decoded, (count - count0) / decoded)
+    return out
+
+
+def profile_decode(engine: NativeEngine, prompts: list[list[int]], steps: int = 32) -> list[tuple[str, float]]:
+    """Device ms a decode step by kernel, the 25 largest."""
+    rows = [(name, ms) for name, (ms, _) in decode_kernels(engine, prompts, steps).items()]
     return sorted([r for r in rows if r[1] > 0.0005], key=lambda r: -r[1])[:25]
 
 
