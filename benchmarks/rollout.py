@@ -257,7 +257,9 @@ def kernel_times(engine: NativeEngine, prompts: list[list[int]], new_tokens: int
     times = {}
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", None)
-        times[evt.key[:90]] = ((getattr(evt, "self_cuda_time_total", 0) if us is None else us) / 1e3, evt.count)
+        us = getattr(evt, "self_cuda_time_total", 0) if us is None else us
+        if us > 0:  # the runtime's launch calls (cuLaunchKernelEx, ...) are listed too, with no device time
+            times[evt.key[:90]] = (us / 1e3, evt.count)
     return times
 
 
