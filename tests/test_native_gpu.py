@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from rl.kernels.attention import paged_attention_reference
+from rl.kernels.attention import paged_attention_reference, paged_prefill_reference
 from rl.rollout import SamplingParams
 from rl.rollout.model import DecoderModel, split_qkv
 from rl.rollout.native import NativeEngine
@@ -265,6 +265,29 @@ def test_fixed_split_attention_does_not_depend_on_the_launch(dtype):
     assert torch.equal(run(slice(0, 2), 1), full[:2])  # contexts within the first split
     want = paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, page)
     assert rel_err(full, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page", [(14, 2, 64, 16), (4, 4, 32, 64)])
+def test_prefill_attention_over_cached_tokens(dtype, heads, kv_heads, head_dim, page):
+    """New tokens after cached ones (a continued sample, a kept turn) attend to their whole sequence through the
+    block table, causally: starts inside and on page bounds, a fresh prompt (start 0), one new token, and pads;
+    the pads' rows are left out."""
+    starts, counts = [0, 5, 16, 40, 70], [37, 1, 20, 29, 6]
+    length, pages_total = max(counts), 48
+    k_cache = torch.randn(pages_total * page, kv_heads, head_dim, device=DEVICE, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.stack([torch.randperm(pages_total - 1, device=DEVICE)[:9] + 1 for _ in starts]).int()
+    starts_t = torch.tensor(starts, device=DEVICE)
+    contexts = starts_t + torch.tensor(counts, device=DEVICE)
+    qkv = torch.randn(len(starts) * length, (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)  # strided like the engine's view
+    got = kernels("attention").prefill_paged_attention(q, k_cache, v_cache, tables, starts_t, contexts, length, page,
+                                                       head_dim ** -0.5, block_m=16, block_n=16)
+    want = paged_prefill_reference(q, k_cache, v_cache, tables, starts_t, contexts, length, page)
+    real = torch.cat([torch.arange(n * length, n * length + c) for n, c in enumerate(counts)]).to(DEVICE)
+    assert got.isfinite().all()
+    assert rel_err(got[real], want[real]) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)

@@ -1,5 +1,5 @@
-"""Paged decode attention in torch, the reference of rl/kernels/attention_triton.py, and the fixed split
-length of batch-invariant mode.
+"""Paged decode and prefill attention in torch, the references of rl/kernels/attention_triton.py, and the fixed
+split length of batch-invariant mode.
 
 In batch-invariant mode every context is cut into attention splits of `INVARIANT_SPLIT_TOKENS` tokens
 wherever its tokens sit in a batch (engine prefill, engine decode, the trainer's forward), so a token's
@@ -35,3 +35,25 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out.reshape(batch, heads * dim)
 
 
+
+
+def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            starts: torch.Tensor, contexts: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    """Prefill attention in plain torch over sequences that continue from cached tokens: q (N * length, H, D) of
+    right-padded new tokens, the n-th sequence's first at position starts[n], its context ending at contexts[n];
+    every key and value, the new tokens' too, is read from the cache. Returns (N * length, H * D)."""
+    rows, heads, dim = q.shape
+    n = rows // length
+    offsets = torch.arange(length, device=q.device)
+    new = offsets[None, :] < (contexts - starts)[:, None]
+    positions = torch.where(new, starts[:, None] + offsets, offsets)  # a pad sits at its offset
+    t = torch.arange(int(contexts.max()), device=q.device)
+    held = t[None, :] < contexts[:, None]  # (N, W)
+    slots = torch.where(held, block_tables.gather(1, torch.where(held, t // page_size, 0)).long() * page_size
+                        + t % page_size, 0)
+    mask = ((t[None, None, :] <= positions[:, :, None]) & held[:, None, :])[:, None]  # (N, 1, L, W)
+    group = heads // k_cache.shape[1]
+    k, v = (cache[slots].transpose(1, 2).repeat_interleave(group, dim=1) for cache in (k_cache, v_cache))
+    out = F.scaled_dot_product_attention(q.view(n, length, heads, dim).transpose(1, 2), k, v, attn_mask=mask,
+                                         scale=dim ** -0.5)
+    return out.transpose(1, 2).reshape(rows, heads * dim)

@@ -35,12 +35,13 @@ def _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, m, l, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+def _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, smask, m, l, acc, scale_log2, DOT_PRECISION: tl.constexpr):
     """Folds one block of cached keys and values (at `offs`, rows masked by `tmask`) into the running
-    max `m`, sum `l` and output `acc` of an online softmax over the query rows of `q`, in log2 units."""
+    max `m`, sum `l` and output `acc` of an online softmax over the query rows of `q`, in log2 units;
+    `smask` (query rows, keys) says which keys each query row sees."""
     k = tl.load(k_cache_ptr + offs, mask=tmask[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (rows, block)
-    s = tl.where(tmask[None, :], s, float("-inf"))
+    s = tl.where(smask, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -88,7 +89,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         else:
             page = tl.load(block_tables_ptr + seq * bt_row_stride + t // PAGE, mask=tmask, other=0).to(tl.int64)
             offs = ((page * PAGE + t % PAGE) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
-        m, l, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, m, l, acc, scale_log2, DOT_PRECISION)
+        m, l, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, tmask[None, :], m, l, acc, scale_log2,
+                                  DOT_PRECISION)
     out, lse = _split_result(m, l, acc)
     part = (seq * (NUM_KV_HEADS * GROUP) + head) * num_splits + split
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=hmask[:, None])
@@ -172,4 +174,64 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             q[r : r + rows_per_call], k_cache, v_cache, block_tables[r : r + rows_per_call],
             context_lens[r : r + rows_per_call], page_size, q.shape[-1] ** -0.5, splits,
             split_tokens=attention.INVARIANT_SPLIT_TOKENS)
+    return out
+
+
+@triton.jit
+def _prefill_paged_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, starts_ptr, contexts_ptr, out_ptr,
+                          scale_log2, q_row_stride, out_row_stride, bt_row_stride, length,
+                          NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+    """One program per BLOCK_M new tokens of a sequence and one query head: causal attention over the
+    sequence's cache, read through its block table, the new tokens' own keys and values included."""
+    seq = tl.program_id(1) // NUM_HEADS
+    head = tl.program_id(1) % NUM_HEADS
+    start = tl.load(starts_ptr + seq)
+    ctx = tl.load(contexts_ptr + seq)
+    j = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # A pad (past the sequence's new tokens) sees the whole context: finite, and never read.
+    last = tl.minimum(start + j, ctx - 1)
+    rows = seq.to(tl.int64) * length + j
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + rows[:, None] * q_row_stride + head * HEAD_DIM + d[None, :], mask=(j < length)[:, None],
+                other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    end = tl.minimum(start + (tl.program_id(0) + 1) * BLOCK_M, ctx)  # past the block's last row's last key
+    for t0 in range(0, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        page = tl.load(block_tables_ptr + seq * bt_row_stride + t // PAGE, mask=tmask, other=0).to(tl.int64)
+        offs = ((page * PAGE + t % PAGE) * NUM_KV_HEADS + head // GROUP)[:, None] * HEAD_DIM + d[None, :]
+        m, l, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, t[None, :] <= last[:, None], m, l, acc,
+                                  scale_log2, DOT_PRECISION)
+    out = acc / l[:, None]  # every row sees key 0
+    tl.store(out_ptr + rows[:, None] * out_row_stride + head * HEAD_DIM + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(j < length)[:, None])
+
+
+def prefill_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            starts: torch.Tensor, contexts: torch.Tensor, length: int, page_size: int, scale: float,
+                            block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2
+                            ) -> torch.Tensor:
+    """Attention of a prefill whose sequences may continue from tokens already in the cache.
+
+    q (N * length, H, D), unit stride over heads and dims: `length` right-padded new tokens a sequence, the n-th's
+    first at position starts[n]; their keys and values are in the caches (slots, KV, D) already, on the pages of
+    block_tables (N, P), and sequence n's context ends at contexts[n] (starts[n] + its new tokens). Each new token
+    attends to its sequence's tokens up to itself. Returns (N * length, H * D); a pad's row is finite and
+    meaningless. Its torch reference is `rl.kernels.attention.paged_prefill_reference`.
+
+    One query head a program: a tile of all the heads of a GQA group (each key read once for them, 16 tokens x 8
+    heads) was no faster on an H200 (benchmarks/RESULTS.md, "Prefill over cached tokens")."""
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    out = q.new_empty(rows, num_heads * head_dim)
+    _prefill_paged_kernel[(triton.cdiv(length, block_m), rows // length * num_heads)](
+        q, k_cache, v_cache, block_tables, starts, contexts, out, scale * 1.4426950408889634, q.stride(0),
+        out.stride(0), block_tables.stride(0), length, NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
     return out

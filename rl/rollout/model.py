@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM
 
 from rl.kernels import attention
-from rl.kernels.attention import paged_attention_reference
+from rl.kernels.attention import paged_attention_reference, paged_prefill_reference
 from rl.kernels.rms_norm import rms_norm_reference
 from rl.kernels.rope import full_table, rope_reference, rope_tables
 from rl.kernels.silu import silu_mul_reference
@@ -261,12 +261,6 @@ class DecoderModel:
             rows = tables.repeat_interleave(length, dim=0)
             context_lens = (positions + 1).reshape(-1).to(torch.int32)
             longest = int(contexts.max())
-        elif continued:  # the cached part's keys and values are read back from the cache
-            t = torch.arange(int(contexts.max()), device=tokens.device)
-            held = t[None, :] < contexts[:, None]  # (N, W)
-            context_slots = torch.where(held, tables.gather(1, torch.where(held, t // page_size, 0)).long() * page_size
-                                        + t % page_size, 0)
-            mask = ((t[None, None, :] <= positions[:, :, None]) & held[:, None, :])[:, None]  # (N, 1, L, W)
 
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
             if self.batch_invariant:
@@ -274,15 +268,19 @@ class DecoderModel:
 
                 return invariant_attention(split_qkv(qkv, s)[0], kv[0, layer], kv[1, layer], rows, context_lens,
                                            page_size, longest)
+            if continued:  # the cached part's keys and values are read back from the cache, the new ones' too
+                q = split_qkv(qkv, s)[0]
+                if self.fused:
+                    from rl.kernels.attention_triton import prefill_paged_attention
+
+                    return prefill_paged_attention(q, kv[0, layer], kv[1, layer], tables, starts, contexts, length,
+                                                   page_size, s.head_dim ** -0.5)
+                return paged_prefill_reference(q, kv[0, layer], kv[1, layer], tables, starts, contexts, length,
+                                               page_size)
             q, k, v = (t.reshape(n, length, -1, s.head_dim).transpose(1, 2) for t in split_qkv(qkv, s))
             group = s.num_heads // s.num_kv_heads
-            if continued:  # (N, KV, W, D): the new tokens' keys and values are in the cache by now
-                k, v = (cache[context_slots].transpose(1, 2) for cache in (kv[0, layer], kv[1, layer]))
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            if continued:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.head_dim ** -0.5)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.head_dim ** -0.5)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.head_dim ** -0.5)
             return out.transpose(1, 2).reshape(n * length, s.num_heads * s.head_dim)
 
         with sdpa_kernel(PREFILL_ATTENTION):
