@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from rl.rollout import SamplingParams
 from rl.rollout import native
 from rl.rollout.native import NativeEngine, decode_splits, prefill_chunks
+from rl.rollout import scheduler
 from rl.rollout.scheduler import PagePool, Scheduler
 from tests.test_engine import full_weights, reference_logprobs
 from tests.tiny import tiny_config, tiny_model
@@ -124,6 +125,55 @@ def test_scheduler_prefills_each_distinct_prompt_once():
     assert src == [first[1].prompt.pages[2] * 4] and dst == [first[1].pages[0] * 4]
     sched.finish(list(range(len(new))), [[0]] * len(new))
     assert len(pool.free) == 63  # everything back but the scratch page
+
+
+def test_continued_samples_of_one_prompt_share_its_full_pages(monkeypatch):
+    """Continued samples of one prompt (a partial rollout's) prefill its full pages once, as a base they all point
+    their tables at, and prefill only the rest; a fresh sample of that prompt in the call is the base itself. Every
+    page comes back once they finish. Prompts shorter than the threshold are not shared."""
+    prompt, other = GROUPED[0], GROUPED[3]  # 9 tokens: two full pages of 4; 12 tokens
+    short = Scheduler([prompt + [20], prompt + [21, 22]], 8, page_size=4, pool=PagePool(64), max_rows=4, prior=[1, 2])
+    assert scheduler.SHARED_PROMPT_MIN_TOKENS > 8 and all(r.prompt.base is None for r in short.waiting)
+    monkeypatch.setattr(scheduler, "SHARED_PROMPT_MIN_TOKENS", 8)
+    for fresh in (False, True):
+        pool = PagePool(64)
+        prompts = [prompt + [20, 21, 22], prompt + [23, 24, 25, 26, 27], other + [30]] + ([prompt] if fresh else [])
+        prior = [3, 5, 1] + ([0] if fresh else [])
+        sched = Scheduler(prompts, max_new_tokens=8, page_size=4, pool=pool, max_rows=16, prior=prior)
+        to_prefill, new = sched.admit()
+        base = new[0].prompt.base
+        assert base is new[1].prompt.base and new[2].prompt.base is None  # a lone continued sample keeps its own
+        assert base.tokens == (prompt if fresh else prompt[:8]) and to_prefill[0] is base
+        assert len(to_prefill) == 4 and (len(new) == 4 and base is new[3].prompt) == fresh
+        for r in new[:2]:
+            assert r.prompt.cached == 8 and r.prompt.pages[:2] == base.pages[:2]
+            assert sched.block_table(r)[:2] == base.pages[:2] and r.prompt.pages[2] not in base.pages
+        assert all(pool.holders[page] == 3 for page in base.pages[:2])
+        sched.finish([0], [[0]])
+        assert base.pages and all(pool.holders[page] == 2 for page in base.pages[:2])
+        sched.finish([0], [[0]])  # the other continued sample; a fresh sample of the prompt still holds the base
+        assert bool(base.pages) == fresh and base.unfinished == int(fresh)
+        sched.finish(list(range(len(sched.running))), [[0]] * len(sched.running))
+        assert not base.pages and len(pool.free) == 63  # everything back but the scratch page
+
+
+def test_continued_samples_that_share_a_base_run_under_the_weights_of_now(model, monkeypatch):
+    """Samples of one prompt ended early, then continued together after new weights are loaded: each one's tokens
+    are scored by the new weights over its whole sequence, the shared prompt pages prefilled under them."""
+    monkeypatch.setattr(scheduler, "SHARED_PROMPT_MIN_TOKENS", 4)
+    engine = make_engine(model, max_batch_size=8, page_size=4, steps_per_poll=2)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)
+    prompt = GROUPED[3]  # 12 tokens: three full pages
+    firsts = engine.generate([prompt] * 4, params)
+    cuts = [2, 3, 5, 7]
+    other = tiny_model(seed=7).eval()
+    engine.load_weights(full_weights(other))
+    sequences = [prompt + first.token_ids[:cut] for first, cut in zip(firsts, cuts)]
+    rest = engine.generate(sequences + [prompt], params, prior=cuts + [0])
+    for sequence, out, cut in zip(sequences, rest, cuts):
+        assert len(out.token_ids) == 10 - cut
+        assert out.logprobs == pytest.approx(reference_logprobs(other, sequence, out.token_ids), abs=1e-4)
+    assert rest[4].logprobs == pytest.approx(reference_logprobs(other, prompt, rest[4].token_ids), abs=1e-4)
 
 
 def test_one_token_and_immediate_stop(model):

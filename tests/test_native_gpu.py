@@ -450,6 +450,29 @@ def test_cuda_engine_continues_kept_sequences_as_the_cpu_engine_prefills_them():
 
 
 @needs_cuda
+def test_cuda_engine_continues_samples_over_their_shared_prompt_pages(monkeypatch):
+    """Samples of one prompt continued together (a partial rollout's) on the GPU: the prompt's full pages prefilled
+    once and shared, each sample's rest prefilled over them; their tokens score as the HF forward scores them."""
+    from rl.rollout import scheduler
+    from tests.test_engine import reference_logprobs
+
+    monkeypatch.setattr(scheduler, "SHARED_PROMPT_MIN_TOKENS", 8)
+
+    model = tiny_model(seed=3).eval()
+    engine = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=8, page_size=8, steps_per_poll=4)
+    engine.load_weights(full_weights(model))
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
+    prompt = list(range(3, 27))  # 24 tokens: three full pages
+    cuts = [1, 4, 9, 11]
+    firsts = engine.generate([prompt] * len(cuts), params)
+    sequences = [prompt + first.token_ids[:cut] for first, cut in zip(firsts, cuts)]
+    rest = engine.generate(sequences, params, prior=cuts)
+    for sequence, out, cut in zip(sequences, rest, cuts):
+        assert len(out.token_ids) == 12 - cut
+        assert out.logprobs == pytest.approx(reference_logprobs(model, sequence, out.token_ids), abs=1e-4)
+
+
+@needs_cuda
 def test_cuda_engine_top_p_top_k_in_graphs():
     model = tiny_model(seed=4).eval()
     engine = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=4, page_size=8)

@@ -125,10 +125,11 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, NUM_SPLITS: tl.con
 
 
 def merge_heads(num_heads: int, num_splits: int) -> int:
-    """Heads a merge program takes: few rows come with many splits and want many small programs (one head of 16
-    splits), many rows with few splits want fewer, larger ones (8 heads of 2, every head of 1); a power of 2. Graph-timed on an
-    H200 (0.5B heads, 768-token contexts), split + merge over the old one-program-a-row merge: 9.0 -> 5.0 us at 8
-    rows, 12.3 -> 9.9 at 64, 18.5 -> 17.7 at 192, 37.8 -> 37.7 at 512 (benchmarks/RESULTS.md)."""
+    """Heads a merge program takes, a power of 2: few rows come with many splits and want many small programs (one
+    head of 16 splits), many rows with few splits want fewer, larger ones (8 heads of 2, every head of 1).
+    Graph-timed on an H200 (0.5B heads, 768-token contexts), split + merge against the former one-program-a-row
+    merge: 8.8 -> 4.6 us at 8 rows, 12.0 -> 9.9 at 64, 18.2 -> 17.5 at 192, 37.6 either way at 512
+    (benchmarks/RESULTS.md, "The decode step's fixed part")."""
     return min(triton.next_power_of_2(num_heads), 1 << (max(1, 16 // num_splits).bit_length() - 1))
 
 

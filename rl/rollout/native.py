@@ -430,10 +430,11 @@ class NativeEngine:
             self.stop_table = self.stop_tables[strings]
 
     def _prefill(self, prompts) -> None:
-        """Writes each prompt's KV into its pages (past the tokens a kept sequence holds) and keeps the logits
-        after its last token."""
-        for chunk in prefill_chunks([len(p.tokens) for p in prompts], PREFILL_TOKENS):
-            self._prefill_chunk([prompts[i] for i in chunk])
+        """Writes each prompt's KV into its pages (past the tokens a kept sequence or its base holds) and keeps
+        the logits after its last token. Bases first: the prompts continued from them read their pages."""
+        for batch in ([p for p in prompts if p.base is None], [p for p in prompts if p.base is not None]):
+            for chunk in prefill_chunks([len(p.tokens) for p in batch], PREFILL_TOKENS):
+                self._prefill_chunk([batch[i] for i in chunk])
 
     def _prefill_chunk(self, prompts) -> None:
         tokens = torch.zeros(len(prompts), max(len(p.tokens) - p.cached for p in prompts), dtype=torch.long)

@@ -15,6 +15,10 @@ until the call that continues them, the caller's release, or a shortage: a reque
 evicts kept sequences, those no waiting request continues first, and a prompt whose kept sequence is gone
 is prefilled whole. A prompt's full pages may be shared by it and the sequences kept from it, so a page
 counts its holders.
+
+A partial rollout's continued samples come as prompts of their own (the original prompt and the response so far,
+all prefilled again under the weights of now). Those of one original prompt share its full pages as a `base`,
+prefilled once, and prefill only their own tokens over it (`share_bases`).
 """
 
 from __future__ import annotations
@@ -74,8 +78,11 @@ class PromptKV:
     prior: int = 0  # response tokens already among `tokens` (a continued sample): they count against max_new_tokens
     keys: list[Hashable] = field(default_factory=list)  # its requests' keys: kept sequences it may continue
     pages: list[int] = field(default_factory=list)
-    cached: int = 0  # leading tokens whose KV `pages` held from a kept sequence before the prefill
+    cached: int = 0  # leading tokens whose KV `pages` held (a kept sequence's, or `base`'s) before the prefill
     logits: torch.Tensor | None = None  # (V,) next-token logits, set by prefill
+    # A continued sample's original prompt, whose full pages it shares with the call's other samples of that
+    # prompt: prefilled once (first), its pages the first of this one's.
+    base: PromptKV | None = None
 
 
 @dataclass
@@ -101,9 +108,12 @@ class Scheduler:
             samples.setdefault((tuple(p), prior[i] if prior else 0), []).append(i)
         keys = keep or [None] * len(prompts)
         self.waiting: deque[Request] = deque()
+        distinct = {}
         for (tokens, done), indices in samples.items():
             prompt = PromptKV(list(tokens), len(indices), done, [keys[i] for i in indices if keys[i] is not None])
+            distinct[tokens, done] = prompt
             self.waiting.extend(Request(i, prompt, generated=done, keep=keys[i]) for i in indices)
+        share_bases(distinct, page_size)
         self.running: list[Request] = []  # in row order: running[i] decodes in row i
         self.max_new_tokens, self.page_size, self.pool, self.max_rows = max_new_tokens, page_size, pool, max_rows
         self.kept = kept if kept is not None else {}
@@ -125,9 +135,11 @@ class Scheduler:
         while self.waiting and len(self.running) + len(new) < self.max_rows:
             request = self.waiting[0]
             prompt = request.prompt
-            key = None if prompt.pages else self.continued(prompt)
-            held = len(self.kept[key].pages) if key is not None else 0
+            base = prompt.base if not prompt.pages else None
+            key = None if prompt.pages or base else self.continued(prompt)
+            held = len(self.kept[key].pages) if key is not None else len(base.tokens) // self.page_size if base else 0
             need = self.private_pages(prompt) + (0 if prompt.pages else self.prompt_pages(prompt) - held)
+            need += self.prompt_pages(base) if base and not base.pages else 0
             if need > len(self.pool.free):
                 # Never the prompt's own kept sequence: dropping it frees as many pages as its prefill then needs.
                 self.evict(need, spare=key)
@@ -138,6 +150,13 @@ class Scheduler:
                     kept = self.kept.pop(key)
                     prompt.pages = kept.pages + self.pool.take(self.prompt_pages(prompt) - held)
                     prompt.cached = len(kept.tokens)
+                elif base is not None:
+                    if not base.pages:
+                        base.pages = self.pool.take(self.prompt_pages(base))
+                        to_prefill.append(base)
+                    self.pool.share(base.pages[:held])
+                    prompt.pages = base.pages[:held] + self.pool.take(self.prompt_pages(prompt) - held)
+                    prompt.cached = held * self.page_size
                 else:
                     prompt.pages = self.pool.take(self.prompt_pages(prompt))
                 to_prefill.append(prompt)
@@ -202,12 +221,18 @@ class Scheduler:
             else:
                 self.pool.give(request.pages)
             request.pages = []
-            prompt = request.prompt
-            prompt.unfinished -= 1
-            if prompt.unfinished == 0:
-                self.pool.give(prompt.pages)
-                prompt.pages, prompt.logits = [], None
+            self.unhold(request.prompt)
         return finished
+
+    def unhold(self, prompt: PromptKV) -> None:
+        """One holder of `prompt` (a request of it, or a prompt continued from it) is done: with the last one, its
+        pages go back, and it lets go of its base."""
+        prompt.unfinished -= 1
+        if prompt.unfinished == 0:
+            self.pool.give(prompt.pages)
+            prompt.pages, prompt.logits = [], None
+            if prompt.base is not None:
+                self.unhold(prompt.base)
 
     def keep(self, request: Request, tokens: list[int]) -> None:
         """Keeps the KV of `tokens` (the request's sequence but its last token) under the request's key: the
@@ -218,3 +243,32 @@ class Scheduler:
         self.pool.share(full)
         self.kept[request.keep] = Kept(tokens, full + request.pages[:own])
         self.pool.give(request.pages[own:])
+
+
+# The shortest prompt whose full pages continued samples share. A shared prompt saves its tokens' prefill for every
+# sample but one, and the samples' own tokens then attend over cached pages through a kernel slower than the flash
+# kernel of a whole prefill: on an H200, a rollout's continued samples with prompts of 40-90 tokens prefilled in
+# 0.445 s shared against 0.400 s alone, with prompts of 600-1,300 tokens in 0.699 s against 0.851 s
+# (benchmarks/RESULTS.md, "Prefill over cached tokens").
+SHARED_PROMPT_MIN_TOKENS = 256
+
+
+def share_bases(prompts: dict[tuple[tuple[int, ...], int], PromptKV], page_size: int) -> None:
+    """Links continued samples (prior > 0, no keys) of one original prompt to a base holding that prompt's full
+    pages, prefilled once under the weights of now and shared, instead of each sample prefilling and holding a copy
+    of its own. The base is the call's fresh prompt of those tokens where it has one (prefilled anyway), else a
+    prompt of the full pages with no requests of its own, made where it serves two samples or more; prompts of
+    fewer than SHARED_PROMPT_MIN_TOKENS full-page tokens are not shared."""
+    users: dict[tuple[int, ...], list[PromptKV]] = {}
+    for (tokens, done), prompt in prompts.items():
+        full = (len(tokens) - done) // page_size * page_size
+        if done and full and full >= SHARED_PROMPT_MIN_TOKENS and not prompt.keys:
+            users.setdefault(tokens[: len(tokens) - done], []).append(prompt)
+    for original, continued in users.items():
+        base = prompts.get((original, 0))
+        if base is None and len(continued) < 2 or base is not None and base.keys:
+            continue
+        base = base or PromptKV(list(original[: len(original) // page_size * page_size]), 0)
+        for prompt in continued:
+            prompt.base = base
+            base.unfinished += 1
