@@ -129,7 +129,7 @@ def merge_heads(num_heads: int, num_splits: int) -> int:
     head of 16 splits), many rows with few splits want fewer, larger ones (8 heads of 2, every head of 1).
     Graph-timed on an H200 (0.5B heads, 768-token contexts), split + merge against the former one-program-a-row
     merge: 8.8 -> 4.6 us at 8 rows, 12.0 -> 9.9 at 64, 18.2 -> 17.5 at 192, 37.6 either way at 512
-    (benchmarks/RESULTS.md, "The decode step's fixed part")."""
+    (benchmarks/RESULTS.md, "The decode step's fixed part, and prefill over cached tokens")."""
     return min(triton.next_power_of_2(num_heads), 1 << (max(1, 16 // num_splits).bit_length() - 1))
 
 
@@ -226,7 +226,8 @@ def prefill_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     meaningless. Its torch reference is `rl.kernels.attention.paged_prefill_reference`.
 
     One query head a program: a tile of all the heads of a GQA group (each key read once for them, 16 tokens x 8
-    heads) was no faster on an H200 (benchmarks/RESULTS.md, "Prefill over cached tokens")."""
+    heads) was slower on an H200 (benchmarks/RESULTS.md, "The decode step's fixed part, and prefill over cached
+    tokens")."""
     rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     out = q.new_empty(rows, num_heads * head_dim)

@@ -249,7 +249,7 @@ class Scheduler:
 # sample but one, and the samples' own tokens then attend over cached pages through a kernel slower than the flash
 # kernel of a whole prefill: on an H200, a rollout's continued samples with prompts of 40-90 tokens prefilled in
 # 0.445 s shared against 0.400 s alone, with prompts of 600-1,300 tokens in 0.699 s against 0.851 s
-# (benchmarks/RESULTS.md, "Prefill over cached tokens").
+# (benchmarks/RESULTS.md, "The decode step's fixed part, and prefill over cached tokens").
 SHARED_PROMPT_MIN_TOKENS = 256
 
 
