@@ -13,6 +13,7 @@ from rl.data import Prompt, PromptDataset, Sample, Status
 from rl.parallel import Dist
 from rl.reward import RewardPool
 from rl.rollout import Completion, SamplingParams
+from rl.rollout import scheduler
 from rl.rollout.native import NativeEngine
 from tests.test_checkpoint import checkpoints, final_weights, launch, rows
 from tests.test_engine import full_weights, reference_logprobs
@@ -93,12 +94,12 @@ def prompts(count: int = 40) -> list[Prompt]:
             for i in range(count)]
 
 
-def run_rollouts(pool, ro: RolloutConfig, buffer: RolloutBuffer | None, rollouts: int):
+def run_rollouts(pool, ro: RolloutConfig, buffer: RolloutBuffer | None, rollouts: int, **engine_kwargs):
     """Rollouts with a weight push (new random weights, version + 1) after each; yields (version, samples, stats)
     and keeps every version's model for the checks."""
     models = {1: tiny_model(seed=1).eval()}
     engine = NativeEngine(models[1].config, torch.device("cpu"), torch.float32, max_batch_size=64, seed=0,
-                          max_context_len=128, steps_per_poll=4)
+                          max_context_len=128, steps_per_poll=4, **engine_kwargs)
     engine.load_weights(full_weights(models[1]))
     collector = Collector(engine, pool, tiny_tokenizer(), ro, ONE_RANK, buffer=buffer)
     dataset = PromptDataset(prompts(), shuffle=True, seed=0)
@@ -139,14 +140,23 @@ def check_tokens_against_their_versions(sample: Sample, models: dict) -> None:
                 assert sample.rollout_log_probs[j] == pytest.approx(want[j], abs=1e-4), (sample.index, j, v)
 
 
-@pytest.mark.parametrize("max_staleness", [1, 2])
-def test_partial_rollouts_train_whole_groups_once_within_the_bound(pool, max_staleness):
+@pytest.mark.parametrize("max_staleness,shared", [(1, False), (2, False), (2, True)])
+def test_partial_rollouts_train_whole_groups_once_within_the_bound(pool, max_staleness, shared, monkeypatch):
+    """`shared`: the continued samples of a prompt share its pages (pages of 2 tokens, the floor lowered to 2), so
+    the check of every token against its version also covers the shared prompt's KV computed under new weights."""
     ro = RolloutConfig(rollout_batch_size=BATCH, n_samples_per_prompt=N, max_new_tokens=48, stop_token_ids=STOPS,
                        max_context_len=128, partial_rollout=True, max_staleness=max_staleness,
                        over_sampling_batch_size=(max_staleness + 1) * BATCH)
     buffer = RolloutBuffer(BATCH, max_staleness)
     trained, lags, partial, carried = set(), [], [], 0
-    for version, samples, stats, models in run_rollouts(pool, ro, buffer, rollouts=6):
+    links = []
+    if shared:
+        monkeypatch.setattr(scheduler, "SHARED_PROMPT_MIN_TOKENS", 2)
+        share = scheduler.share_bases
+        monkeypatch.setattr(scheduler, "share_bases", lambda prompts, page_size: (
+            share(prompts, page_size), links.extend(p for p in prompts.values() if p.base is not None)))
+    for version, samples, stats, models in run_rollouts(pool, ro, buffer, rollouts=6,
+                                                        **({"page_size": 2} if shared else {})):
         # The responses continued in this rollout, whose KV the engine computed again (one round a rollout here).
         assert stats["rollout/sampling_rounds"] == 1 and stats["rollout/resumed_tokens"] == carried
         carried = sum(s.response_length for g in buffer.unfinished() for s in g if s.status not in FINISHED)
@@ -164,6 +174,7 @@ def test_partial_rollouts_train_whole_groups_once_within_the_bound(pool, max_sta
         # Nothing is lost: every group drawn was trained or is still in flight.
         assert buffer.admitted == buffer.consumed + len(buffer.groups) == len(trained) + len(buffer.groups)
     assert max(partial) > 0 and max(lags) >= 1 and carried > 0  # samples did cross weight pushes
+    assert bool(links) == shared
 
 
 def test_the_dynamic_filter_drops_flat_groups_from_the_buffer_and_frees_their_place():
