@@ -51,6 +51,7 @@ class Scored:
     decode_steps: int = 0  # the engines' decode steps (summed over engines) and the rows they ran, summed over steps
     decode_row_steps: int = 0
     context_tokens: int = 0  # the contexts the generated tokens were sampled over, summed (`attended`; no episodes)
+    prefill_tokens: int = 0  # the tokens the engines prefilled (an engine that counts them: the native one)
 
 
 class Collector:
@@ -99,7 +100,7 @@ class Collector:
             generate_rollout(self.engine, todo, params, weight_version, self.tokenizer, progress=progress, until=until)
         parallel.step_barrier(self.dist, barrier_timeout_s, "the end of rollout generation")
         rollout_s = parallel.all_reduce_max(time.perf_counter() - start)
-        steps, row_steps = (after - before for after, before in zip(engine_counters(self.engine), counters))
+        steps, row_steps, prefilled = (after - before for after, before in zip(engine_counters(self.engine), counters))
         context = 0 if self.env is not None else sum(attended(n, len(s.tokens) - n) for n, s in zip(starts, pending))
         start = time.perf_counter()
         # A call that may end early scores only its finished groups; the others are scored once they finish.
@@ -110,15 +111,15 @@ class Collector:
             stats = [self.score(done, term)] if self.pool is not None and done else []
         reward_stats = parallel.all_gather_objects(stats)
         reward_s = time.perf_counter() - start
-        env_s, env_failures, prompt_tokens, reused_tokens, resumed, steps, row_steps, context = zip(
+        env_s, env_failures, prompt_tokens, reused_tokens, resumed, steps, row_steps, context, prefilled = zip(
             *parallel.all_gather_objects([(episodes.env_s, episodes.errors + episodes.timeouts, episodes.prompt_tokens,
-                                           episodes.reused_tokens, resumed, steps, row_steps, context)]))
+                                           episodes.reused_tokens, resumed, steps, row_steps, context, prefilled)]))
         # Engine order is group order when the shares are contiguous.
         local = [s for group in mine for s in group]
         tp = self.ro.tensor_parallel_size  # every rank of an engine holds its share and counts its steps
         return Scored(parallel.gather_engine_outputs(local, tp), reward_stats, rollout_s, reward_s, max(env_s),
                       sum(env_failures), sum(prompt_tokens), sum(reused_tokens), sum(resumed) // tp,
-                      sum(steps) // tp, sum(row_steps) // tp, sum(context) // tp)
+                      sum(steps) // tp, sum(row_steps) // tp, sum(context) // tp, sum(prefilled) // tp)
 
     def score(self, samples: list[Sample], term: str) -> dict[str, float]:
         result = self.pool.score([RewardInput(s.prompt, s.response, s.label, s.response_length,
@@ -244,6 +245,8 @@ class Collector:
             stats["rollout/decode_rows_mean"] = tally.decode_row_steps / tally.decode_steps
         if tally.context_tokens:  # what a token's attention read: long contexts cost bandwidth a decode step
             stats["rollout/context_mean"] = tally.context_tokens / tally.tokens
+        if tally.prefill_tokens:  # prompts, continued samples' responses so far, environments' appended tokens
+            stats["rollout/prefill_tokens"] = float(tally.prefill_tokens)
         if tally.prompt_tokens:  # an engine that counts them (the native one)
             stats["rollout/prefill_tokens_reused_frac"] = tally.reused_tokens / tally.prompt_tokens
         return samples, stats
@@ -266,6 +269,7 @@ class Tally:
     decode_steps: int = 0
     decode_row_steps: int = 0
     context_tokens: int = 0
+    prefill_tokens: int = 0
 
     def add(self, scored: Scored, tokens: int, finished: list[list[Sample]]) -> None:
         """One round; `finished`: the groups it scored."""
@@ -282,6 +286,7 @@ class Tally:
         self.decode_steps += scored.decode_steps
         self.decode_row_steps += scored.decode_row_steps
         self.context_tokens += scored.context_tokens
+        self.prefill_tokens += scored.prefill_tokens
 
 
 def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: int, max_staleness: int,
@@ -311,9 +316,11 @@ def attended(start: int, new: int) -> int:
     return new * start + new * (new - 1) // 2
 
 
-def engine_counters(engine) -> tuple[int, int]:
-    """The engine's decode steps and rows summed over them, so far (0, 0 for an engine that does not count)."""
-    return getattr(engine, "decode_steps", 0), getattr(engine, "decode_row_steps", 0)
+def engine_counters(engine) -> tuple[int, int, int]:
+    """The engine's decode steps, rows summed over them and tokens prefilled, so far (0 for what an engine does not
+    count)."""
+    return (getattr(engine, "decode_steps", 0), getattr(engine, "decode_row_steps", 0),
+            getattr(engine, "prefill_tokens", 0))
 
 
 def split_by_group(samples: list[Sample]) -> list[list[Sample]]:

@@ -114,7 +114,7 @@ def run_rollouts(pool, ro: RolloutConfig, buffer: RolloutBuffer | None, rollouts
 
 def test_a_rollout_counts_its_decode_steps_and_the_rows_they_ran(pool):
     """3 samples (a graph bucket of 4 rows) of exactly 6 tokens: the first comes with the prefill, 5 decode steps
-    over 3 rows."""
+    over 3 rows; and the tokens prefilled."""
     ro = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=1, max_new_tokens=6, max_context_len=32,
                        over_sampling_batch_size=3)
     model = tiny_model(seed=1).eval()
@@ -126,6 +126,7 @@ def test_a_rollout_counts_its_decode_steps_and_the_rows_they_ran(pool):
     for rollout_id in range(2):
         _, stats = collector.rollout(dataset, SamplingParams.from_config(ro, []), 1, rollout_id, 60.0)
         assert stats["rollout/decode_steps"] == 5 and stats["rollout/decode_rows_mean"] == 3
+        assert stats["rollout/prefill_tokens"] == 3 * 3  # three prompts of 3 tokens
     assert (engine.decode_steps, engine.decode_row_steps) == (10, 30)  # over the engine's life
 
 

@@ -207,6 +207,7 @@ class NativeEngine:
         # Over the engine's life: decode steps, and the rows holding a sequence summed over them (their ratio is
         # the batch a step ran, what a long tail drains).
         self.decode_steps = self.decode_row_steps = 0
+        self.prefill_tokens = 0  # tokens prefilled (past those a kept sequence or a shared base held)
         self.wake_up()
 
     # ------------------------------------------------------------------ weights and memory
@@ -444,6 +445,7 @@ class NativeEngine:
             tables[n, : len(p.pages)] = torch.tensor(p.pages, dtype=torch.int32)
         starts = torch.tensor([p.cached for p in prompts])
         counts = torch.tensor([len(p.tokens) - p.cached for p in prompts])
+        self.prefill_tokens += int(counts.sum())
         dev = self.device
         logits = self.model.prefill(tokens.to(dev), starts.to(dev), counts.to(dev), tables.to(dev), self.kv,
                                     self.page_size)
