@@ -35,8 +35,6 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out.reshape(batch, heads * dim)
 
 
-
-
 def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             starts: torch.Tensor, contexts: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
     """Prefill attention in plain torch over sequences that continue from cached tokens: q (N * length, H, D) of
