@@ -33,7 +33,8 @@ tokens by truncated importance weights (algo.tis_cap = 2). The table, over rollo
 captures): rollout tokens/s as the median of the rollouts and overall (their tokens over their generation seconds:
 partial rollouts alternate between short and long, and a median weighs them alike) and that as a fraction of
 `full`'s, median step seconds, mean and max staleness, the fraction of trained samples that crossed a weight push,
-the median response tokens a rollout continued (their KV computed again under the new weights), held-out greedy
+the median response tokens a rollout continued (their KV computed again under the new weights) and tokens the engine
+prefilled (prompts, and continued samples past the prompt pages they share; 0 where not logged), held-out greedy
 accuracy at the end and the last within as many minutes of steps as the synchronous run took, the minutes of steps
 until the eval first reached the synchronous run's final accuracy, the train phase's peak device memory and the
 seconds the engine's KV cache took to come back after it; the mean step with and without its eval, and the latter's
@@ -267,11 +268,11 @@ def table(out: Path) -> None:
     sync_minutes = sum(r.get("perf/step_s", 0.0) for r in runs["sync"]) / 60 if "sync" in runs else None
     print(f"| mode | rollout tokens/s | overall | of full | step s | mean step s | without evals | x sync | rollout s "
           f"| train s | response mean / max | decode steps | rows a step | context a token | staleness mean / max "
-          f"| partial frac | resumed tokens "
+          f"| partial frac | resumed tokens | prefill tokens "
           f"| final eval acc | eval acc in sync's minutes "
           f"| minutes to sync's final ({'-' if target is None else f'{target:.3f}'}) | total minutes "
           f"| train peak GB | KV wake-up s |")
-    print("|---" * 23 + "|")
+    print("|---" * 24 + "|")
     for name, run in runs.items():
         steps = after_first(run, last)
 
@@ -296,7 +297,7 @@ def table(out: Path) -> None:
               f"| {decode / len(steps):,.0f} | {row_steps / max(decode, 1):,.0f} | {mean_context(steps):,.0f} "
               f"| {statistics.mean(lag):.2f} / {max(r.get('rollout/staleness_max', 0.0) for r in steps):.0f} "
               f"| {statistics.mean(r.get('rollout/partial_frac', 0.0) for r in steps):.2f} "
-              f"| {median('rollout/resumed_tokens'):,.0f} "
+              f"| {median('rollout/resumed_tokens'):,.0f} | {median('rollout/prefill_tokens'):,.0f} "
               f"| {evals[-1] if evals else float('nan'):.3f} "
               f"| {'-' if in_sync_minutes is None else f'{in_sync_minutes:.3f}'} "
               f"| {'-' if to_target is None else f'{to_target:.2f}'} "
