@@ -55,14 +55,15 @@ def continued_set(rng: random.Random, vocab: int, prompt_tokens: tuple[int, int]
 
 
 def prefill_s(engine: NativeEngine, tokens: list[list[int]], prior: list[int]) -> tuple[float, int]:
-    """Seconds to prefill the set, and the tokens prefilled."""
+    """Seconds to prefill the set, and the tokens prefilled (the engine's own count)."""
     sched = Scheduler(tokens, 4000, engine.page_size, PagePool(engine.num_pages), engine.max_batch_size, prior)
     to_prefill, _ = sched.admit()
+    before = engine.prefill_tokens
     torch.cuda.synchronize()
     start = time.perf_counter()
     engine._prefill(to_prefill)
     torch.cuda.synchronize()
-    return time.perf_counter() - start, sum(len(p.tokens) - p.cached for p in to_prefill)
+    return time.perf_counter() - start, engine.prefill_tokens - before
 
 
 def main() -> None:
