@@ -221,8 +221,10 @@ def eval_minutes(run: list[dict]) -> list[tuple[float, float]]:
 
 
 def curves(runs: dict[str, list[dict]]) -> None:
-    """Held-out accuracy at each eval's rollout, the minutes of steps before it in brackets."""
+    """Held-out accuracy at each eval's rollout, the minutes of steps before it in brackets (runs with no eval, such
+    as `full`, left out)."""
     points = {name: {rollout: (m, a) for rollout, m, a in eval_points(run)} for name, run in runs.items()}
+    points = {name: by_rollout for name, by_rollout in points.items() if by_rollout}
     columns = sorted({rollout for by_rollout in points.values() for rollout in by_rollout})
     if not columns:
         return
