@@ -116,6 +116,26 @@ class RolloutBuffer:
         self.groups = [[sample_from_dict(s) for s in g] for g in state["groups"]]
 
 
+def resume_problem(groups: list[list[Sample]], n_samples: int, max_new_tokens: int,
+                   max_context_len: int) -> str | None:
+    """Why saved groups in flight cannot go on under a resumed run's rollout settings (None: they can): groups of
+    another size than its samples a prompt, or an unfinished sample the engine could not continue (already at its
+    max_new_tokens, or a prompt too long for max_new_tokens more in its context)."""
+    sizes = sorted({len(g) for g in groups} - {n_samples})
+    if sizes:
+        return f"groups of {sizes} samples in flight, but rollout.n_samples_per_prompt={n_samples}"
+    pending = [s for g in groups for s in g if s.status not in FINISHED]
+    held = max((s.response_length for s in pending), default=0)
+    if held >= max_new_tokens:
+        return (f"an unfinished sample holds {held} response tokens, but rollout.max_new_tokens={max_new_tokens} "
+                f"leaves it none to generate")
+    prompt = max((s.prompt_length for s in pending), default=0)
+    if prompt + max_new_tokens > max_context_len:
+        return (f"an unfinished sample's prompt of {prompt} tokens + rollout.max_new_tokens={max_new_tokens} exceeds "
+                f"rollout.max_context_len={max_context_len}")
+    return None
+
+
 def sample_to_dict(sample: Sample) -> dict[str, Any]:
     """A JSON-safe copy (floats round-trip exactly through JSON), so a resumed run continues the same samples."""
     return {**dataclasses.asdict(sample), "status": sample.status.value}

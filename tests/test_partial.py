@@ -2,11 +2,12 @@
 trained token scored by the weights of its recorded version, whole groups trained once, and an exact resume."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
-from rl.buffer import FINISHED, RolloutBuffer, due_in, on_schedule, sample_from_dict, sample_to_dict
+from rl.buffer import FINISHED, RolloutBuffer, due_in, on_schedule, resume_problem, sample_from_dict, sample_to_dict
 from rl.collect import Collector, sequences_per_engine
 from rl.config import Config, DataConfig, ModelConfig, RewardConfig, RolloutConfig, resolve
 from rl.data import Prompt, PromptDataset, Sample, Status
@@ -17,6 +18,7 @@ from rl.rollout import scheduler
 from rl.rollout.native import NativeEngine
 from tests.test_checkpoint import checkpoints, final_weights, launch, rows
 from tests.test_engine import full_weights, reference_logprobs
+from tests.test_faults import one_line, rank_exit_code
 from tests.tiny import save_tiny_model_dir, tiny_model, tiny_tokenizer, write_arithmetic_jsonl
 
 ONE_RANK = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
@@ -81,6 +83,19 @@ def test_samples_round_trip_through_the_checkpoint_form_exactly():
     s = sample(3, [1, 1, 2])
     s.rollout_log_probs, s.metadata, s.label = [-0.1 / 3, -1e-300, -7.25], {"k": (1, 2)}, {"answer": [1]}
     assert sample_from_dict(sample_to_dict(s)) == s
+
+
+def test_a_resume_refuses_groups_in_flight_its_settings_cannot_continue():
+    """Saved groups whose size is not the resumed run's n_samples_per_prompt, or an unfinished sample the engine
+    would refuse (no new tokens left under a lower max_new_tokens, a prompt too long for the context), are named
+    before the run starts, not met as an engine error at every retry."""
+    groups = [[sample(0, [1] * 5), sample(0, [1, 1], Status.COMPLETED)], [sample(1, []), sample(1, [1])]]
+    assert resume_problem(groups, 2, 6, 64) is None
+    assert "rollout.n_samples_per_prompt=4" in resume_problem(groups, 4, 6, 64)
+    assert "5 response tokens" in resume_problem(groups, 2, 5, 64)
+    finished_long = [[sample(2, [1] * 9, Status.TRUNCATED), sample(2, [1])]]
+    assert resume_problem(finished_long, 2, 6, 64) is None  # a finished response needs no new tokens
+    assert "prompt of 3 tokens" in resume_problem(groups, 2, 6, 8)
 
 
 @pytest.fixture(scope="module")
@@ -338,6 +353,13 @@ def test_the_groups_in_flight_survive_a_resume_exactly(inputs, tmp_path):
     launch(inputs, straight, 2, "--train.num_rollout=4", "--checkpoint.interval=2", *PARTIAL)
     launch(inputs, resumed, 2, "--train.num_rollout=2", "--checkpoint.interval=2", *PARTIAL)
     assert (resumed / "checkpoints" / "rollout_1" / "rollout_buffer.pkl").is_file()
+    # A resume whose max_new_tokens leaves a carried sample nothing to generate stops at the start, with one line.
+    shutil.copytree(resumed, tmp_path / "shorter")
+    refused = launch(inputs, tmp_path / "shorter", 2, "--train.num_rollout=4", "--checkpoint.resume=auto", *PARTIAL,
+                     "--rollout.max_new_tokens=1", check=False)
+    assert rank_exit_code(refused) == 2
+    line = one_line(refused, "rl: error:")
+    assert "in flight that this run cannot continue" in line and "rollout.max_new_tokens=1" in line, line
     launch(inputs, resumed, 2, "--train.num_rollout=4", "--checkpoint.interval=2", "--checkpoint.resume=auto",
            *PARTIAL)
     a, b = rows(straight), rows(resumed)
