@@ -119,7 +119,7 @@ class RolloutBuffer:
 def resume_problem(groups: list[list[Sample]], n_samples: int, max_new_tokens: int,
                    max_context_len: int) -> str | None:
     """Why saved groups in flight cannot go on under a resumed run's rollout settings (None: they can): groups of
-    another size than its samples a prompt, or an unfinished sample the engine could not continue (already at its
+    another size than its n_samples_per_prompt, or an unfinished sample the engine could not continue (already at its
     max_new_tokens, or a prompt too long for max_new_tokens more in its context)."""
     sizes = sorted({len(g) for g in groups} - {n_samples})
     if sizes:
