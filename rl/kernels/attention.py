@@ -19,14 +19,19 @@ def invariant_num_splits(max_context: int) -> int:
     return -(-max_context // INVARIANT_SPLIT_TOKENS)
 
 
+def cached_slots(block_tables: torch.Tensor, lengths: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slots of each sequence's first lengths[n] tokens, (N, longest), and which of them it holds: past a
+    sequence's end a position reads slot 0 (the zeroed scratch page), never uninitialised memory."""
+    t = torch.arange(int(lengths.max()), device=block_tables.device)
+    held = t[None, :] < lengths[:, None].long()
+    return torch.where(held, block_tables[:, t // page_size].long() * page_size + t % page_size, 0), held
+
+
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     """Decode attention in plain torch: q (B, H, D) over each sequence's first context_lens cached tokens."""
     batch, heads, dim = q.shape
-    t = torch.arange(int(context_lens.max()), device=q.device)
-    valid = t[None, :] < context_lens[:, None].long()  # (B, T)
-    # Positions past a sequence's end read slot 0 (the zeroed scratch page), never uninitialised memory.
-    slots = torch.where(valid, block_tables[:, t // page_size].long() * page_size + t % page_size, 0)
+    slots, valid = cached_slots(block_tables, context_lens, page_size)  # (B, T)
     group = heads // k_cache.shape[1]
     k = k_cache[slots].repeat_interleave(group, dim=2).transpose(1, 2)  # (B, H, T, D)
     v = v_cache[slots].repeat_interleave(group, dim=2).transpose(1, 2)
@@ -45,10 +50,8 @@ def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     offsets = torch.arange(length, device=q.device)
     new = offsets[None, :] < (contexts - starts)[:, None]
     positions = torch.where(new, starts[:, None] + offsets, offsets)  # a pad sits at its offset
-    t = torch.arange(int(contexts.max()), device=q.device)
-    held = t[None, :] < contexts[:, None]  # (N, W)
-    slots = torch.where(held, block_tables.gather(1, torch.where(held, t // page_size, 0)).long() * page_size
-                        + t % page_size, 0)
+    slots, held = cached_slots(block_tables, contexts, page_size)  # (N, W)
+    t = torch.arange(slots.shape[1], device=q.device)
     mask = ((t[None, None, :] <= positions[:, :, None]) & held[:, None, :])[:, None]  # (N, 1, L, W)
     group = heads // k_cache.shape[1]
     k, v = (cache[slots].transpose(1, 2).repeat_interleave(group, dim=1) for cache in (k_cache, v_cache))
