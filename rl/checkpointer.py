@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from rl import checkpoint, parallel
-from rl.buffer import RolloutBuffer, resume_problem, sample_from_dict
+from rl.buffer import RolloutBuffer, resume_problem
 from rl.config import Config, ConfigError, dump
 from rl.data import PromptDataset
 from rl.health import Health
@@ -62,15 +62,15 @@ class RunCheckpointer:
     def resume_buffer(self, path: Path, state: checkpoint.TrainerState) -> None:
         saved = checkpoint.read_rollout_buffer(path) if state.rollout_buffer else None
         if self.buffer is not None and saved is not None:
+            self.buffer.load_state_dict(saved)
             ro = self.cfg.rollout
-            problem = resume_problem([[sample_from_dict(s) for s in g] for g in saved["groups"]],
-                                     ro.n_samples_per_prompt, ro.max_new_tokens, ro.max_context_len)
+            problem = resume_problem(self.buffer.groups, ro.n_samples_per_prompt, ro.max_new_tokens,
+                                     ro.max_context_len)
             if problem:
                 raise ConfigError(f"checkpoint: {path} holds {len(saved['groups'])} prompt group(s) in flight that "
                                   f"this run cannot continue: {problem}. Resume with the rollout settings it was "
                                   f"saved with, or with rollout.partial_rollout=false and rollout.max_staleness=0 "
                                   f"to drop the groups in flight")
-            self.buffer.load_state_dict(saved)
         elif saved is not None and saved["groups"]:  # their prompts were drawn: they come again next epoch
             print0(f"checkpoint: warning: {len(saved['groups'])} prompt group(s) in flight in {path.name} are "
                    f"dropped: this run has rollout.partial_rollout off and rollout.max_staleness=0")
