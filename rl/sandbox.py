@@ -1,28 +1,30 @@
-"""Runs untrusted Python (a model's tool call, a candidate program) in a fresh, limited interpreter.
+"""Runs untrusted Python (a model's tool call, a candidate program) in a fresh interpreter inside a jail.
 
-    run_python(code, stdin="", timeout_s=5.0, memory_mb=512, files={"data.txt": "..."}) -> SandboxResult
+    run_python(code, stdin="", timeout_s=5.0, memory_mb=512, disk_mb=64, files={"data.txt": "..."}) -> SandboxResult
 
-Each call starts `python -I -B -X utf8` in a new temporary directory (removed afterwards; `files` are written there
-first, and the code may import them), with an environment that holds only what Python needs (PATH, HOME and
-TMPDIR at the directory, a UTF-8 locale, one BLAS thread). In the child, before the interpreter starts:
+Each call starts `python -I -B -X utf8` on the code, with `files` beside it, in the jail that rl/jail.py builds:
+its own user, mount, PID, network, IPC, UTS and cgroup namespaces; a root in which only what Python needs is
+visible, read-only, and only /tmp (its working directory, a tmpfs of `disk_mb`) is writable; user nobody, no
+capabilities; limits on CPU seconds (the timeout, rounded up), address space (`memory_mb`: an allocation past it
+raises MemoryError), bytes a file (MAX_FILE_BYTES), open files; a seccomp filter that refuses new processes (a
+fork bomb ends at its first fork), the kernel's mount, namespace, tracing and keyring calls, and sockets of other
+families than unix and IP. Its environment holds only what Python needs (PATH, HOME and TMPDIR at /tmp, a UTF-8
+locale, one BLAS thread). So the code cannot read or change the caller's files, see or signal any process
+outside (its caller included), reach any socket of the host, or leave anything behind: a call that ends, or whose
+worker is killed, takes its processes, files and mounts with it (rl/jail.py says how).
 
-- limits (`resource.setrlimit`): CPU seconds (the timeout, rounded up), address space (`memory_mb`: an
-  allocation past it raises MemoryError), bytes per written file (MAX_FILE_BYTES), open files, no core dumps;
-- no new processes: a seccomp filter refuses fork, vfork and every clone but a thread's (EPERM; clone3 answers
-  ENOSYS so that threads fall back to clone), so a fork bomb ends at its first fork. Where the filter cannot be
-  installed (not x86-64 or aarch64 Linux), RLIMIT_NPROC bounds the processes instead, inside the namespace below;
-- no network: the child unshares a user and a network namespace (CLONE_NEWUSER | CLONE_NEWNET), in which only
-  a loopback device exists, down, so every connection fails, the host's own 127.0.0.1 included. Where the kernel
-  refuses unprivileged namespaces (`network_namespace_available()` says which holds), a prelude replaces
-  `socket.socket` and `_socket.socket` in the child's interpreter before the code runs: a barrier against
-  ordinary code, not against code that calls libc through ctypes.
+A wall-clock timeout kills the call (SIGKILL to its process group; its jailed process dies with it). stdout and
+stderr are read as they come, each kept up to MAX_OUTPUT_BYTES (the rest is read and dropped, so a chatty program
+cannot fill the caller's memory).
 
-A wall-clock timeout kills the whole process group (SIGKILL), and whatever is left of it once the code exits.
-stdout and stderr are read as they come, each kept up to MAX_OUTPUT_BYTES (the rest is read and dropped, so a
-chatty program cannot fill the caller's memory). What this is not: a filesystem jail. The code runs as the
-caller's user, with that user's rights over files outside the directory (no extra capabilities: inside the user
-namespace they do not reach the host), so run it as a user that owns nothing worth protecting. The total bytes
-written to disk are bounded by time and MAX_FILE_BYTES per file, not overall.
+The jail needs unprivileged user namespaces (or root) and a kernel that lets them mount: `jail_problem()` says why
+not where it cannot be built. Then run_python raises SandboxUnavailable, whose one line names the setting that
+accepts a weaker barrier knowingly: `reward.sandbox = "barrier"` in a run (the environment variable
+RL_SANDBOX=barrier elsewhere). The barrier runs the code as the caller's user in a temporary folder of the host
+(removed afterwards, but left behind if the caller is killed), with the same limits and seccomp filter, in a
+user and network namespace where the kernel allows one, else with Python's socket module replaced (against
+ordinary code, not against code calling libc through ctypes). It is not a filesystem jail: the code can read and
+change whatever the caller's user can.
 
 Standard library only: it runs in the reward workers (rl/reward_worker.py), which import nothing of the trainer.
 """
@@ -31,13 +33,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
+import json
 import os
-import platform
 import resource
 import selectors
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -45,13 +47,18 @@ import time
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from rl import jail
+
 MAX_OUTPUT_BYTES = 64 * 1024  # of stdout and of stderr, each
 MAX_FILE_BYTES = 16 * 2**20  # RLIMIT_FSIZE: the largest file the code may write
 MAX_OPEN_FILES = 256
-MAX_PROCESSES = 32  # RLIMIT_NPROC, only where the seccomp filter is missing (see the module docstring)
+MAX_PROCESSES = 32  # RLIMIT_NPROC, only where the seccomp filter is missing (see rl/jail.py)
+DISK_MB = 64  # the jail's writable tmpfs, the code's files included
 MAIN = ".sandbox_main.py"  # the code, read and removed by the prelude before it runs
-CLONE_NEWUSER, CLONE_NEWNET, CLONE_THREAD = 0x10000000, 0x40000000, 0x00010000
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 38, 22, 2
+JAIL_PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail.py")
+ISOLATIONS = ("jail", "barrier")
+CLONE_NEWUSER, CLONE_NEWNET = jail.CLONE_NEWUSER, jail.CLONE_NEWNET
+PR_SET_PDEATHSIG = jail.PR_SET_PDEATHSIG
 
 
 @dataclass(frozen=True)
@@ -66,19 +73,128 @@ class SandboxResult:
         return self.exit_code == 0 and not self.timed_out
 
 
-def run_python(code: str, *, stdin: str = "", timeout_s: float = 5.0, memory_mb: int = 512,
-               files: dict[str, str] | None = None) -> SandboxResult:
-    """Runs `code` as a program's main module, with `stdin` as its standard input, in the limits above."""
+class SandboxUnavailable(RuntimeError):
+    """The jail cannot be built here and the weaker barrier was not accepted; the message is one line."""
+
+
+class SandboxError(RuntimeError):
+    """Building the jail failed for one call (not the code's doing)."""
+
+
+def isolation() -> str:
+    """"jail" unless the run accepted the barrier (reward.sandbox; the reward workers set RL_SANDBOX from it)."""
+    value = os.environ.get("RL_SANDBOX", "jail")
+    if value not in ISOLATIONS:
+        raise SandboxUnavailable(f"RL_SANDBOX={value!r}: must be one of {', '.join(ISOLATIONS)}")
+    return value
+
+
+def run_python(code: str, *, stdin: str = "", timeout_s: float = 5.0, memory_mb: int = 512, disk_mb: int = DISK_MB,
+               files: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> SandboxResult:
+    """Runs `code` as a program's main module, with `stdin` as its standard input, in the limits above;
+    `pass_fds`: descriptors the program keeps, at the same numbers (pipes to another call)."""
+    files = {checked_name(name): text for name, text in (files or {}).items()} | {MAIN: code}
+    if isolation() == "barrier":
+        return run_in_barrier(files, stdin, timeout_s, memory_mb, pass_fds)
+    require_jail()
+    return run_in_jail(files, stdin, timeout_s, memory_mb, disk_mb, pass_fds)
+
+
+def require_jail() -> None:
+    """Raises SandboxUnavailable (one line: why, and the setting that accepts the barrier) where no jail can be
+    built; `rl.reward.RewardPool` calls it at start-up for the runs whose functions import this module."""
+    if isolation() == "jail" and jail_problem():
+        raise SandboxUnavailable(f"{jail_problem()}; model-written code needs it (a code reward, a tool). Set "
+                                 "reward.sandbox = \"barrier\" to run that code without the jail, knowingly: as "
+                                 "your user, able to read and change your files")
+
+
+@functools.cache
+def jail_problem() -> str:
+    """Why the jail cannot be built here ("" when it can), asked once of a throwaway call."""
+    if sys.platform != "linux":
+        return f"the sandbox's jail needs Linux namespaces; this is {sys.platform}"
+    try:
+        result = run_in_jail({MAIN: "print('ok')"}, "", 30.0, 256, 1, ())
+    except (SandboxError, OSError) as e:
+        return f"{e} (user namespaces: {user_namespace_setting()})"
+    return "" if result.stdout == "ok\n" else f"the jail's test call failed: {result}"
+
+
+def user_namespace_setting() -> str:
+    """What the kernel's switches say about unprivileged user namespaces (for the error line)."""
+    said = []
+    for name in ("/proc/sys/kernel/unprivileged_userns_clone", "/proc/sys/user/max_user_namespaces",
+                 "/proc/sys/kernel/apparmor_restrict_unprivileged_userns"):
+        try:
+            with open(name) as f:
+                said.append(f"{name.removeprefix('/proc/sys/').replace('/', '.')}={f.read().strip()}")
+        except OSError:
+            pass
+    return ", ".join(said) or "no switch readable"
+
+
+def run_in_jail(files: dict[str, str], stdin: str, timeout_s: float, memory_mb: int, disk_mb: int,
+                pass_fds: tuple[int, ...]) -> SandboxResult:
+    """One call through rl/jail.py; SandboxError when the jail could not be built."""
+    status_r, status_w = os.pipe()
+    links, binds = jail_paths()
+    spec = {"caller": os.getpid(), "status_fd": status_w, "links": links, "binds": binds, "python": sys.executable,
+            "python_args": ["-I", "-B", "-X", "utf8", "-c", prelude(block_sockets=False)], "env": child_env("/tmp"),
+            "timeout_s": timeout_s, "memory_mb": memory_mb, "disk_mb": disk_mb, "max_file_bytes": MAX_FILE_BYTES,
+            "max_open_files": MAX_OPEN_FILES, "max_processes": MAX_PROCESSES}
+    packed = json.dumps(files).encode()
+    try:
+        proc = subprocess.Popen([sys.executable, "-I", "-S", JAIL_PROGRAM, json.dumps(spec)], cwd="/",
+                                env={"LC_ALL": "C.UTF-8"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w, *pass_fds))
+    finally:
+        os.close(status_w)
+    try:
+        result = communicate(proc, len(packed).to_bytes(8, "little") + packed + stdin.encode(),
+                             time.monotonic() + timeout_s)
+        failure = os.read(status_r, 4096).decode(errors="replace")
+    finally:
+        os.close(status_r)
+    if failure:
+        raise SandboxError(failure)
+    return result
+
+
+@functools.cache
+def jail_paths() -> tuple[list[tuple[str, str]], list[str]]:
+    """What the jail shows of the host, read-only: (links, folders and files to bind). The binds are real paths,
+    none inside another; the links are every symbolic link on the way to them from the paths Python names."""
+    named = {"/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache", "/etc/localtime",
+             sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, os.path.dirname(sys.executable),
+             *site.getsitepackages()}
+    named = {p for p in named if os.path.lexists(p) and not p.startswith(("/tmp/", "/proc/", "/dev/", "/sys/"))}
+    real = {os.path.realpath(p) for p in named | {sys.executable}}
+    real = {p for p in real if os.path.exists(p) and not p.startswith(("/tmp/", "/proc/", "/dev/", "/sys/"))}
+    binds = sorted(p for p in real if not any(p.startswith(q.rstrip("/") + "/") for q in real if q != p))
+    links = {}
+    for path in named | {sys.executable}:
+        parts = PurePosixPath(path).parts
+        for i in range(2, len(parts) + 1):
+            step = str(PurePosixPath(*parts[:i]))
+            if os.path.islink(step) and not any(step.startswith(b + "/") or step == b for b in binds):
+                links[step] = os.readlink(step)
+    return sorted(links.items()), binds
+
+
+def run_in_barrier(files: dict[str, str], stdin: str, timeout_s: float, memory_mb: int,
+                   pass_fds: tuple[int, ...]) -> SandboxResult:
+    """One call behind the weaker barrier (the module docstring): a temporary folder of the host, removed after."""
     workdir = tempfile.mkdtemp(prefix="rl-sandbox-")
     try:
-        for name, text in (files or {}).items():
-            write_file(os.path.join(workdir, checked_name(name)), text)
-        write_file(os.path.join(workdir, MAIN), code)
+        for name, text in files.items():
+            write_file(os.path.join(workdir, name), text)
         isolated = network_namespace_available()
         proc = subprocess.Popen(
             [sys.executable, "-I", "-B", "-X", "utf8", "-c", prelude(block_sockets=not isolated)], cwd=workdir,
             env=child_env(workdir), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, preexec_fn=functools.partial(limit_child, timeout_s, memory_mb, isolated))
+            start_new_session=True, pass_fds=pass_fds,
+            preexec_fn=functools.partial(limit_child, timeout_s, memory_mb, isolated))
         return communicate(proc, stdin.encode(), time.monotonic() + timeout_s)
     finally:
         remove_tree(workdir)
@@ -146,77 +262,18 @@ def network_namespace_available() -> bool:
 
 
 def limit_child(timeout_s: float, memory_mb: int, isolated: bool) -> None:
-    """In the forked child, before exec: signals back to their defaults, death with the caller, namespaces,
-    limits, and last the seccomp filter (it outlives exec)."""
+    """The barrier's child, before exec: signals back to their defaults, death with the caller, a user and
+    network namespace where possible, the jail's limits, and last its seccomp filter (it outlives exec)."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # the reward workers ignore these
         signal.signal(sig, signal.SIG_DFL)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if isolated and libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
         raise OSError(ctypes.get_errno(), "sandbox: unshare(CLONE_NEWUSER | CLONE_NEWNET) failed")
-    cpu_s = max(math.ceil(timeout_s), 1)
-    set_limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)
-    set_limit(resource.RLIMIT_AS, memory_mb * 2**20)
-    set_limit(resource.RLIMIT_FSIZE, MAX_FILE_BYTES)
-    set_limit(resource.RLIMIT_NOFILE, MAX_OPEN_FILES)
-    set_limit(resource.RLIMIT_CORE, 0)
-    if not install_no_fork_filter(libc) and isolated:
+    jail.set_limits(timeout_s, memory_mb, MAX_FILE_BYTES, MAX_OPEN_FILES)
+    if not jail.install_filter() and isolated:
         # Counted per user namespace (Linux >= 5.14), so only this child's processes; the root user is exempt.
-        set_limit(resource.RLIMIT_NPROC, MAX_PROCESSES)
-
-
-def set_limit(which: int, soft: int, hard: int | None = None) -> None:
-    """Lowers a limit, never past the caller's own hard limit (a reward worker already caps its memory)."""
-    _, current = resource.getrlimit(which)
-    hard = soft if hard is None else hard
-    if current != resource.RLIM_INFINITY:
-        soft, hard = min(soft, current), min(hard, current)
-    resource.setrlimit(which, (soft, hard))
-
-
-# seccomp: (audit arch, {syscall: number}) of the architectures the filter knows; clone3 is 435 on both.
-ARCHES = {"x86_64": (0xC000003E, {"clone": 56, "fork": 57, "vfork": 58, "clone3": 435}),
-          "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435})}
-
-
-class SockFilter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
-
-
-class SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
-
-
-def no_fork_program(arch: int, numbers: dict[str, int]) -> list[tuple[int, int, int, int]]:
-    """The BPF program: a thread's clone passes, any other clone, fork and vfork get EPERM, clone3 ENOSYS (so
-    that the C library falls back to clone, whose flags a filter can read), a foreign arch EPERM."""
-    load, jeq, jge, and_, ret = 0x20, 0x15, 0x35, 0x54, 0x06
-    allow, deny, nosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    # (code, k, jump-if-true label, jump-if-false label); labels name the returns at the end
-    program = [(load, 4, None, None), (jeq, arch, None, "deny"),  # seccomp_data.arch
-               (load, 0, None, None), (jge, 0x40000000, "deny", None),  # seccomp_data.nr; x32 calls
-               (jeq, numbers["clone3"], "nosys", None)]
-    program += [(jeq, numbers[name], "deny", None) for name in ("fork", "vfork") if name in numbers]
-    program += [(jeq, numbers["clone"], None, "allow"),
-                (load, 16, None, None), (and_, CLONE_THREAD, None, None),  # the low word of args[0], the flags
-                (jeq, CLONE_THREAD, "allow", "deny")]
-    labels = {"allow": len(program), "deny": len(program) + 1, "nosys": len(program) + 2}
-    out = [(code, 0 if t is None else labels[t] - i - 1, 0 if f is None else labels[f] - i - 1, k)
-           for i, (code, k, t, f) in enumerate(program)]
-    return out + [(ret, 0, 0, allow), (ret, 0, 0, deny), (ret, 0, 0, nosys)]
-
-
-def install_no_fork_filter(libc) -> bool:
-    """Installs the filter on this process and what it executes; false where this architecture is unknown."""
-    if platform.machine() not in ARCHES:
-        return False
-    program = no_fork_program(*ARCHES[platform.machine()])
-    filters = (SockFilter * len(program))(*[SockFilter(code, jt, jf, k) for code, jt, jf, k in program])
-    fprog = SockFprog(len(program), filters)
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or \
-            libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
-        return False
-    return True
+        jail.set_limit(resource.RLIMIT_NPROC, MAX_PROCESSES)
 
 
 def communicate(proc: subprocess.Popen, stdin: bytes, deadline: float) -> SandboxResult:
