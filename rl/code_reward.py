@@ -8,12 +8,20 @@ statement defines, as HumanEval's prompts do, so that a response that leaves the
 code is its fenced ```python blocks (bare ``` ones too) joined in order, or the whole response when it has none;
 an unclosed last block (a truncated response) counts up to the end.
 
-The candidate is imported as a module (solution.py: setup, then its code), so an `if __name__ == "__main__":`
-block of its own does not run, and the tests run as the main program after `from solution import *`. The score
-is all-pass: 1.0 when that program runs to its end (a mark printed after the tests: what the program prints past
-the sandbox's 64 KB is dropped, the mark with it) and exits 0 within TIMEOUT_S seconds, else 0.0 (a wrong answer,
-an exception, a syntax error, an exit before the tests, a hang, a crash, memory past MEMORY_MB). Not the fraction
-of tests passed: HumanEval's tests are one function of asserts that stops at the first failure.
+The candidate and the tests run in two sandboxes joined by pipes (rl/code_harness.py): the candidate's side
+imports it (solution.py: setup, then its code, so an `if __name__ == "__main__":` block of its own does not run)
+and answers calls; the tests' side runs setup and tests, in which each function the candidate was to write (the
+tests' free names that setup does not define with a body) asks the candidate's side, whose answers cross as plain
+data. The score is all-pass: 1.0 when the tests run to their end, every call answered, and print a mark drawn
+afresh for the call, else 0.0 (a wrong answer, an exception, a syntax error, a hang, a crash, memory past
+MEMORY_MB, an answer that is not plain data). Not the fraction of tests passed: HumanEval's tests are one function
+of asserts that stops at the first failure.
+
+What this closes, besides the jail around each side (rl/sandbox.py): an answer cannot lie about equality (an
+object whose `__eq__` is always true does not cross; the tests compare objects their own process built), and a
+program cannot pass by exiting 0 or printing the mark early (the mark and the expected values are never in the
+candidate's process). What it does not: tests that check an argument the candidate mutated in place see their
+own copy, and a test that uses a name the candidate's module defines other than a function fails.
 
 The sandbox's wall-clock limit sits inside the reward worker's (`reward.timeout_s`, which should exceed TIMEOUT_S
 by a few seconds of interpreter start-up): a response that hangs scores 0 here and its worker goes on, instead of
@@ -23,11 +31,15 @@ worker that imports it.
 
 from __future__ import annotations
 
+import ast
+import builtins
+import os
 import re
 import secrets
+from pathlib import Path
 from typing import Any
 
-from rl.sandbox import run_python
+from rl.sandbox import finish, kill, start_python
 
 TIMEOUT_S = 5.0  # wall clock (and CPU seconds) for one response's program
 MEMORY_MB = 512  # address space of that program; below reward.memory_limit_mb, which bounds the worker's children
@@ -43,15 +55,70 @@ def extract_code(response: str) -> str:
     return "\n\n".join(blocks) if blocks else response
 
 
+HARNESS = (Path(__file__).parent / "code_harness.py").read_text(encoding="utf-8")
+
+
 def passes(code: str, tests: str, setup: str = "", timeout_s: float = TIMEOUT_S) -> bool:
-    """Whether `tests` run to their end against `code` (imported as solution.py after `setup`). The end is a
-    mark printed after the last test, drawn afresh for each call, so code that exits 0 before the tests run
-    (`sys.exit(0)` or `os._exit(0)` on import) fails."""
+    """Whether `tests` run to their end against `code` (imported as solution.py after `setup`) with every call
+    answered, each side in its own sandbox (the module docstring)."""
     mark = secrets.token_hex(16)
+    stand_ins = functions_to_write(tests, setup)
     solution = f"{setup}\n\n{code}\n" if setup else f"{code}\n"
-    result = run_python(f"from solution import *\n\n{tests}\n\nprint({mark!r})\n", files={"solution.py": solution},
-                        timeout_s=timeout_s, memory_mb=MEMORY_MB)
+    requests_r, requests_w = os.pipe()
+    answers_r, answers_w = os.pipe()
+    candidate = None
+    try:
+        candidate = start_python(f"import harness\nharness.serve({requests_r}, {answers_w})\n",
+                                 files={"harness.py": HARNESS, "solution.py": solution}, timeout_s=timeout_s,
+                                 memory_mb=MEMORY_MB, pass_fds=(requests_r, answers_w), quiet=True)
+        judge = start_python(f"import harness\nharness.run_tests({requests_w}, {answers_r}, {stand_ins!r}, {mark!r})\n",
+                             files={"harness.py": HARNESS, "setup.py": setup, "tests.py": tests},
+                             timeout_s=timeout_s, memory_mb=MEMORY_MB, pass_fds=(requests_w, answers_r))
+    except BaseException:
+        if candidate is not None:
+            kill(candidate)
+        raise
+    finally:
+        for fd in (requests_r, requests_w, answers_r, answers_w):
+            os.close(fd)  # each side holds its own ends: one side's exit is the other's end of file
+    try:
+        result = finish(judge)
+    finally:
+        kill(candidate)
     return result.ok and mark in result.stdout
+
+
+def functions_to_write(tests: str, setup: str) -> list[str]:
+    """The names the tests call that the candidate defines: the tests' free names (read, never bound in them, not
+    built-ins), less what setup binds, except setup's stubs (`is_stub`)."""
+    test_tree, setup_tree = ast.parse(tests, "tests"), ast.parse(setup, "setup")
+    read = {n.id for n in ast.walk(test_tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    stubs = {n.name for n in setup_tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and is_stub(n)}
+    return sorted(read - bound_names(test_tree) - (bound_names(setup_tree) - stubs) - set(dir(builtins)))
+
+
+def bound_names(tree: ast.AST) -> set[str]:
+    """Every name a tree binds anywhere: assigned, defined, imported, a parameter, an exception's name."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+    return names
+
+
+def is_stub(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A def that computes nothing: a docstring, `pass`, `...` and imports (HumanEval/115 imports before its
+    docstring)."""
+    return all(isinstance(s, (ast.Pass, ast.Import, ast.ImportFrom))
+               or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)) for s in fn.body)
 
 
 def all_tests_pass(prompt: str, response: str, label: Any, metadata: dict[str, Any]) -> float:

@@ -145,6 +145,10 @@ class RewardConfig:
     memory_limit_mb: int = 2048  # address-space limit of each worker; an input past it scores 0 (counted)
     # steps in a row in which every reward failed (raised, timed out, worker died) before the run stops
     max_failed_steps: int = 3
+    # How model-written code runs (rl/sandbox.py: a code reward, a tool): "jail" (namespaces, a read-only root,
+    # nobody; a run whose functions use the sandbox stops at start-up where it cannot be built), or "barrier"
+    # (limits and seccomp only, as your user with your files in reach): accept that knowingly.
+    sandbox: str = "jail"
 
 
 @dataclass(frozen=True)
@@ -636,6 +640,7 @@ def validate_reward_and_health(rw: RewardConfig, tr: TrainConfig, weights: Weigh
     _require(rw.start_timeout_s > 0, f"reward.start_timeout_s must be > 0, got {rw.start_timeout_s}")
     _require(rw.memory_limit_mb >= 0, f"reward.memory_limit_mb must be >= 0 (0: no limit), got {rw.memory_limit_mb}")
     _require(rw.max_failed_steps >= 1, f"reward.max_failed_steps must be >= 1, got {rw.max_failed_steps}")
+    _require(rw.sandbox in ("jail", "barrier"), f"reward.sandbox must be 'jail' or 'barrier', got {rw.sandbox!r}")
     _require(tr.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {tr.max_bad_steps}")
     _require(tr.collective_timeout_s > 0, f"train.collective_timeout_s must be > 0, got {tr.collective_timeout_s}")
     _require(weights.bucket_mb > 0, "weights.bucket_mb must be > 0")

@@ -180,6 +180,7 @@ def jail(spec: dict, files: dict[str, str], alive_r: int) -> None:
     if not_alive(alive_r):
         os._exit(1)
     os.close(alive_r)
+    os.setsid()  # a session and process group of its own: kill(0, ...) reaches nothing but the jail
     os.chdir("/tmp")
     for name, text in files.items():
         if os.path.dirname(name):

@@ -70,6 +70,17 @@ class RewardInput:
     group: int | None = None  # inputs of one prompt group share it (Sample.group_index); None: a group of its own
 
 
+def require_sandbox(isolation: str) -> None:
+    """A ConfigError (one line) where the sandbox's jail cannot be built and reward.sandbox did not accept the
+    barrier: before the model loads, not at the first tool call."""
+    from rl import sandbox
+
+    try:
+        sandbox.require_jail(isolation)
+    except sandbox.SandboxUnavailable as e:
+        raise ConfigError(str(e)) from None
+
+
 def load_function(path: str, key: str = "reward.user_fn") -> Callable[..., Any]:
     """Imports "pkg.module:function"; a ConfigError names `key` and the path."""
     module_name, colon, fn_name = path.partition(":")
@@ -273,6 +284,8 @@ class RewardPool:
             load_function(path, key)  # a bad path fails here, in the parent, not as N worker errors
         if env_fn:  # imported here only to fail early: episodes are made and stepped in the workers
             load_function(env_fn, "env.fn")
+        if "rl.sandbox" in sys.modules:  # a function runs model-written code: refuse a missing jail now
+            require_sandbox(cfg.sandbox)
         self.cfg, self.env_fn = cfg, env_fn
         # Started without waiting: workers import while the caller does other work; `score` waits.
         self.workers = [self.start_worker() for _ in range(cfg.num_workers)]
@@ -283,7 +296,8 @@ class RewardPool:
         started_at = time.monotonic()
         parent_conn, child_conn = multiprocessing.Pipe()
         fd = child_conn.fileno()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [RL_ROOT, os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [RL_ROOT, os.environ.get("PYTHONPATH")])),
+                   RL_SANDBOX=self.cfg.sandbox)  # how rl/sandbox.py runs model-written code there
         process = subprocess.Popen([sys.executable, "-u", "-m", "rl.reward_worker", str(fd)], pass_fds=[fd], env=env,
                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         child_conn.close()  # so the parent sees EOF when the worker dies

@@ -90,23 +90,79 @@ def isolation() -> str:
 
 
 def run_python(code: str, *, stdin: str = "", timeout_s: float = 5.0, memory_mb: int = 512, disk_mb: int = DISK_MB,
-               files: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> SandboxResult:
-    """Runs `code` as a program's main module, with `stdin` as its standard input, in the limits above;
-    `pass_fds`: descriptors the program keeps, at the same numbers (pipes to another call)."""
+               files: dict[str, str] | None = None) -> SandboxResult:
+    """Runs `code` as a program's main module, with `stdin` as its standard input, in the limits above."""
+    return finish(start_python(code, timeout_s=timeout_s, memory_mb=memory_mb, disk_mb=disk_mb, files=files), stdin)
+
+
+@dataclass
+class Call:
+    """A started call: `finish` reads it to its end, `kill` ends it unread."""
+    proc: subprocess.Popen
+    deadline: float
+    status_r: int | None = None  # the jail's status pipe (rl/jail.py)
+    workdir: str | None = None  # the barrier's folder
+
+
+def start_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, disk_mb: int = DISK_MB,
+                 files: dict[str, str] | None = None, pass_fds: tuple[int, ...] = (), quiet: bool = False) -> Call:
+    """Starts `code` as run_python does and returns at once; `pass_fds`: descriptors the program keeps, at the
+    same numbers (pipes to another call); `quiet`: its stdin closed and its output dropped, for a program that
+    talks through `pass_fds` alone."""
     files = {checked_name(name): text for name, text in (files or {}).items()} | {MAIN: code}
+    output = subprocess.DEVNULL if quiet else subprocess.PIPE
     if isolation() == "barrier":
-        return run_in_barrier(files, stdin, timeout_s, memory_mb, pass_fds)
-    require_jail()
-    return run_in_jail(files, stdin, timeout_s, memory_mb, disk_mb, pass_fds)
+        call = start_in_barrier(files, timeout_s, memory_mb, pass_fds, output)
+    else:
+        require_jail("jail")
+        call = start_in_jail(files, timeout_s, memory_mb, disk_mb, pass_fds, output)
+    if quiet:
+        call.proc.stdin.close()
+    return call
 
 
-def require_jail() -> None:
+def finish(call: Call, stdin: str = "") -> SandboxResult:
+    """Feeds `stdin`, reads the outputs until the program ends or its deadline passes, and cleans up; a
+    SandboxError when the jail could not be built."""
+    try:
+        result = communicate(call.proc, stdin.encode(), call.deadline)
+    finally:
+        failure = clean_up(call)
+    if failure:
+        raise SandboxError(failure)
+    return result
+
+
+def kill(call: Call) -> None:
+    """Ends a call at once (its process group, and with it the jail's process) and cleans up."""
+    try:
+        os.killpg(call.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    call.proc.wait()
+    clean_up(call)
+
+
+def clean_up(call: Call) -> str:
+    """Closes what the call held and removes the barrier's folder; returns what the jail reported ('' if all
+    went well)."""
+    failure = ""
+    if call.status_r is not None:
+        failure = os.read(call.status_r, 4096).decode(errors="replace")
+        os.close(call.status_r)
+    if call.workdir is not None:
+        remove_tree(call.workdir)
+    return failure
+
+
+def require_jail(isolation: str | None = None) -> None:
     """Raises SandboxUnavailable (one line: why, and the setting that accepts the barrier) where no jail can be
-    built; `rl.reward.RewardPool` calls it at start-up for the runs whose functions import this module."""
-    if isolation() == "jail" and jail_problem():
-        raise SandboxUnavailable(f"{jail_problem()}; model-written code needs it (a code reward, a tool). Set "
-                                 "reward.sandbox = \"barrier\" to run that code without the jail, knowingly: as "
-                                 "your user, able to read and change your files")
+    built and `isolation` (RL_SANDBOX by default) asks for one; `rl.reward.RewardPool` calls it at start-up for
+    the runs whose functions import this module."""
+    if (isolation or os.environ.get("RL_SANDBOX", "jail")) == "jail" and jail_problem():
+        raise SandboxUnavailable(f"{jail_problem()}; model-written code (a code reward, a tool) needs it. Set "
+                                 "reward.sandbox = \"barrier\" (RL_SANDBOX=barrier outside a run) to run that code "
+                                 "without the jail, knowingly: as your user, with your files in reach")
 
 
 @functools.cache
@@ -115,7 +171,7 @@ def jail_problem() -> str:
     if sys.platform != "linux":
         return f"the sandbox's jail needs Linux namespaces; this is {sys.platform}"
     try:
-        result = run_in_jail({MAIN: "print('ok')"}, "", 30.0, 256, 1, ())
+        result = finish(start_in_jail({MAIN: "print('ok')"}, 30.0, 256, 1, (), subprocess.PIPE))
     except (SandboxError, OSError) as e:
         return f"{e} (user namespaces: {user_namespace_setting()})"
     return "" if result.stdout == "ok\n" else f"the jail's test call failed: {result}"
@@ -134,9 +190,9 @@ def user_namespace_setting() -> str:
     return ", ".join(said) or "no switch readable"
 
 
-def run_in_jail(files: dict[str, str], stdin: str, timeout_s: float, memory_mb: int, disk_mb: int,
-                pass_fds: tuple[int, ...]) -> SandboxResult:
-    """One call through rl/jail.py; SandboxError when the jail could not be built."""
+def start_in_jail(files: dict[str, str], timeout_s: float, memory_mb: int, disk_mb: int, pass_fds: tuple[int, ...],
+                  output: int) -> Call:
+    """Starts rl/jail.py on the call and hands it the files (its stdin's first bytes)."""
     status_r, status_w = os.pipe()
     links, binds = jail_paths()
     spec = {"caller": os.getpid(), "status_fd": status_w, "links": links, "binds": binds, "python": sys.executable,
@@ -146,19 +202,20 @@ def run_in_jail(files: dict[str, str], stdin: str, timeout_s: float, memory_mb: 
     packed = json.dumps(files).encode()
     try:
         proc = subprocess.Popen([sys.executable, "-I", "-S", JAIL_PROGRAM, json.dumps(spec)], cwd="/",
-                                env={"LC_ALL": "C.UTF-8"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w, *pass_fds))
+                                env={"LC_ALL": "C.UTF-8"}, stdin=subprocess.PIPE, stdout=output, stderr=output,
+                                start_new_session=True, pass_fds=(status_w, *pass_fds))
+    except BaseException:
+        os.close(status_r)
+        raise
     finally:
         os.close(status_w)
+    call = Call(proc, time.monotonic() + timeout_s, status_r=status_r)
     try:
-        result = communicate(proc, len(packed).to_bytes(8, "little") + packed + stdin.encode(),
-                             time.monotonic() + timeout_s)
-        failure = os.read(status_r, 4096).decode(errors="replace")
-    finally:
-        os.close(status_r)
-    if failure:
-        raise SandboxError(failure)
-    return result
+        proc.stdin.write(len(packed).to_bytes(8, "little") + packed)
+        proc.stdin.flush()
+    except BrokenPipeError:  # the keeper is gone already: finish or kill reports why
+        pass
+    return call
 
 
 @functools.cache
@@ -182,9 +239,9 @@ def jail_paths() -> tuple[list[tuple[str, str]], list[str]]:
     return sorted(links.items()), binds
 
 
-def run_in_barrier(files: dict[str, str], stdin: str, timeout_s: float, memory_mb: int,
-                   pass_fds: tuple[int, ...]) -> SandboxResult:
-    """One call behind the weaker barrier (the module docstring): a temporary folder of the host, removed after."""
+def start_in_barrier(files: dict[str, str], timeout_s: float, memory_mb: int, pass_fds: tuple[int, ...],
+                     output: int) -> Call:
+    """Starts the call behind the weaker barrier (the module docstring), in a temporary folder of the host."""
     workdir = tempfile.mkdtemp(prefix="rl-sandbox-")
     try:
         for name, text in files.items():
@@ -192,12 +249,12 @@ def run_in_barrier(files: dict[str, str], stdin: str, timeout_s: float, memory_m
         isolated = network_namespace_available()
         proc = subprocess.Popen(
             [sys.executable, "-I", "-B", "-X", "utf8", "-c", prelude(block_sockets=not isolated)], cwd=workdir,
-            env=child_env(workdir), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, pass_fds=pass_fds,
-            preexec_fn=functools.partial(limit_child, timeout_s, memory_mb, isolated))
-        return communicate(proc, stdin.encode(), time.monotonic() + timeout_s)
-    finally:
+            env=child_env(workdir), stdin=subprocess.PIPE, stdout=output, stderr=output, start_new_session=True,
+            pass_fds=pass_fds, preexec_fn=functools.partial(limit_child, timeout_s, memory_mb, isolated))
+    except BaseException:
         remove_tree(workdir)
+        raise
+    return Call(proc, time.monotonic() + timeout_s, workdir=workdir)
 
 
 def checked_name(name: str) -> str:

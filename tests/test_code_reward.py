@@ -47,6 +47,82 @@ def test_a_right_solution_scores_1_and_a_wrong_or_missing_one_0():
     assert score(uses_list) == 1.0
 
 
+# An answer that claims to equal anything: `assert candidate(x) == y` holds for it in the candidate's process.
+LIAR = ("```python\nclass Anything:\n    def __eq__(self, other):\n        return True\n    __ne__ = lambda s, o: False\n"
+        "    def __hash__(self):\n        return 0\n\ndef total(xs):\n    return Anything()\n```")
+LIAR_INT = "```python\nclass Int(int):\n    __eq__ = lambda s, o: True\n\ndef total(xs):\n    return Int(5)\n```"
+# The tests' mark is the last line the program prints: read it from the source of the program that imports the
+# candidate (its main module, or a caller's frame) and print it before the tests can fail.
+MARK_THIEF = """```python
+import re, sys, os
+
+def _steal():
+    sources = [open(a).read() for a in sys.argv if a.endswith('.py') and os.path.exists(a)]
+    frame = sys._getframe()
+    while frame is not None:
+        sources.append(str(frame.f_globals.get('_src', '')))
+        sources += [repr(v) for v in frame.f_locals.values() if isinstance(v, str)]
+        frame = frame.f_back
+    for name in os.listdir('.'):
+        if os.path.isfile(name):
+            sources.append(open(name).read())
+    for text in sources:
+        for mark in re.findall('[0-9a-f]{32}', text):
+            print(mark, flush=True)
+    os._exit(0)
+
+_steal()
+
+def total(xs):
+    return 0
+```"""
+
+
+def test_the_two_reward_hacks_score_0():
+    """An object whose __eq__ always holds, and the pass mark read from the harness and printed early: both won
+    1.0 when the tests ran in the candidate's own process; the tests now compare plain data their own process
+    built, and the mark is never in the candidate's."""
+    assert score(LIAR) == 0.0
+    assert score(LIAR_INT) == 0.0
+    assert score(MARK_THIEF) == 0.0
+    assert score(RIGHT) == 1.0  # the real solution still passes
+
+
+def test_answers_cross_as_plain_data_with_their_types():
+    from rl.code_harness import NotPlainData, decode, encode
+
+    values = [None, True, 3, -2**80, 1.5, float("inf"), 2j, "é\ud800", b"\x00", [1, (2, {3})], {(1, 2): frozenset({4})}]
+    for value in values:
+        back = decode(encode(value))
+        assert back == value and type(back) is type(value)
+    assert decode(encode((1, [2]))) == (1, [2]) and decode(encode([1, 2])) != (1, 2)  # a tuple is not a list
+    for refused in (type("Int", (int,), {})(3), object(), [lambda: 0]):
+        with pytest.raises(NotPlainData, match="only plain data crosses"):
+            encode(refused)
+    for forged in (["i", "3"], ["b", 1], ["x", 1], ["l", 5], "nope"):
+        with pytest.raises(NotPlainData):
+            decode(forged)
+
+
+def test_the_functions_to_write_are_the_tests_free_names_not_setups_helpers():
+    from rl.code_reward import functions_to_write
+
+    setup = ("import math\n\ndef poly(xs, x):\n    return sum(c * x ** i for i, c in enumerate(xs))\n\n"
+             "def find_zero(xs):\n    \"\"\"A zero of poly.\"\"\"\n")
+    tests = ("import random\n\ndef check(candidate):\n    for _ in range(3):\n        xs = [random.random()]\n"
+             "        assert abs(poly(xs, candidate(xs))) < 1e-4 and math.pi\n\ncheck(find_zero)\n")
+    assert functions_to_write(tests, setup) == ["find_zero"]
+    assert functions_to_write("assert f(1) == g(2)\nassert len([]) == 0\n", "") == ["f", "g"]
+
+
+def test_a_candidate_that_raises_what_a_test_expects_still_passes():
+    row = dict(ROW, tests="def check(candidate):\n    try:\n        candidate(None)\n    except TypeError:\n"
+                          "        return\n    assert False\n\ncheck(total)\n")
+    assert score(RIGHT, row) == 1.0  # sum(None): a TypeError, raised again on the tests' side
+    swallow = dict(ROW, tests="try:\n    total([1])\nexcept BaseException:\n    pass\n")
+    assert score("```python\nimport os\ndef total(xs):\n    os._exit(0)\n```", swallow) == 0.0  # no answer: fails
+
+
 def test_a_row_without_tests_is_an_error_not_a_zero():
     with pytest.raises(ValueError, match=r"the row has no 'tests' column .*\['setup', 'task_id'\]"):
         score(RIGHT, {k: v for k, v in ROW.items() if k != "tests"})
