@@ -60,6 +60,18 @@ def step_episode(step: EnvStep, make_env: Callable[..., Any]) -> EnvOutcome:
     if not (isinstance(append, str) or isinstance(append, list) and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in append)):
         raise TypeError(f"env step returned append={append!r:.200}, expected text or a list of token ids")
+    if isinstance(append, str) and not encodable(append):  # a lone surrogate ("\ud800"): no tokenizer takes it
+        raise ValueError(f"env step returned append={append!r:.200}, text that is not valid Unicode (a lone "
+                         f"surrogate has no UTF-8)")
     if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
         raise TypeError(f"env step returned reward={reward!r:.200}, expected a finite float")
     return EnvOutcome(pickle.dumps(episode), append, bool(done), float(reward))
+
+
+def encodable(text: str) -> bool:
+    """Whether `text` has a UTF-8 encoding, which tokenizers need (Python strings may hold lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

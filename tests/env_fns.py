@@ -35,7 +35,8 @@ class CountingIds(Counting):
 
 @dataclass
 class Faulty:
-    """Fails as its row's label says: raises, hangs, returns garbage or ids past the vocabulary; else goes on."""
+    """Fails as its row's label says: raises, hangs, returns garbage, ids past the vocabulary or text with a lone
+    surrogate (no UTF-8 for it, so no tokenizer takes it); else goes on."""
 
     label: str
 
@@ -48,6 +49,8 @@ class Faulty:
             return "not a tuple"
         if self.label == "bad_ids":
             return [10**9], False, 0.0
+        if self.label == "surrogate":
+            return " result \ud800", False, 1.0
         return " ok", False, 1.0
 
 

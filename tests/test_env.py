@@ -188,17 +188,17 @@ def test_environment_tokens_carry_no_loss_and_no_gradient():
 
 
 def test_a_failing_environment_costs_its_episode_and_a_count():
-    labels = ["raise", "hang", "garbage", "bad_ids", "fine"]
+    labels = ["raise", "hang", "garbage", "bad_ids", "surrogate", "fine"]
     scored, _ = episodes("tests.env_fns:faulty", [TOKENIZER.encode("ab")], labels, max_turns=2, timeout_s=2.0)
     by_label = {s.label: s for s in scored.samples}
-    for label in labels[:4]:
+    for label in labels[:5]:
         s = by_label[label]
         assert (s.reward, s.turns, s.tool_calls, sum(s.loss_mask) == s.response_length) == (0.0, 1, 0, True), label
     fine = by_label["fine"]
     assert (fine.reward, fine.turns, fine.tool_calls, fine.status) == (1.0, 2, 1, Status.TRUNCATED)
-    assert scored.env_failures == 4
+    assert scored.env_failures == 5
     stats = scored.reward_stats[0]
-    assert (stats["reward/num_errors"], stats["reward/num_timeouts"]) == (3.0, 1.0)
+    assert (stats["reward/num_errors"], stats["reward/num_timeouts"]) == (4.0, 1.0)
 
 
 def test_calculator_answers_calls_and_scores_the_answer():
