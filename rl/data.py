@@ -118,6 +118,21 @@ EVAL_KEYS = SourceKeys("eval.source", "data.prompt_key, read for eval.source", "
                        "data.system_prompt_key, read for eval.source", "eval.task_config", "eval.split")
 
 
+class DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a key it holds twice: json.loads would keep the last value silently."""
+    row = dict(pairs)
+    if len(row) < len(pairs):
+        seen = set()
+        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return row
+
+
 def _read_jsonl(path: Path, source_key: str) -> tuple[list[dict[str, Any]], list[str]]:
     """Rows of a JSONL file and, per row, where it is ("<source_key>: path:line", 1-based; blank lines skipped)."""
     rows, where = [], []
@@ -131,9 +146,12 @@ def _read_jsonl(path: Path, source_key: str) -> tuple[list[dict[str, Any]], list
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{at}: invalid JSON ({e.msg})") from e
+            except DuplicateKey as e:
+                raise ConfigError(f"{at}: duplicate key {e.key!r} in one JSON object (JSON keeps only its last "
+                                  f"value); keep one") from e
             if not isinstance(row, dict):
                 raise ConfigError(f"{at}: each line must be a JSON object")
             rows.append(row)
@@ -302,6 +320,12 @@ def _call_builder(target: str, cfg: DataConfig, keys: SourceKeys) -> list[dict[s
     return rows
 
 
+# The roles that chat templates (Qwen2/2.5/3, Llama 3, Mistral in transformers) and TRL's conversational format
+# share. A template meets any other role with an error at best; Qwen2.5's renders nothing for it, so the message
+# would vanish from the prompt without a word.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def _prompt_problem(raw: Any) -> str:
     """What is wrong with a row's prompt ('' if nothing): text, or chat messages with role and content."""
     if isinstance(raw, str):
@@ -310,6 +334,9 @@ def _prompt_problem(raw: Any) -> str:
         for i, m in enumerate(raw):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 return f"message {i} must be an object with string 'role' and 'content', got {m!r}"[:300]
+            if m["role"] not in CHAT_ROLES:
+                return (f"message {i} has role {m['role']!r:.50}; chat templates know {', '.join(CHAT_ROLES)} "
+                        f"(TRL's conversational format)")
         return ""
     return f"must be text or a non-empty list of chat messages, got {type(raw).__name__} {raw!r}"[:300]
 

@@ -131,6 +131,37 @@ def test_invalid_utf8_names_the_key_file_and_line(tmp_path):
         read_source_rows(DataConfig(source=str(corrupt)))
 
 
+def test_unknown_chat_roles_and_duplicate_keys_name_the_file_and_line(tmp_path):
+    """Both would train silently: a chat template drops or mislabels a role it does not know (Qwen2.5's renders
+    nothing for it), and JSON keeps only the last of two equal keys."""
+    for line, problem in [
+        ('{"prompt": [{"role": "hacker", "content": "hi"}], "answer": "1"}',
+         "'prompt' (data.prompt_key) message 0 has role 'hacker'; chat templates know system, user, assistant, tool"),
+        ('{"prompt": "a", "prompt": "b", "answer": "1"}', "duplicate key 'prompt' in one JSON object"),
+        ('{"prompt": [{"role": "user", "role": "system", "content": "hi"}], "answer": "1"}',
+         "duplicate key 'role' in one JSON object"),
+    ]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"prompt": "ok", "answer": "1"}\n\n' + line + "\n")
+        with pytest.raises(ConfigError) as info:
+            read_source_rows(DataConfig(source=str(bad)))
+        assert str(info.value).startswith(f"data.source: {bad}:3: {problem}"), str(info.value)
+        assert "\n" not in str(info.value)
+    path = tmp_path / "roles.parquet"  # a table names its row (0-based, as the other table errors do)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "hi"}], [{"role": "bot", "content": "x"}]],
+                             "answer": ["1", "2"]}), path)
+    with pytest.raises(ConfigError, match=rf"data.source: {path} row 1: 'prompt' \(data.prompt_key\) message 0 has "
+                                          r"role 'bot'"):
+        read_source_rows(DataConfig(source=str(path)))
+    fine = tmp_path / "fine.jsonl"
+    fine.write_text("".join(json.dumps({"prompt": [{"role": role, "content": "x"}, {"role": "user", "content": "y"}],
+                                        "answer": "1"}) + "\n" for role in ("system", "user", "assistant", "tool")))
+    assert len(read_source_rows(DataConfig(source=str(fine)))[0]) == 4
+
+
 def test_reasoning_gym_source():
     cfg = DataConfig(source="reasoning_gym:basic_arithmetic", num_examples=5,
                      task_config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
