@@ -99,7 +99,7 @@ def main(spec: dict) -> None:
     try:
         enter_namespaces()
     except OSError as e:
-        os.write(status_fd, f"sandbox: {e.strerror or e}".encode())
+        os.write(status_fd, describe(e))
         os._exit(JAIL_FAILED)
     alive_r, alive_w = os.pipe()  # the program's process sees EOF on alive_r once the keeper is gone
     pid = os.fork()
@@ -108,7 +108,7 @@ def main(spec: dict) -> None:
         try:
             jail(spec, files, alive_r)
         except OSError as e:
-            os.write(status_fd, f"sandbox: {e.strerror or e}".encode())
+            os.write(status_fd, describe(e))
         os._exit(JAIL_FAILED)
     os.close(status_fd)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
@@ -118,6 +118,12 @@ def main(spec: dict) -> None:
         signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status))
+
+
+def describe(e: OSError) -> bytes:
+    """The status line for a failed step: what failed, and on which path."""
+    where = f" ({e.filename})" if e.filename else ""
+    return f"sandbox: the jail could not be built: {e.strerror or e}{where}".encode()
 
 
 def read_exactly(fd: int, n: int) -> bytes:

@@ -129,3 +129,10 @@ def longest_in_group(prompt, completions, answer, **kwargs):
         raise TypeError(f"handed lists: prompt={prompt!r} answer={answer!r}")
     lengths = [len(c) for c in completions]
     return [float(n == max(lengths)) for n in lengths]
+
+
+def runs_in_the_barrier(prompt, response, label, metadata):
+    """1.0 when the sandbox of this worker runs code behind the barrier (reward.sandbox reached it), else 0.0."""
+    from rl import sandbox
+
+    return 1.0 if sandbox.isolation() == "barrier" else 0.0

@@ -10,7 +10,7 @@ import pytest
 
 from rl.code_reward import TIMEOUT_S, extract_code, all_tests_pass
 from rl.code_tasks import MEMBER, main as build, reference_response, rows, to_row
-from rl.config import RewardConfig
+from rl.config import ConfigError, RewardConfig
 from rl.reward import RewardInput, RewardPool
 
 ROW = {"setup": "from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    \"\"\"The sum of xs.\"\"\"\n",
@@ -121,6 +121,20 @@ def test_a_candidate_that_raises_what_a_test_expects_still_passes():
     assert score(RIGHT, row) == 1.0  # sum(None): a TypeError, raised again on the tests' side
     swallow = dict(ROW, tests="try:\n    total([1])\nexcept BaseException:\n    pass\n")
     assert score("```python\nimport os\ndef total(xs):\n    os._exit(0)\n```", swallow) == 0.0  # no answer: fails
+
+
+def test_reward_sandbox_reaches_the_workers_and_a_missing_jail_stops_the_start(monkeypatch):
+    inputs = [RewardInput("", "x", None, 1, 8, {})]
+    for isolation, expected in (("jail", 0.0), ("barrier", 1.0)):
+        with RewardPool(RewardConfig(user_fn="tests.reward_fns:runs_in_the_barrier", sandbox=isolation)) as pool:
+            assert pool.score(inputs).rewards == [expected]
+    from rl import sandbox
+
+    monkeypatch.setattr(sandbox, "jail_problem", lambda: "sandbox: the jail could not be built: Operation not permitted")
+    with pytest.raises(ConfigError, match=r"Operation not permitted.*reward\.sandbox = \"barrier\"") as refused:
+        RewardPool(RewardConfig(user_fn="rl.code_reward:all_tests_pass"))
+    assert "\n" not in str(refused.value)
+    RewardPool(RewardConfig(user_fn="rl.code_reward:all_tests_pass", sandbox="barrier")).close()  # accepted knowingly
 
 
 def test_a_row_without_tests_is_an_error_not_a_zero():
