@@ -24,6 +24,7 @@ import math
 import os
 import re
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -82,6 +83,9 @@ def init_distributed(timeout_minutes: int = 30) -> Dist:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_launcher(_PARENT_AT_START)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
+        # A group of one meets no other process: a free port, so that runs beside it do not collide on a fixed one.
+        os.environ["MASTER_PORT"] = str(free_port(os.environ["MASTER_ADDR"]))
     os.environ.setdefault("MASTER_PORT", "29517")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -100,15 +104,30 @@ def init_distributed(timeout_minutes: int = 30) -> Dist:
         backend = "gloo"
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_minutes)
-        store = restarted_store(timeout)
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
-                                **({"store": store, "rank": int(os.environ["RANK"]),
-                                    "world_size": int(os.environ["WORLD_SIZE"])} if store else {}))
+        try:
+            store = restarted_store(timeout)
+            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                    **({"store": store, "rank": int(os.environ["RANK"]),
+                                        "world_size": int(os.environ["WORLD_SIZE"])} if store else {}))
+        except dist.DistNetworkError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+            raise ConfigError(f"port {os.environ['MASTER_PORT']} of {os.environ['MASTER_ADDR']} (MASTER_ADDR:"
+                              f"MASTER_PORT) is taken, most likely by another run on this machine: set MASTER_PORT to "
+                              f"a free port (torchrun: --master-port; launch.sh picks a free one, and under SLURM "
+                              f"reads RDZV_PORT)") from None
     world_size = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     # monitored_barrier exists for gloo only; a group of its own keeps it apart from NCCL's streams
     monitor = dist.new_group(backend="gloo") if world_size > 1 else None
     return Dist(dist.get_rank(), world_size, local_rank, device, mesh, monitor)
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now (the kernel's pick)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def restarted_store(timeout: datetime.timedelta) -> dist.Store | None:

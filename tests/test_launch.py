@@ -1,17 +1,21 @@
 """launch.sh's signal paths with stand-ins for torchrun, srun and scontrol (no training): a stop request
 reaches the ranks as SIGUSR1, torchrun survives a SIGUSR1 of its own, Ctrl-C stops then kills, and a
-SLURM batch job runs the submitted script (not Slurm's copy) on its nodes and requeues after a stop."""
+SLURM batch job runs the submitted script (not Slurm's copy) on its nodes and requeues after a stop; and a
+rendezvous port that another run holds."""
 
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.test_distributed import ROOT
+from tests.tiny import save_tiny_model_dir, write_arithmetic_jsonl
 
 # torchrun's stand-in starts one "rank" that waits for SIGUSR1, writes how many it got and exits 0 (10 when
 # none came within 30 s), as a rank that checkpoints and stops would.
@@ -104,3 +108,51 @@ def test_slurm_batch_job_runs_the_submitted_script_and_requeues_after_a_stop(fak
     assert Path(fake["MARK"] + ".count").read_text() == "1"
     assert "requeueing job 77" in out
     assert Path(fake["MARK"] + ".requeued").read_text().strip() == "77"
+
+
+def held_port(port: int = 0) -> socket.socket:
+    """A listening socket on `port` (0: a free one), as another run's rendezvous store holds its port."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", port))
+    held.listen()
+    return held
+
+
+def plain_run(tmp_path, **env: str) -> subprocess.CompletedProcess:
+    """`python -m rl.main` without torchrun (a group of one), stopped at start-up before any model loads."""
+    stop_file = tmp_path / "stop"
+    stop_file.touch()  # a stop request read at start-up: the run ends once its process group is up
+    model = save_tiny_model_dir(tmp_path / "model")
+    data = write_arithmetic_jsonl(tmp_path / "train.jsonl")
+    environ = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    return subprocess.run([sys.executable, "-m", "rl.main", "--config", "configs/tiny.toml", f"--model.path={model}",
+                           f"--data.source={data}", f"--log.output_dir={tmp_path / 'run'}"], cwd=ROOT, text=True,
+                          env={**environ, "PYTHONPATH": str(ROOT), "RL_STOP_FILE": str(stop_file), **env},
+                          capture_output=True, timeout=300)
+
+
+def test_a_taken_rendezvous_port_is_one_line_naming_the_variable(tmp_path):
+    with held_port() as held:
+        port = held.getsockname()[1]
+        proc = plain_run(tmp_path, MASTER_PORT=str(port))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"rl: error: port {port} of 127.0.0.1 (MASTER_ADDR:MASTER_PORT) is taken, most likely by another run on "
+        f"this machine: set MASTER_PORT to a free port (torchrun: --master-port; launch.sh picks a free one, and under "
+        f"SLURM reads RDZV_PORT)"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_two_plain_runs_at_once_do_not_share_a_port(tmp_path):
+    """A group of one without MASTER_PORT takes a free port: a second run beside the first starts."""
+    try:
+        held = held_port(29517)  # the fixed port such runs took before
+    except OSError:
+        held = None  # another run holds it already, as wanted
+    try:
+        proc = plain_run(tmp_path)
+    finally:
+        if held is not None:
+            held.close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rl: stopped before rollout 0 (a stop request from launch.sh): nothing new to save" in proc.stdout
