@@ -6,9 +6,9 @@ rl/envs/tool_calls.py, as the calculator's calls are):
 
     <tool_call>{"name": "python", "arguments": {"code": "print(48 / 2 + 48)"}}</tool_call>
 
-Each call's code runs in rl/sandbox.py: a fresh interpreter in a temporary directory (nothing carries over from
-one call to the next), TIMEOUT_S seconds of wall clock and of CPU, MEMORY_MB of address space, no network, no new
-processes. The response is what the code printed; after an error, also the end of its traceback; after the
+Each call's code runs in rl/sandbox.py's jail: a fresh interpreter (nothing carries over from one call to the
+next) that sees none of the host's files, processes or sockets, as nobody, TIMEOUT_S seconds of wall clock and of
+CPU, MEMORY_MB of address space, a small disk of its own, no network, no new processes. The response is what the code printed; after an error, also the end of its traceback; after the
 timeout, a line saying so; MAX_RESPONSE_CHARS at most. It is appended as Qwen2.5's template renders a tool
 message, so that an instruct model reads it as it was trained to: the assistant's turn closed, a user turn
 holding `<tool_response>...</tool_response>`, a new assistant turn opened. A call that cannot be read is the
