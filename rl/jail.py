@@ -38,10 +38,11 @@ of the code. Standard library only; nothing of the trainer is imported here.
 
 from __future__ import annotations
 
+import builtins
 import ctypes
+import errno
 import json
 import os
-import platform
 import resource
 import signal
 import sys
@@ -52,7 +53,8 @@ CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x0200000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET, CLONE_THREAD = 0x10000000, 0x20000000, 0x40000000, 0x00010000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 MS_NOATIME, MS_NODIRATIME, MS_PRIVATE, MS_RELATIME, MNT_DETACH = 1024, 2048, 1 << 18, 1 << 21, 2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 38, 22, 2
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER, PR_CAPBSET_DROP = 1, 38, 22, 2, 24
+MACHINE = os.uname().machine
 # statvfs flags that a bind mount keeps (the kernel refuses to clear them in a user namespace) -> mount flags
 KEPT_FLAGS = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC, os.ST_NOATIME: MS_NOATIME,
               os.ST_NODIRATIME: MS_NODIRATIME, os.ST_RELATIME: MS_RELATIME}
@@ -109,7 +111,10 @@ def main(spec: dict) -> None:
             jail(spec, files, alive_r)
         except OSError as e:
             os.write(status_fd, describe(e))
-        os._exit(JAIL_FAILED)
+            os._exit(JAIL_FAILED)
+        os.close(status_fd)  # nothing written: the jail held
+        run_program(spec)
+        sys.exit(0)
     os.close(status_fd)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # the caller ends the call with SIGKILL, to the keeper's group
@@ -177,11 +182,13 @@ def enter_namespaces() -> None:
 
 
 def jail(spec: dict, files: dict[str, str], alive_r: int) -> None:
-    """In PID 1 of the new namespace: the new root, nobody, limits and the filter, then Python on the code."""
-    os.set_inheritable(spec["status_fd"], False)  # closed at the exec: nothing written means the jail held
+    """In PID 1 of the new namespace: the new root, nobody without capabilities, the files, limits and the filter."""
     build_root(spec)
+    drop_bounding_set()
     os.setresgid(NOBODY, NOBODY, NOBODY)
     os.setresuid(NOBODY, NOBODY, NOBODY)
+    header, no_caps = CapHeader(0x20080522, 0), (CapData * 2)()  # _LINUX_CAPABILITY_VERSION_3, all zero
+    check(libc.capset(ctypes.byref(header), no_caps), "dropping the capabilities")
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a change of user clears it
     if not_alive(alive_r):
         os._exit(1)
@@ -196,7 +203,22 @@ def jail(spec: dict, files: dict[str, str], alive_r: int) -> None:
     set_limits(spec["timeout_s"], spec["memory_mb"], spec["max_file_bytes"], spec["max_open_files"])
     if not install_filter():
         set_limit(resource.RLIMIT_NPROC, spec["max_processes"])  # counted per user namespace (Linux >= 5.14)
-    os.execve(spec["python"], [spec["python"], *spec["python_args"]], spec["env"])
+
+
+def drop_bounding_set() -> None:
+    """No capability can come back through an exec (no-new-privileges says the same, once set)."""
+    for cap in range(64):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != errno.EINVAL:
+            check(-1, f"dropping capability {cap} from the bounding set")
+
+
+def run_program(spec: dict) -> None:
+    """The code, in this interpreter (started `-I -B -X utf8`, so no second one starts): the environment and
+    arguments a fresh program has, then the sandbox's prelude (rl/sandbox.py), which runs MAIN as __main__."""
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    sys.argv = ["main.py"]
+    exec(compile(spec["prelude"], "<sandbox>", "exec"), {"__name__": "__main__", "__builtins__": builtins})
 
 
 def not_alive(fd: int) -> bool:
@@ -238,7 +260,7 @@ def build_root(spec: dict) -> None:
     mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
           f"size={spec['disk_mb']}m,nr_inodes=16384,mode=0700,uid={NOBODY},gid={NOBODY}")
     os.chdir(root)
-    check(libc.syscall(ARCHES.get(platform.machine(), (0, 155))[1], b".", b"."), "pivot_root")
+    check(libc.syscall(ARCHES.get(MACHINE, (0, 155))[1], b".", b"."), "pivot_root")
     check(libc.umount2(b".", MNT_DETACH), "detaching the old root")
     os.chdir("/")
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
@@ -277,6 +299,14 @@ def set_limit(which: int, soft: int, hard: int | None = None) -> None:
     resource.setrlimit(which, (soft, hard))
 
 
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
 class SockFilter(ctypes.Structure):
     _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
 
@@ -311,9 +341,9 @@ def filter_program(arch: int, numbers: dict) -> list[tuple[int, int, int, int]]:
 def install_filter() -> bool:
     """Sets no-new-privileges and installs the filter on this process and what it executes; false where this
     architecture is unknown."""
-    if platform.machine() not in ARCHES:
+    if MACHINE not in ARCHES:
         return False
-    arch, _, numbers = ARCHES[platform.machine()]
+    arch, _, numbers = ARCHES[MACHINE]
     program = filter_program(arch, numbers)
     filters = (SockFilter * len(program))(*[SockFilter(code, jt, jf, k) for code, jt, jf, k in program])
     fprog = SockFprog(len(program), filters)

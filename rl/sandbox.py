@@ -195,13 +195,13 @@ def start_in_jail(files: dict[str, str], timeout_s: float, memory_mb: int, disk_
     """Starts rl/jail.py on the call and hands it the files (its stdin's first bytes)."""
     status_r, status_w = os.pipe()
     links, binds = jail_paths()
-    spec = {"caller": os.getpid(), "status_fd": status_w, "links": links, "binds": binds, "python": sys.executable,
-            "python_args": ["-I", "-B", "-X", "utf8", "-c", prelude(block_sockets=False)], "env": child_env("/tmp"),
+    spec = {"caller": os.getpid(), "status_fd": status_w, "links": links, "binds": binds,
+            "prelude": prelude(block_sockets=False), "env": child_env("/tmp"),
             "timeout_s": timeout_s, "memory_mb": memory_mb, "disk_mb": disk_mb, "max_file_bytes": MAX_FILE_BYTES,
             "max_open_files": MAX_OPEN_FILES, "max_processes": MAX_PROCESSES}
     packed = json.dumps(files).encode()
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", JAIL_PROGRAM, json.dumps(spec)], cwd="/",
+        proc = subprocess.Popen([sys.executable, "-I", "-B", "-X", "utf8", JAIL_PROGRAM, json.dumps(spec)], cwd="/",
                                 env={"LC_ALL": "C.UTF-8"}, stdin=subprocess.PIPE, stdout=output, stderr=output,
                                 start_new_session=True, pass_fds=(status_w, *pass_fds))
     except BaseException:

@@ -49,7 +49,7 @@ for attempt in (lambda: print(open({outside!r} + '/secret.txt').read()),
                 lambda: open({outside!r} + '/keep.txt', 'w').write('overwritten'),
                 lambda: os.remove({outside!r} + '/keep.txt'),
                 lambda: shutil.rmtree({outside!r}),
-                lambda: print(os.listdir(os.path.expanduser('~root')))):
+                lambda: print(os.listdir({outside!r}))):
     try:
         attempt()
     except OSError as e:

@@ -130,6 +130,16 @@ def test_a_step_of_the_jail_that_fails_is_an_error_naming_it_not_a_failed_progra
         run_python("print('ran')")
 
 
+def test_the_code_runs_as_nobody_with_no_capabilities_under_the_filter():
+    r = run_python("print(open('/proc/self/status').read())")
+    status = dict(line.split(":", 1) for line in r.stdout.splitlines() if ":" in line)
+    status = {key: value.split() for key, value in status.items()}
+    assert status["Uid"] == status["Gid"] == ["65534"] * 4 and status["Pid"] == ["1"]
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[caps][0], 16) == 0, (caps, status[caps])
+    assert status["NoNewPrivs"] == ["1"] and status["Seccomp"] == ["2"]
+
+
 def test_the_jail_can_be_built_on_this_machine():
     """CI's machine and the GPU machines run as root with user namespaces: the jail must hold there, so that the
     tests above and the hostile-code tests exercise it rather than the barrier."""
