@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from rl.config import ConfigError
 from rl.data import Sample, Status
 
 FINISHED = (Status.COMPLETED, Status.TRUNCATED)
@@ -84,6 +85,7 @@ class RolloutBuffer:
         return max(self.consumed + (self.max_staleness + 1) * self.rollout_batch_size - self.admitted, 0)
 
     def admit(self, groups: list[list[Sample]]) -> None:
+        check_plain(groups)
         self.groups += groups
         self.admitted += len(groups)
 
@@ -136,10 +138,86 @@ def resume_problem(groups: list[list[Sample]], n_samples: int, max_new_tokens: i
     return None
 
 
+def check_plain(groups: list[list[Sample]]) -> None:
+    """Groups in flight go into each checkpoint as JSON (never a pickle): a data row's value JSON cannot hold
+    faithfully stops the run at its first rollout with one line, not at its first save."""
+    for group in groups:
+        for name in ("label", "metadata", "raw_prompt", "columns"):
+            try:
+                to_json(getattr(group[0], name))
+            except TypeError as e:
+                raise ConfigError(f"prompt group {group[0].group_index}: its {name} holds {e}, and the groups in "
+                                  f"flight (rollout.partial_rollout, rollout.max_staleness) are saved with each "
+                                  f"checkpoint as JSON: give the data rows text, numbers, lists and dicts") from None
+
+
 def sample_to_dict(sample: Sample) -> dict[str, Any]:
-    """A JSON-safe copy (floats round-trip exactly through JSON), so a resumed run continues the same samples."""
-    return {**dataclasses.asdict(sample), "status": sample.status.value}
+    """A plain-JSON copy of `sample` (the checkpoint's rollout_buffer.json); sample_from_dict gives back an equal one."""
+    return {f.name: sample.status.value if f.name == "status" else to_json(getattr(sample, f.name))
+            for f in dataclasses.fields(Sample)}
 
 
 def sample_from_dict(d: dict[str, Any]) -> Sample:
-    return Sample(**{**d, "status": Status(d["status"])})
+    """The sample that sample_to_dict wrote; ValueError when `d` is not one (a damaged or foreign file)."""
+    names = {f.name for f in dataclasses.fields(Sample)}
+    if not isinstance(d, dict) or d.keys() != names:
+        raise ValueError(f"a sample with the keys {sorted(d)[:20] if isinstance(d, dict) else type(d).__name__}, "
+                         f"expected {sorted(names)}")
+    sample = Sample(**{k: from_json(v) for k, v in d.items()} | {"status": Status(d["status"])})
+    wrong = [k for k, kinds in _KINDS.items() if not _is(getattr(sample, k), kinds)]
+    if wrong:
+        raise ValueError(f"sample {sample.index}: {', '.join(wrong)} of the wrong type")
+    return sample
+
+
+# The fields a resumed engine and learner compute with: a foreign file must hold these types.
+_KINDS = {"prompt": str, "tokens": (list, int), "response": str, "response_length": int, "loss_mask": (list, int),
+          "rollout_log_probs": (list, float), "group_index": int, "index": int, "weight_version": int,
+          "token_versions": (list, int), "turns": int, "tool_calls": int}
+
+
+def _is(value: Any, kind: type | tuple[type, type]) -> bool:
+    if isinstance(kind, tuple):
+        return type(value) is list and all(type(v) is kind[1] for v in value)
+    return type(value) is kind
+
+
+# ---------------------------------------------------------------------------- a pickle-free form of Python values
+
+
+_TAGS = frozenset({"__tuple__", "__bytes__", "__items__"})
+
+
+def to_json(value: Any) -> Any:
+    """`value` as plain JSON that from_json turns back into an equal value of the same types: JSON's own types as
+    they are, tuples, bytes and dicts with keys other than strings under a tag. TypeError for any other type, whose
+    faithful form JSON has not (a checkpoint never pickles)."""
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if kind is list:
+        return [to_json(v) for v in value]
+    if kind is tuple:
+        return {"__tuple__": [to_json(v) for v in value]}
+    if kind is bytes:
+        return {"__bytes__": value.hex()}
+    if kind is dict:
+        if all(type(k) is str for k in value) and not _TAGS & value.keys():
+            return {k: to_json(v) for k, v in value.items()}
+        return {"__items__": [[to_json(k), to_json(v)] for k, v in value.items()]}
+    raise TypeError(f"a value of type {kind.__module__}.{kind.__qualname__}")
+
+
+def from_json(value: Any) -> Any:
+    if type(value) is list:
+        return [from_json(v) for v in value]
+    if type(value) is not dict:
+        return value
+    if len(value) == 1 and value.keys() <= _TAGS:
+        (tag, inner), = value.items()
+        if tag == "__tuple__":
+            return tuple(from_json(v) for v in inner)
+        if tag == "__bytes__":
+            return bytes.fromhex(inner)
+        return {from_json(k): from_json(v) for k, v in inner}
+    return {k: from_json(v) for k, v in value.items()}

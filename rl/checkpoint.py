@@ -7,32 +7,44 @@ loop needs to continue after rollout N as if it had never stopped:
   with LoRA the adapters and their AdamW state alone (the frozen base is `model.path`'s weights);
 - `trainer_state.json`: rollout_id, weight_version, the data cursor, the LR schedule, the
   health counters and the resolved config (rank 0);
-- `rng/rank_<r>.pt`: every rank's torch (and CUDA) and Python RNG states;
+- `rng/rank_<r>.json`: every rank's torch (and CUDA) and Python RNG states, as JSON;
 - `hf/`: the model's config, generation config and tokenizer files, so that
   `python -m rl.export` needs nothing but the checkpoint;
-- `rollout_buffer.pkl`: with partial rollouts or max_staleness, the prompt groups in flight
+- `rollout_buffer.json`: with partial rollouts or max_staleness, the prompt groups in flight
   (rl/buffer.py), so that none is lost or trained twice across a resume.
+
+Nothing in a checkpoint can run code when it loads (a checkpoint may come from elsewhere, or be
+written over by code the run executed): the RNG states and the groups in flight are JSON; DCP's
+tensors load with `torch.load(weights_only=True)`, and so do its other values (the optimizer's
+learning rate, betas, ...), which DCP itself would unpickle freely; DCP's `.metadata` is a pickle,
+read by an unpickler that builds only the classes DCP metadata holds (`_METADATA_GLOBALS`) and
+refuses the file otherwise. Checkpoints written before these formats (`rng/rank_<r>.pt`, read with
+`weights_only=True`; `rollout_buffer.pkl`, never read) load as far as that allows.
 
 Atomicity: all ranks write into `.rollout_<N>.tmp/`; once every rank is done, rank 0
 renames it to `rollout_<N>` (one rename on one filesystem). Only complete folders are ever
 named `rollout_<N>`, so a kill mid-save leaves every earlier checkpoint whole, and the
-newest one is never deleted before a newer one is complete. Older checkpoints past
+newest one is never deleted before a newer one is complete. A save that fails (a full disk)
+removes its `.tmp` folder and stops the run with one line naming the checkpoint and the cause. Older checkpoints past
 `keep_last` are renamed out of the way (`.rollout_<N>.old.*`) and deleted by a background
 thread, so a slow filesystem never holds the other ranks at a barrier; leftovers of a kill
 (`.tmp` or `.old` folders) are never read and are removed by the next save.
 
 Loading tries the newest complete checkpoint and falls back to older ones, one warning line
 for each it skips: before any tensor is read, each is checked cheaply (its trainer state
-reads, the DCP metadata reads, every shard file the metadata names is there at full size),
-so a torn or half-copied checkpoint is refused before it half-loads; damage inside a shard
-is found by the load itself, and the next load overwrites whatever it left. When none can
-be read, the run stops with one line saying what to do. A missing or unreadable RNG file
-only restarts that rank's RNG states.
+reads, the DCP metadata reads, every shard file the metadata names is there at full size, the
+groups in flight and every rank's RNG states read), so a torn, half-copied or foreign checkpoint
+is refused before it half-loads; damage inside a shard is found by the load itself, and the next
+load overwrites whatever it left. When none can be read, the run stops with one line saying what
+to do. RNG states are restored only on the rank count that saved them (a resharded resume starts
+them afresh, and says so).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import io
 import json
 import os
 import pickle
@@ -42,6 +54,8 @@ import shutil
 import socket
 import threading
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -49,17 +63,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from rl import parallel
-from rl.config import ConfigError
+from rl.buffer import sample_from_dict
+from rl.config import ConfigError, RunStopped
 from rl.lora import adapted_layers
 from rl.metrics import read_metric_rows
 from rl.parallel import print0
 
 CHECKPOINTS = "checkpoints"
-BUFFER_FILE = "rollout_buffer.pkl"
+BUFFER_FILE = "rollout_buffer.json"
+OLD_BUFFER_FILE = "rollout_buffer.pkl"  # written before the JSON form: never unpickled
 WRITER_THREADS = 8
 _NAME = re.compile(r"rollout_(\d+)")
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -79,7 +99,7 @@ class TrainerState:
     config: dict[str, Any]
     world_size: int
     critic_scheduler: dict[str, Any] | None = None  # PPO with GAE: the critic's learning-rate schedule
-    rollout_buffer: bool = False  # groups in flight are in rollout_buffer.pkl (partial rollouts, max_staleness)
+    rollout_buffer: bool = False  # groups in flight are in rollout_buffer.json (partial rollouts, max_staleness)
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -110,25 +130,25 @@ def save(output_dir: str | Path, state: TrainerState, model: torch.nn.Module, op
          rollout_buffer: dict[str, Any] | None = None) -> Path:
     """Writes the checkpoint of rollout `state.rollout_id` on every rank (a collective) and returns its path;
     `critic`: the value model and its optimizer (PPO with GAE), saved beside the policy's; `rollout_buffer`: the
-    groups in flight (every rank holds the same), pickled whole so that their samples come back exactly."""
+    groups in flight (every rank holds the same, in RolloutBuffer.state_dict's plain-JSON form).
+
+    A write that fails on any rank (a full disk) removes the `.tmp` folder and raises RunStopped on every rank,
+    naming the checkpoint and the cause; the earlier checkpoints are untouched."""
     root = checkpoint_root(output_dir)
     final = root / f"rollout_{state.rollout_id}"
     tmp = root / f".rollout_{state.rollout_id}.tmp"
-    if dist.get_rank() == 0:
-        if tmp.exists():
-            retire([tmp])
-        (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
-    # Several writer threads per rank: one thread writes ~1 GB/s, well below what the disks take.
-    dcp.save(_state_dicts(model, optimizer, critic),
-             storage_writer=dcp.FileSystemWriter(str(tmp / "model_optim"), thread_count=WRITER_THREADS))
-    torch.save(rng_state(), tmp / "rng" / f"rank_{dist.get_rank()}.pt")
-    if dist.get_rank() == 0:
-        if rollout_buffer is not None:
-            _write_pickle(tmp / BUFFER_FILE, rollout_buffer)
-        _write_json(tmp / "trainer_state.json", {**state.__dict__, "rollout_buffer": rollout_buffer is not None})
-        copy_hf_files(hf_sources, tmp / "hf")
-    dist.barrier()  # every rank's shards are on disk
+    failed = _everywhere(_attempt(lambda: _begin(tmp)) if dist.get_rank() == 0 else "")
+    if not failed:
+        failed = _everywhere(_attempt(lambda: _write(tmp, state, model, optimizer, hf_sources, critic,
+                                                     rollout_buffer)))
+    if failed:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # at once: what it holds may be what fills the disk
+        dist.barrier()
+        earlier = ", ".join(p.name for p in complete_checkpoints(output_dir)) or "none"
+        raise RunStopped(f"checkpoint {final} could not be written ({failed}); its partial folder is removed, the "
+                         f"earlier checkpoints ({earlier}) are as they were: free space and rerun the same command "
+                         f"to resume")
     if dist.get_rank() == 0:
         if final.exists():  # a rerun of the same rollout (after a resume from an older one)
             retire([final])
@@ -137,6 +157,85 @@ def save(output_dir: str | Path, state: TrainerState, model: torch.nn.Module, op
         prune(root, keep_last)
     dist.barrier()
     return final
+
+
+def _begin(tmp: Path) -> None:
+    if tmp.exists():
+        retire([tmp])
+    (tmp / "rng").mkdir(parents=True)
+
+
+def _write(tmp: Path, state: TrainerState, model: torch.nn.Module, optimizer, hf_sources: list[Path],
+           critic: tuple[torch.nn.Module, Any] | None, rollout_buffer: dict[str, Any] | None) -> None:
+    """Every rank's part of the checkpoint, into `tmp`; DCP's save is a collective that fails on every rank when
+    one rank's write fails."""
+    # Several writer threads per rank: one thread writes ~1 GB/s, well below what the disks take.
+    dcp.save(_state_dicts(model, optimizer, critic),
+             storage_writer=_Writer(str(tmp / "model_optim"), thread_count=WRITER_THREADS))
+    _write_json(tmp / "rng" / f"rank_{dist.get_rank()}.json", rng_to_json(rng_state()))
+    if dist.get_rank() == 0:
+        if rollout_buffer is not None:
+            _write_json(tmp / BUFFER_FILE, rollout_buffer)
+        _write_json(tmp / "trainer_state.json", {**state.__dict__, "rollout_buffer": rollout_buffer is not None})
+        copy_hf_files(hf_sources, tmp / "hf")
+
+
+class _FailureKeepingFileSystem(FileSystem):
+    """DCP's file system, keeping the first error of any write (into `failures`) instead of raising it where it
+    happens: DCP writes from threads of its own, whose errors would print a traceback and leave the save to finish
+    without their files."""
+
+    def __init__(self):
+        super().__init__()
+        self.failures: list[BaseException] = []
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except Exception as e:
+            self.failures.append(e)
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, raising the first failed write on the calling thread (DCP then fails the save on every
+    rank), whichever thread wrote it."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.fs = _FailureKeepingFileSystem()
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        self._raise_failures()
+        return written
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        self._raise_failures()
+
+    def _raise_failures(self) -> None:
+        if self.fs.failures:
+            raise self.fs.failures[0]
+
+
+def _attempt(write) -> str:
+    """Runs `write`; returns why it failed when the filesystem refused it ('' when done)."""
+    try:
+        write()
+    except (OSError, CheckpointException) as e:
+        return _write_cause(e)
+    return ""
+
+
+def _write_cause(error: BaseException) -> str:
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    if isinstance(error, OSError) and error.errno in errno.errorcode:
+        where = f" writing {error.filename}" if error.filename else ""
+        return f"{errno.errorcode[error.errno]}: {error.strerror or os.strerror(error.errno)}{where}"
+    return _one_line(error)
 
 
 def prune(root: Path, keep_last: int) -> None:
@@ -196,6 +295,59 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def rng_to_json(state: dict[str, Any]) -> dict[str, Any]:
+    """RNG states as JSON: the generators' byte states in hex, Python's state (a tuple of ints) as a list."""
+    out = {k: bytes(v.numpy().tobytes()).hex() for k, v in state.items() if k != "python"}
+    version, internal, gauss_next = state["python"]
+    return out | {"python": [version, list(internal), gauss_next]}
+
+
+def rng_from_json(saved: Any) -> dict[str, Any]:
+    """The states rng_to_json wrote, checked on generators of their own (a foreign file raises, nothing is set)."""
+    version, internal, gauss_next = saved["python"]
+    state = {k: torch.frombuffer(bytearray.fromhex(v), dtype=torch.uint8) for k, v in saved.items() if k != "python"}
+    return _checked_rng(state | {"python": (version, tuple(internal), gauss_next)})
+
+
+def _checked_rng(state: dict[str, Any]) -> dict[str, Any]:
+    if set(state) - {"torch", "cuda", "python"} or "torch" not in state:
+        raise ValueError(f"keys {sorted(state)}, expected torch, python and maybe cuda")
+    version, internal, gauss_next = state["python"]
+    if not (type(version) is int and all(type(i) is int for i in internal) and type(gauss_next) in (float, type(None))):
+        raise ValueError("Python's state holds other types than ints")
+    random.Random().setstate(state["python"])
+    torch.Generator().set_state(state["torch"])
+    return state
+
+
+def read_rng(file: Path) -> dict[str, Any]:
+    """The RNG states of `file` (DamagedCheckpoint naming it otherwise); the `.pt` form of earlier checkpoints is
+    read with weights_only=True: tensors and a tuple of ints, so nothing in it can run code."""
+    name = f"rng/{file.name}"
+    try:
+        if file.suffix == ".pt":
+            with warnings.catch_warnings():  # weights_only's note on a pickle protocol it was not written with
+                warnings.simplefilter("ignore")
+                state = torch.load(file, weights_only=True)
+            return _checked_rng(state if isinstance(state, dict) else {})
+        return rng_from_json(json.loads(file.read_text()))
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{name} is missing") from None
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" not in str(e):  # cut off
+            raise DamagedCheckpoint(f"{name} is unreadable ({_one_line(e)})") from None
+        raise DamagedCheckpoint(f"{name} is refused: it holds more than tensors and plain values") from None
+    except Exception as e:  # cut off, not JSON, the wrong types or sizes
+        raise DamagedCheckpoint(f"{name} is unreadable ({_one_line(e)})") from None
+
+
+def rng_file(path: Path, rank: int) -> Path:
+    """Rank `rank`'s RNG file in checkpoint `path`: the JSON one, or the `.pt` one of an earlier checkpoint."""
+    file = path / "rng" / f"rank_{rank}.json"
+    old = file.with_suffix(".pt")
+    return old if not file.exists() and old.exists() else file
+
+
 def _write_json(path: Path, obj: Any) -> None:
     with path.open("w") as f:
         json.dump(obj, f, indent=2)
@@ -203,23 +355,25 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _write_pickle(path: Path, obj: Any) -> None:
-    with path.open("wb") as f:
-        pickle.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def read_rollout_buffer(path: Path) -> dict[str, Any]:
-    """The groups in flight saved with checkpoint `path` (its trainer state says there are some)."""
+    """The groups in flight saved with checkpoint `path` (its trainer state says there are some), in
+    RolloutBuffer.state_dict's form, each sample checked; DamagedCheckpoint naming the file otherwise."""
     file = path / BUFFER_FILE
+    if not file.exists() and (path / OLD_BUFFER_FILE).exists():
+        raise DamagedCheckpoint(f"{OLD_BUFFER_FILE} predates the pickle-free {BUFFER_FILE} and is never "
+                                f"unpickled (a pickle can run code)")
     try:
-        with file.open("rb") as f:
-            return pickle.load(f)
+        saved = json.loads(file.read_text())
+        counts = (saved["admitted"], saved["consumed"])
+        if not all(type(c) is int for c in counts) or type(saved["groups"]) is not list:
+            raise ValueError("admitted, consumed or groups of the wrong type")
+        for group in saved["groups"]:
+            [sample_from_dict(s) for s in group]
     except FileNotFoundError:
         raise DamagedCheckpoint(f"{BUFFER_FILE} is missing") from None
-    except Exception as e:  # unpickling a cut-off file fails in many ways
-        raise DamagedCheckpoint(f"{BUFFER_FILE} is unreadable ({type(e).__name__}: {e})") from None
+    except Exception as e:  # cut off, not JSON, not samples
+        raise DamagedCheckpoint(f"{BUFFER_FILE} is unreadable ({_one_line(e)})") from None
+    return saved
 
 
 def _fsync_dir(path: Path) -> None:
@@ -260,33 +414,114 @@ def check_shards(folder: Path) -> None:
     """Raises DamagedCheckpoint when the DCP metadata of `folder` cannot be read, or a shard file it names is
     missing or shorter than the bytes it should hold (a torn write, a half-copied folder): found by file sizes,
     before any tensor is read."""
-    try:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    except FileNotFoundError:
-        raise DamagedCheckpoint(f"{folder.name}/.metadata is missing") from None
-    except Exception as e:  # unpickling a cut-off file fails in many ways
-        raise DamagedCheckpoint(f"{folder.name}/.metadata is unreadable ({type(e).__name__}: {e})") from None
+    metadata = read_metadata(folder)
     ends: dict[str, int] = {}
-    for item in metadata.storage_data.values():
-        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
-    for name, end in sorted(ends.items()):
-        shard = folder / name
+    try:
+        for item in metadata.storage_data.values():
+            ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+        shards = [(folder / name, end) for name, end in sorted(ends.items())]
+    except (AttributeError, TypeError) as e:  # built only of allowed classes, but not as DCP builds them
+        raise DamagedCheckpoint(f"{folder.name}/.metadata is not DCP metadata ({_one_line(e)})") from None
+    for shard, end in shards:
         if not shard.is_file():
-            raise DamagedCheckpoint(f"{folder.name}/{name} is missing")
+            raise DamagedCheckpoint(f"{folder.name}/{shard.name} is missing")
         if shard.stat().st_size < end:
-            raise DamagedCheckpoint(f"{folder.name}/{name} holds {shard.stat().st_size} bytes, its metadata "
+            raise DamagedCheckpoint(f"{folder.name}/{shard.name} holds {shard.stat().st_size} bytes, its metadata "
                                     f"names {end}")
 
 
 def damage(path: Path) -> str:
-    """What makes checkpoint `path` unloadable, as far as is seen without reading a tensor ('' if nothing)."""
+    """What makes checkpoint `path` unloadable on this rank, as far as is seen without reading a tensor ('' if
+    nothing): its trainer state, groups in flight, DCP metadata and shard sizes, and this rank's RNG states when
+    they will be restored (the rank count is the one that saved them)."""
     try:
-        if read_trainer_state(path).rollout_buffer:
+        state = read_trainer_state(path)
+        if state.rollout_buffer:
             read_rollout_buffer(path)
         check_shards(path / "model_optim")
+        if state.world_size == dist.get_world_size():
+            read_rng(rng_file(path, dist.get_rank()))
     except DamagedCheckpoint as e:
         return str(e)
     return ""
+
+
+# ---------------------------------------------------------------------------- DCP, read without running code
+
+# Every global a DCP `.metadata` pickle names (torch 2.11 to 2.13; full-parameter, LoRA and critic checkpoints),
+# besides torch's dtypes: the metadata dataclasses, torch.Size, the path it was saved to, a layout by name.
+_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),
+}
+
+
+class Refused(pickle.UnpicklingError):
+    """A pickle in a checkpoint names a global that its kind of file never holds: it is not read further."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only what DCP metadata holds: any other global (a function a planted pickle would call) is refused
+    before it is looked up, so no code of the file's choosing runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                 torch.dtype)):
+            return super().find_class(module, name)
+        raise Refused(f"it names {module}.{name}, which DCP metadata never holds")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` unpickled by _MetadataUnpickler: the bytes checked are the bytes used."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        if not isinstance(metadata, Metadata):
+            raise Refused(f"it holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, but the values saved as bytes (the optimizer's lr, betas, ...) load with weights_only=True,
+    where DCP's own would unpickle anything; a refused value names its shard file."""
+
+    def __init__(self, reader: SafeReader):
+        super().__init__()
+        self.reader = reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError:
+            shard = self.reader.storage_data[read_item.storage_index].relative_path
+            raise DamagedCheckpoint(f"model_optim/{shard}: its value {read_item.dest_index.fqn} is refused, it "
+                                    f"holds more than tensors and plain values") from None
+        if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes places it
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def read_metadata(folder: Path) -> Metadata:
+    """The DCP metadata of `folder`, read safely; DamagedCheckpoint naming the file when missing or refused."""
+    try:
+        return SafeReader(str(folder)).read_metadata()
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{folder.name}/.metadata is missing") from None
+    except Refused as e:
+        raise DamagedCheckpoint(f"{folder.name}/.metadata is refused: {e}") from None
+    except Exception as e:  # unpickling a cut-off file fails in many ways
+        raise DamagedCheckpoint(f"{folder.name}/.metadata is unreadable ({_one_line(e)})") from None
 
 
 def _options(model: torch.nn.Module) -> StateDictOptions:
@@ -320,7 +555,8 @@ def load(path: Path, model: torch.nn.Module, optimizer, critic: tuple[torch.nn.M
                f"so it is not restored")
     check_lora(path, state.config.get("lora", {}), model)
     sds = _state_dicts(model, optimizer, critic)
-    dcp.load(sds, checkpoint_id=str(path / "model_optim"))
+    reader = SafeReader(str(path / "model_optim"))
+    dcp.load(sds, storage_reader=reader, planner=SafeLoadPlanner(reader))
     set_state_dict(model, optimizer, model_state_dict=sds["model"], optim_state_dict=sds["optim"],
                    options=_options(model))
     if critic is not None:
@@ -340,27 +576,20 @@ def check_lora(path: Path, saved: dict[str, Any], model: torch.nn.Module) -> Non
 
 
 def restore_rng(path: Path, state: TrainerState) -> None:
-    """Every rank's RNG states as they were at the save, when the rank count is unchanged (a collective); a rank
-    whose file is missing or unreadable starts afresh, and rank 0 says which."""
+    """Every rank's RNG states as they were at the save, when the rank count is unchanged (a collective); `damage`
+    has read them before the load, so a file that fails here was changed since: one line naming it."""
     if state.world_size != dist.get_world_size():
         print0(f"checkpoint: {path} was written by {state.world_size} ranks, resumed on {dist.get_world_size()}; "
                f"model, optimizer, schedule and data cursor are resharded, per-rank RNG states start afresh")
         return
-    why_not = _set_rng_from(path / "rng" / f"rank_{dist.get_rank()}.pt")
-    failed = [reason for reason in parallel.all_gather_objects([why_not]) if reason]
-    if failed:
-        print0(f"checkpoint: {path}: {'; '.join(failed)}: the RNG states of those ranks start afresh")
-
-
-def _set_rng_from(file: Path) -> str:
-    """Restores the RNG states saved in `file`; returns why it could not ('' when done)."""
-    if not file.is_file():
-        return f"rng/{file.name} is missing"
     try:
-        set_rng_state(torch.load(file, weights_only=False))
-    except Exception as e:  # a cut-off file fails to unpickle in many ways
-        return f"rng/{file.name} is unreadable ({_one_line(e)})"
-    return ""
+        set_rng_state(read_rng(rng_file(path, dist.get_rank())))
+        failed = ""
+    except DamagedCheckpoint as e:
+        failed = str(e)
+    if failed := _everywhere(failed):
+        raise ConfigError(f"checkpoint {path}: {failed}, after its model and optimizer loaded: rerun the same "
+                          f"command to resume from the checkpoint before it")
 
 
 def load_newest(candidates: list[Path], model: torch.nn.Module, optimizer,
@@ -372,25 +601,26 @@ def load_newest(candidates: list[Path], model: torch.nn.Module, optimizer,
     optimizer; the next load overwrites them all, since DCP fills every key of the state dict or raises."""
     newest_first = candidates[::-1]
     for i, path in enumerate(newest_first):
-        failed = damage(path)
-        if not _failed_anywhere(failed):  # every rank reaches dcp.load, a collective, or none does
+        failed = _everywhere(damage(path))
+        if not failed:  # every rank reaches dcp.load, a collective, or none does
             try:
                 state = load(path, model, optimizer, critic)
             except ConfigError:  # the checkpoint is fine, the run does not fit it: an older one would not either
                 raise
             except (Exception, CheckpointException) as e:  # damage inside a shard, or a file gone since the check
                 failed = _one_line(e)
-            if not _failed_anywhere(failed):
+            if not (failed := _everywhere(failed)):
                 return path, state
         older = f"; trying {newest_first[i + 1]} instead" if i + 1 < len(newest_first) else ""
-        print0(f"warning: checkpoint {path} could not be loaded ({failed or 'another rank could not read it'}){older}")
+        print0(f"warning: checkpoint {path} could not be loaded ({failed}){older}")
     names = ", ".join(p.name for p in newest_first)
     raise ConfigError(f"no checkpoint in {candidates[-1].parent} could be loaded ({names}; the reasons are printed "
                       f"above): start afresh in another log.output_dir, or put a readable checkpoint there")
 
 
-def _failed_anywhere(failed: str) -> bool:
-    return bool(parallel.all_reduce_max(float(bool(failed))))
+def _everywhere(failed: str) -> str:
+    """Every rank's reason, each said once, in rank order ('' when no rank failed): a collective."""
+    return "; ".join(dict.fromkeys(r for r in parallel.all_gather_objects([failed]) if r))
 
 
 def _one_line(error: BaseException) -> str:
@@ -404,10 +634,11 @@ def _one_line(error: BaseException) -> str:
 
 
 def resume_candidates(output_dir: str | Path, resume: str, model_path: str) -> list[Path]:
-    """The checkpoints to resume from, newest last ([] for a fresh run), per `checkpoint.resume`.
+    """The checkpoints to resume from, newest last ([] for a fresh run), per `checkpoint.resume`; reads only.
 
     A folder that already holds a run is never written over silently: without a checkpoint to
-    continue from, or with `resume = "never"`, the run stops and says what to pass."""
+    continue from, or with `resume = "never"`, the run stops and says what to pass. A resume from an
+    older checkpoint of the same run branches it (`set_aside_newer`, once that checkpoint has loaded)."""
     out = Path(output_dir)
     complete = complete_checkpoints(out)
     rows = len(read_metric_rows(out / "metrics.jsonl")[0])
@@ -437,9 +668,7 @@ def resume_candidates(output_dir: str | Path, resume: str, model_path: str) -> l
     if not (path / "trainer_state.json").is_file() or not (path / "model_optim").is_dir():
         raise ConfigError(f"checkpoint.resume={resume!r}: not a complete checkpoint folder (expected "
                           f"trainer_state.json and model_optim/; they are under <output_dir>/checkpoints/rollout_<N>)")
-    if path.resolve().parent == checkpoint_root(out).resolve():
-        set_aside_newer(out, rollout_of(path))
-    elif complete or rows:
+    if path.resolve().parent != checkpoint_root(out).resolve() and (complete or rows):
         raise ConfigError(f"checkpoint.resume={resume!r} starts a run from another run's checkpoint, but "
                           f"log.output_dir {str(out)!r} already holds a run ({rows} metric rows, {len(complete)} "
                           f"checkpoints): pass a new log.output_dir")
@@ -457,9 +686,12 @@ def newest_readable_state(checkpoints: list[Path]) -> tuple[Path, TrainerState] 
     return None
 
 
-def set_aside_newer(output_dir: Path, rollout_id: int) -> None:
+def set_aside_newer(output_dir: Path, resumed_from: Path) -> None:
     """A resume from an older checkpoint of the same run branches it: the newer checkpoints move to
     `checkpoints/abandoned_<time>/`, kept, but out of reach of `resume=auto` and of pruning."""
+    if resumed_from.resolve().parent != checkpoint_root(output_dir).resolve():
+        return
+    rollout_id = rollout_of(resumed_from)
     newer = [p for p in complete_checkpoints(output_dir) if rollout_of(p) > rollout_id]
     if not newer:
         return

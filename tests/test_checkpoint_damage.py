@@ -3,7 +3,9 @@ resumes from the newest readable one, and when none is readable it stops with on
 
 One 2-rank run writes five checkpoints; each case copies its folder and damages the copy differently."""
 
+import io
 import json
+import pickle
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,6 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from rl import checkpoint
 from rl.config import ConfigError
 from tests.test_checkpoint import final_weights, launch
+from tests.test_checkpoint_safety import Planted, planted_pickle
 from tests.test_faults import one_line, rank_exit_code
 from tests.tiny import save_tiny_model_dir, write_arithmetic_jsonl
 
@@ -121,15 +124,54 @@ def test_a_load_that_fails_part_way_is_overwritten_by_the_previous_checkpoint(in
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
-def test_missing_or_unreadable_rng_states_restart_only_the_rng(inputs, trained, tmp_path):
+def test_missing_damaged_or_foreign_rng_states_make_the_checkpoint_damaged(inputs, trained, tmp_path):
+    """An RNG file that is missing, cut or refused is a damaged checkpoint like any other file (not a quiet restart
+    of that rank's RNG): skipped with its name; the RNG states of an earlier checkpoint's `.pt` form restore too,
+    and the resumed run retrains to the very weights of the run that never stopped."""
     out, ck = copy_of(trained, tmp_path)
-    cut(ck / "rollout_4" / "rng" / "rank_0.pt")
-    (ck / "rollout_4" / "rng" / "rank_1.pt").unlink()
+    cut(ck / "rollout_4" / "rng" / "rank_0.json")
+    (ck / "rollout_3" / "rng" / "rank_1.json").unlink()
+    (ck / "rollout_2" / "rng" / "rank_1.json").unlink()
+    (ck / "rollout_2" / "rng" / "rank_1.pt").write_bytes(planted_pickle(tmp_path / "ran"))
+    for rank in range(2):  # rollout_1 as a checkpoint of the earlier format
+        rng = ck / "rollout_1" / "rng" / f"rank_{rank}.json"
+        torch.save(checkpoint.read_rng(rng), rng.with_suffix(".pt"))
+        rng.unlink()
     proc = resume(inputs, out, num_rollout=ROLLOUTS)
-    assert_resumed_from(proc, ck / "rollout_4", {})
-    (line,) = [line for line in proc.stdout.splitlines() if "RNG states" in line]
-    assert line.startswith(f"checkpoint: {ck / 'rollout_4'}: rng/rank_0.pt is unreadable (") and \
-        "rng/rank_1.pt is missing: the RNG states of those ranks start afresh" in line, line
+    assert_resumed_from(proc, ck / "rollout_1", {
+        ck / "rollout_4": "rng/rank_0.json is unreadable (JSONDecodeError: ",
+        ck / "rollout_3": "rng/rank_1.json is missing",
+        ck / "rollout_2": "rng/rank_1.pt is refused: it holds more than tensors and plain values"})
+    assert not (tmp_path / "ran").exists()
+    want, got = final_weights(trained), final_weights(out)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def plant_in_a_value(model_optim: Path, fqn: str, marker: Path) -> None:
+    """Points DCP's metadata for the non-tensor value `fqn` (saved with torch.save) at a pickle appended to its
+    shard file that would create `marker`: a foreign checkpoint whose file sizes and metadata all check out."""
+    metadata = FileSystemReader(str(model_optim)).read_metadata()
+    (index, info), = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == fqn]
+    shard = model_optim / info.relative_path
+    blob = io.BytesIO()
+    torch.save(Planted(marker), blob)
+    info.offset, info.length = shard.stat().st_size, len(blob.getvalue())
+    with shard.open("ab") as f:
+        f.write(blob.getvalue())
+    metadata.storage_meta = None
+    (model_optim / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def test_planted_pickles_in_dcp_files_are_refused_unrun(inputs, trained, tmp_path):
+    out, ck = copy_of(trained, tmp_path)
+    marker = tmp_path / "ran"
+    (ck / "rollout_4" / "model_optim" / ".metadata").write_bytes(planted_pickle(marker))
+    plant_in_a_value(ck / "rollout_3" / "model_optim", "optim.param_groups.0.lr", marker)
+    proc = resume(inputs, out)
+    assert_resumed_from(proc, ck / "rollout_2", {
+        ck / "rollout_4": "model_optim/.metadata is refused: it names io.open, which DCP metadata never holds",
+        ck / "rollout_3": ".distcp: its value optim.param_groups.0.lr is refused, it holds more than tensors"})
+    assert not marker.exists()
 
 
 def test_no_readable_checkpoint_is_one_error_line(inputs, trained, tmp_path):

@@ -352,7 +352,7 @@ def test_the_groups_in_flight_survive_a_resume_exactly(inputs, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     launch(inputs, straight, 2, "--train.num_rollout=4", "--checkpoint.interval=2", *PARTIAL)
     launch(inputs, resumed, 2, "--train.num_rollout=2", "--checkpoint.interval=2", *PARTIAL)
-    assert (resumed / "checkpoints" / "rollout_1" / "rollout_buffer.pkl").is_file()
+    assert (resumed / "checkpoints" / "rollout_1" / "rollout_buffer.json").is_file()
     # A resume whose max_new_tokens leaves a carried sample nothing to generate stops at the start, with one line.
     shutil.copytree(resumed, tmp_path / "shorter")
     refused = launch(inputs, tmp_path / "shorter", 2, "--train.num_rollout=4", "--checkpoint.resume=auto", *PARTIAL,
