@@ -3,9 +3,11 @@ schedules, critic), the data cursor, the health counters and the groups in fligh
 max_staleness); every rank's RNG states ride along.
 
 `RunCheckpointer(cfg, dist, restarted)` claims the folder first, before anything expensive: it locks it,
-decides what to resume from (refusing to write over a run silently), and keeps the config (a resumed run
-with changed keys keeps the earlier one beside it). `attach` hands it the stateful parts once they exist;
-`resume()` restores them and says where the loop goes on, `maybe_save()` saves on the interval, after the
+checks that it can write there, and decides what to resume from (refusing to write over a run silently).
+`attach` hands it the stateful parts once they exist; `resume()` restores them and says where the loop goes
+on; only then does a resumed run write in the folder (the config, kept beside the earlier one when keys
+changed; newer checkpoints set aside when it branches from an older one), so a refused resume leaves the
+folder as it was. `maybe_save()` saves on the interval, after the
 last rollout and when the run is asked to stop. The format on disk is rl/checkpoint.py's.
 """
 
@@ -28,7 +30,7 @@ from rl.parallel import print0
 
 class RunCheckpointer:
     def __init__(self, cfg: Config, dist: parallel.Dist, restarted: bool):
-        self.cfg, self.dist = cfg, dist
+        self.cfg, self.dist, self.restarted = cfg, dist, restarted
         self.hf_sources = [Path(cfg.model.path), Path(cfg.model.tokenizer or cfg.model.path)]
         self.lock, self.candidates = claim_output_dir(cfg, dist, restarted)
         self.loaded: tuple[Path, checkpoint.TrainerState] | None = None
@@ -54,6 +56,7 @@ class RunCheckpointer:
         self.dataset.load_state_dict(state.data)
         self.health.load_state_dict(state.health)
         self.resume_buffer(path, state)
+        self.settle_folder(path)
         self.loaded = path, state
         print0(f"checkpoint: resumed from {path} in {time.perf_counter() - start:.1f} s: rollout "
                f"{state.rollout_id + 1} next, weight_version {state.weight_version}")
@@ -74,6 +77,20 @@ class RunCheckpointer:
         elif saved is not None and saved["groups"]:  # their prompts were drawn: they come again next epoch
             print0(f"checkpoint: warning: {len(saved['groups'])} prompt group(s) in flight in {path.name} are "
                    f"dropped: this run has rollout.partial_rollout off and rollout.max_staleness=0")
+
+    def settle_folder(self, resumed_from: Path) -> None:
+        """What a resume writes in the run folder, once nothing can refuse it any more (rank 0, a collective)."""
+        error = ""
+        if self.dist.is_main:
+            out = Path(self.cfg.log.output_dir)
+            try:
+                if self.cfg.checkpoint.resume not in ("auto", "never") and not self.restarted:
+                    checkpoint.set_aside_newer(out, resumed_from)
+                keep_config(out, self.cfg, resumed=True)
+            except OSError as e:
+                error = f"log.output_dir {str(out)!r}: {type(e).__name__}: {e}"
+        if error := parallel.all_gather_objects([error])[0]:
+            raise ConfigError(error)
 
     def restore_rng(self) -> None:
         """Every rank's RNG states as saved; call it once nothing more of the start-up draws from them (after the
@@ -108,7 +125,7 @@ class RunCheckpointer:
 
 def claim_output_dir(cfg: Config, dist: parallel.Dist, restarted: bool):
     """Rank 0 locks the run folder and decides what to resume from; every rank gets the same answer
-    (or the same error). A fresh run writes config.json; a resumed one keeps the earlier config beside it.
+    (or the same error). A fresh run writes config.json now; a resumed one once its checkpoint has loaded.
     `restarted`: torchrun restarted this job, so rows without a checkpoint are this job's own, written
     before its first save; they move aside and the run starts over."""
     lock, candidates, error = None, [], ""
@@ -123,8 +140,10 @@ def claim_output_dir(cfg: Config, dist: parallel.Dist, restarted: bool):
                 if moved:
                     print0(f"metrics: {moved} row(s) of the attempt before this restart, which saved no checkpoint, "
                            f"moved to {moved_to}; starting over")
+            check_writable(Path(cfg.log.output_dir))
             candidates = checkpoint.resume_candidates(cfg.log.output_dir, resume, cfg.model.path)
-            keep_config(Path(cfg.log.output_dir), cfg, resumed=bool(candidates))
+            if not candidates:  # a resumed run writes its config once its checkpoint has loaded
+                keep_config(Path(cfg.log.output_dir), cfg, resumed=False)
         except ConfigError as e:
             error = str(e)
         except Exception as e:  # e.g. a filesystem without flock: every rank must hear of it, not wait
@@ -133,6 +152,22 @@ def claim_output_dir(cfg: Config, dist: parallel.Dist, restarted: bool):
     if error:
         raise ConfigError(error)
     return lock, [Path(p) for p in candidates]
+
+
+def check_writable(out_dir: Path) -> None:
+    """A folder the run cannot write in (read-only, immutable) stops the start with one line, not the first
+    save with a traceback after a rollout's work."""
+    for folder in (out_dir, checkpoint.checkpoint_root(out_dir)):
+        if not folder.is_dir():
+            continue
+        probe = folder / f".write_check.{os.getpid()}"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(probe)
+        except OSError as e:
+            raise ConfigError(f"log.output_dir {str(out_dir)!r}: cannot write in {folder} ({e.strerror or e}): "
+                              f"the run keeps its checkpoints there; make it writable or pass another "
+                              f"log.output_dir") from None
 
 
 def keep_config(out_dir: Path, cfg: Config, resumed: bool) -> None:
