@@ -248,6 +248,19 @@ except OSError as e:
     assert "wrote outside" not in r.stdout and not os.path.exists(os.path.join(outside, "fill"))
 
 
+def test_no_new_process_in_any_way():
+    r = hostile("""
+import os, subprocess
+for attempt in (os.fork, lambda: subprocess.run(['true']), lambda: os.posix_spawn('/bin/true', ['true'], {})):
+    try:
+        attempt()
+        print('started')
+    except OSError as e:
+        print('refused', e.errno)
+""")
+    assert r.ok and "started" not in r.stdout and r.stdout.count("refused") == 3, r
+
+
 def descendants(pid: int) -> set[int]:
     """The processes below `pid`, from /proc's parent links."""
     parents = {}
