@@ -1,7 +1,7 @@
 """The jail a sandboxed program runs in: rl/sandbox.py starts this file as its own program, once a call.
 
-    python -I -S rl/jail.py SPEC   (SPEC: JSON; stdin: 8 bytes of length, the JSON of the files, then the
-                                    program's own standard input)
+    python -I -B -X utf8 rl/jail.py SPEC   (SPEC: JSON; stdin: 8 bytes of length, the JSON of the files, then
+                                            the program's own standard input)
 
 This process (the keeper) asks for the SIGKILL when its caller dies, then unshares a user namespace together with
 new mount, PID, network, IPC, UTS and cgroup namespaces. A short-lived helper forked before that, still outside,
@@ -16,9 +16,10 @@ still holding the namespace's capabilities,
   /tmp, a tmpfs of `disk_mb` (the disk cap; /dev/shm points into it), holding the caller's files and the code;
 - pivots into it and detaches the old root, so no other path of the host exists for it, and makes the new root
   read-only;
-- becomes nobody (its capabilities go at the exec), asks again for the SIGKILL with the keeper, sets its limits
-  (CPU seconds, address space, bytes a file, open files, no core dumps), sets no-new-privileges and installs the
-  seccomp filter below, and executes Python on the code.
+- becomes nobody and drops every capability (the bounding set too), asks again for the SIGKILL with the keeper,
+  takes a session of its own, sets its limits (CPU seconds, address space, bytes a file, open files, no core
+  dumps), sets no-new-privileges and installs the seccomp filter below, and runs the code in this same
+  interpreter (started as the code's would be: one interpreter's start a call, not two).
 
 What that gives: no file of the host is writable and none but Python's is visible; no process outside is visible
 or reachable by a signal (the caller included); no network device but a loopback that is down, and no host socket
@@ -31,8 +32,8 @@ The seccomp filter: fork, vfork and every clone but a thread's get EPERM (clone3
 back to clone, whose flags a filter can read); so do the calls that reach the kernel's mount, namespace, keyring,
 tracing, BPF, userfaultfd and io_uring machinery, and socket() for families other than unix, IPv4 and IPv6.
 
-A failure to build the jail is written to the status descriptor (SPEC's status_fd, closed at the exec when all
-went well) and the program's process exits 125: rl/sandbox.py raises it as an error of the sandbox, not a failure
+A failure to build the jail is written to the status descriptor (SPEC's status_fd, closed before the code runs
+when all went well) and the program's process exits 125: rl/sandbox.py raises it as an error of the sandbox, not a failure
 of the code. Standard library only; nothing of the trainer is imported here.
 """
 
@@ -81,8 +82,8 @@ class JailError(OSError):
 
 def check(result: int, step: str) -> None:
     if result != 0:
-        errno = ctypes.get_errno()
-        raise JailError(errno, f"{step} failed: {os.strerror(errno)}")
+        err = ctypes.get_errno()
+        raise JailError(err, f"{step} failed: {os.strerror(err)}")
 
 
 def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
