@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rl.config import ConfigError, help_request, help_text
 from rl.health import RunStopped
-from rl.parallel import StalledRankError
+from rl.parallel import StalledRankError, lost_rank_error
 
 RANK0_REPORT_S = 20.0  # how long the other ranks wait after an error for rank 0 to say it
 PEERS_RECORD_S = 10.0  # how long rank 0 then waits for the other ranks of its node to record the error
@@ -172,6 +172,10 @@ def cli(main: Callable[[list[str]], None], argv: list[str]) -> int:
         record(main)(argv)
     except (ConfigError, RunStopped, StalledRankError, RepeatedError) as e:
         return report(e)
+    except RuntimeError as e:  # a collective that another rank stopped answering, or died in, else a bug
+        if (lost := lost_rank_error(e)) is None:
+            raise
+        return report(lost)
     return 0
 
 
@@ -199,7 +203,7 @@ def report(e: Exception) -> int:
     if files and files[0] != os.environ.get("TORCHELASTIC_ERROR_FILE"):
         await_recorded(files[:1], FIRST_RECORD_S)
     record_error(message, final=not isinstance(e, StalledRankError), exitcode=code)
-    if os.environ.get("RANK", "0") == "0":
+    if int(os.environ.get("RANK", "0")) == (e.reporter if isinstance(e, StalledRankError) else 0):
         print(message, file=sys.stderr, flush=True)
         await_recorded(files[1:], PEERS_RECORD_S)
     else:

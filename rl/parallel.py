@@ -26,6 +26,7 @@ import re
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,12 @@ class Dist:
 
 
 class StalledRankError(RuntimeError):
-    """Some rank did not reach a `step_barrier` in time: the run stops instead of hanging."""
+    """Some rank did not reach a `step_barrier` in time, or stopped answering or died in a collective: the run
+    stops instead of hanging. `reporter`: the rank that prints the line (rank 0, unless it is the one lost)."""
+
+    def __init__(self, message: str, reporter: int = 0):
+        super().__init__(message)
+        self.reporter = reporter
 
 
 def exit_with_launcher(parent_pid: int) -> None:
@@ -180,6 +186,68 @@ def step_barrier(d: Dist, timeout_s: float, where: str) -> None:
         raise StalledRankError(f"rank {d.rank} reached {where} but rank 0 did not confirm that every rank did "
                                f"within {timeout_s:g} s: rank 0's message names the stalled ranks (or rank 0 "
                                f"is the one that stalled)") from e
+
+
+CHECK_IN_MAX_S = 60.0  # how long `lost_rank_error` waits at most for the other ranks to check in
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_CONNECTION_LOST = re.compile(r"connection (reset|closed) by peer|broken pipe|connection refused", re.IGNORECASE)
+
+
+def lost_rank_error(e: BaseException) -> StalledRankError | None:
+    """A collective that failed because another rank stopped answering (it timed out: SIGSTOP, a hang) or died
+    (its connection closed: kill -9, a crash), as one line naming that rank; None for any other error, a bug that
+    keeps its traceback. The ranks still alive check in through the rendezvous store, whose connections do not
+    pass through the failed collective's; those that do not within the collective timeout (CHECK_IN_MAX_S at
+    most) are the ones named."""
+    if not isinstance(e, RuntimeError) or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    timed_out, closed = _TIMED_OUT.search(str(e)), _CONNECTION_LOST.search(str(e))
+    if not (timed_out or closed):
+        return None
+    rank, timeout_s = dist.get_rank(), collective_timeout_s()
+    missing = unanswered_ranks(rank, dist.get_world_size(), min(timeout_s, CHECK_IN_MAX_S))
+    what = (f"stopped answering: a collective waited {timeout_s:g} s (train.collective_timeout_s) for it"
+            if timed_out else "died: its connection closed in the middle of a collective")
+    if missing is None:
+        return StalledRankError(f"another rank {what}, and the rendezvous store does not answer either (rank 0 "
+                                f"hosts it unless torchrun's agent does); stopping the run", reporter=rank)
+    if not missing:
+        if not timed_out:
+            return None
+        return StalledRankError(f"a collective waited {timeout_s:g} s (train.collective_timeout_s) though every rank "
+                                f"still answers: one spent longer than that between two collectives; raise "
+                                f"train.collective_timeout_s", reporter=0)
+    ranks = f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"
+    why = ("stopped or hung, not crashed: a crashed rank's connections close at once" if timed_out
+           else "killed by a signal or crashed")
+    return StalledRankError(f"{ranks} {what}, and did not check in after ({why}); stopping the run. The output "
+                            f"of {ranks} shows where {'they were' if len(missing) > 1 else 'it was'}",
+                            reporter=min(set(range(dist.get_world_size())) - set(missing)))
+
+
+def collective_timeout_s() -> float:
+    """The default group's collective timeout now (set_collective_timeout)."""
+    group = dist.distributed_c10d._get_default_group()
+    backend = group._get_backend(torch.device("cuda" if dist.get_backend() == "nccl" else "cpu"))
+    return backend.options._timeout.total_seconds()
+
+
+def unanswered_ranks(rank: int, world_size: int, wait_s: float) -> list[int] | None:
+    """The ranks that have not checked in through the rendezvous store `wait_s` after this one did; None when
+    the store does not answer."""
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"rl_check_in/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    deadline = time.monotonic() + wait_s
+    try:
+        store.set_timeout(datetime.timedelta(seconds=max(wait_s, 1.0)))
+        store.set(f"{prefix}{rank}", "alive")
+        while True:
+            missing = [r for r in range(world_size) if not store.check([f"{prefix}{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except RuntimeError:
+        return None
 
 
 def teardown() -> None:

@@ -5,12 +5,15 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from rl.checkpoint import complete_checkpoints
 from tests.test_distributed import ROOT
 from tests.tiny import save_tiny_model_dir, write_arithmetic_jsonl
 
@@ -21,13 +24,19 @@ def inputs(tmp_path_factory):
     return save_tiny_model_dir(root / "model"), write_arithmetic_jsonl(root / "train.jsonl")
 
 
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def rl_main(inputs, out: Path, *overrides: str, model: Path | None = None) -> list[str]:
+    return ["-m", "rl.main", "--config", str(ROOT / "configs/tiny.toml"), f"--model.path={model or inputs[0]}",
+            f"--data.source={inputs[1]}", f"--log.output_dir={out}", "--reward.user_fn=tests.reward_fns:digit_fraction",
+            *overrides]
+
+
 def run(inputs, out: Path, *overrides: str, nproc: int = 1, model: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(29500 + os.getpid() % 1000), "-m", "rl.main", "--config", str(ROOT / "configs/tiny.toml"),
-           f"--model.path={model or inputs[0]}", f"--data.source={inputs[1]}", f"--log.output_dir={out}",
-           "--reward.user_fn=tests.reward_fns:digit_fraction", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+           "--master-port", str(29500 + os.getpid() % 1000), *rl_main(inputs, out, *overrides, model=model)]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 
 def strict_rows(out: Path) -> list[dict]:
@@ -114,3 +123,98 @@ def test_a_model_without_a_producible_eos_is_refused(inputs, tmp_path):
     proc = run(inputs, tmp_path / "run", model=model)
     assert rank_exit_code(proc) == 2
     assert "EOS" in one_line(proc, "rl: error:")
+
+
+def rank_pid(out: Path, rank: int) -> int:
+    """The pid of the rank of the run writing to `out` (not its reward workers)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if (entry.name.isdigit() and f"--log.output_dir={out}".encode() in (entry / "cmdline").read_bytes()
+                    and b"rl.main" in (entry / "cmdline").read_bytes()
+                    and f"\0RANK={rank}\0".encode() in b"\0" + (entry / "environ").read_bytes()):
+                return int(entry.name)
+        except OSError:
+            pass
+    raise AssertionError(f"no rank {rank} writing to {out}")
+
+
+def wait_for_rows(out: Path, count: int, procs: list[subprocess.Popen]) -> None:
+    deadline = time.time() + 240
+    while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= count):
+        assert all(p.poll() is None for p in procs) and time.time() < deadline, "the run ended or stalled early"
+        time.sleep(0.05)
+
+
+def test_a_stopped_rank_is_named_in_one_line(inputs, tmp_path):
+    """SIGSTOP: the rank neither answers nor closes its connections; the collective times out on rank 0, which
+    names it (not a gloo traceback); the rows and the checkpoint written before stay whole."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
+                             "0", "--master-port", str(29500 + os.getpid() % 1000),
+                             *rl_main(inputs, out, "--train.num_rollout=200", "--train.collective_timeout_s=3",
+                                      "--checkpoint.interval=2")],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_rows(out, 3, [proc])
+        stopped = rank_pid(out, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        rows_then = strict_rows(out)
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(stopped, sig)
+            except (OSError, UnboundLocalError):
+                pass
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+    assert rank_exit_code(done) == 1
+    lines = [line for line in stderr.splitlines() if line.startswith("rl: stopped:")]
+    assert len(lines) == 1 and f"traceback : {lines[0]}" in stderr.split("Root Cause")[1], stderr[-3000:]
+    line = lines[0]
+    # Stopped in generation, the monitored barrier after it names the rank; anywhere else, the collective's timeout
+    # and the check-in after it do.
+    assert line.startswith(("rl: stopped: rank 1 stopped answering: a collective waited 3 s "
+                            "(train.collective_timeout_s) for it, and did not check in after (stopped or hung, not "
+                            "crashed", "rl: stopped: rank(s) [1] did not reach the end of rollout generation within 3 s "
+                                       "(stalled or dead)")), line
+    assert "rl/main.py" not in stderr  # no traceback of the ranks (torchrun's own, of its ChildFailedError, stays)
+    rows = strict_rows(out)
+    assert rows[: len(rows_then)] == rows_then and [r["rollout_id"] for r in rows] == list(range(len(rows)))
+    saved = complete_checkpoints(out)
+    assert saved and all((path / "trainer_state.json").is_file() for path in saved)
+
+
+@pytest.mark.parametrize("loop", [(), ("--rollout.partial_rollout=true", "--rollout.max_staleness=1")],
+                         ids=["synchronous", "partial"])
+def test_a_rank_killed_on_another_node_is_named_by_the_survivor(inputs, tmp_path, loop):
+    """Two torchrun agents as two nodes: rank 1's agent sees its rank die, rank 0's does not, so rank 0 meets the
+    death itself, in a collective whose connection closed, and says so in one line."""
+    out = tmp_path / "run"
+    port = str(29500 + (os.getpid() + 7) % 1000)
+    nodes = []
+    for _ in range(2):  # the first agent hosts the rendezvous store, which outlives the second
+        nodes.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                                       "--nproc-per-node", "1", "--max-restarts", "0", "--rdzv-backend", "c10d",
+                                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tmp_path.name,
+                                       *rl_main(inputs, out, "--train.num_rollout=200",
+                                                "--train.collective_timeout_s=3", *loop)],
+                                      cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(3)
+    try:
+        wait_for_rows(out, 3, nodes)
+        os.kill(rank_pid(out, 1), signal.SIGKILL)
+        stderr = nodes[0].communicate(timeout=120)[1]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.communicate()
+    lines = [line for line in stderr.splitlines() if line.startswith("rl: stopped:")]
+    # Killed in generation, the monitored barrier after it names the rank; anywhere else, the closed connection and
+    # the check-in after it do.
+    assert lines in (["rl: stopped: rank 1 died: its connection closed in the middle of a collective, and did not "
+                      "check in after (killed by a signal or crashed); stopping the run. The output of rank 1 shows "
+                      "where it was"],
+                     ["rl: stopped: rank(s) [1] did not reach the end of rollout generation within 3 s (stalled or "
+                      "dead); stopping the run. See those ranks' output for where they were"]), stderr[-3000:]
+    assert "rl/main.py" not in stderr  # no traceback of the ranks (torchrun's own, of its ChildFailedError, stays)
