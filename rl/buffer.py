@@ -24,6 +24,11 @@ token (0 in the synchronous loop). No trained sample may exceed `max_staleness`.
 
 A group that still passes the bound (weights pushed more often than counted here) is dropped, never
 trained, and counted. Groups stay whole: a group trains once all its samples are finished.
+
+In a checkpoint the groups in flight are plain JSON (`sample_to_dict`, `to_json`): tuples, bytes and dicts
+with keys other than strings under a tag, so that a resumed run continues the very same samples and the file
+can hold nothing that runs code. A data row's value JSON cannot hold faithfully stops the run when its group
+is admitted (`check_plain`), not at the first save.
 """
 
 from __future__ import annotations

@@ -13,22 +13,22 @@ loop needs to continue after rollout N as if it had never stopped:
 - `rollout_buffer.json`: with partial rollouts or max_staleness, the prompt groups in flight
   (rl/buffer.py), so that none is lost or trained twice across a resume.
 
-Nothing in a checkpoint can run code when it loads (a checkpoint may come from elsewhere, or be
-written over by code the run executed): the RNG states and the groups in flight are JSON; DCP's
-tensors load with `torch.load(weights_only=True)`, and so do its other values (the optimizer's
-learning rate, betas, ...), which DCP itself would unpickle freely; DCP's `.metadata` is a pickle,
-read by an unpickler that builds only the classes DCP metadata holds (`_METADATA_GLOBALS`) and
-refuses the file otherwise. Checkpoints written before these formats (`rng/rank_<r>.pt`, read with
-`weights_only=True`; `rollout_buffer.pkl`, never read) load as far as that allows.
+Nothing in a checkpoint runs code when it loads (a checkpoint may come from elsewhere, or be
+written over by code the run executed): the RNG states and the groups in flight are JSON, and
+DCP's files are read through rl/safe_load.py (its `.metadata` pickle against an allowlist of the
+classes DCP metadata holds, every value with `weights_only=True`). Checkpoints written before
+these formats load as far as that allows: `rng/rank_<r>.pt` with `weights_only=True`, a
+`rollout_buffer.pkl` never (its checkpoint counts as damaged).
 
 Atomicity: all ranks write into `.rollout_<N>.tmp/`; once every rank is done, rank 0
 renames it to `rollout_<N>` (one rename on one filesystem). Only complete folders are ever
 named `rollout_<N>`, so a kill mid-save leaves every earlier checkpoint whole, and the
-newest one is never deleted before a newer one is complete. A save that fails (a full disk)
-removes its `.tmp` folder and stops the run with one line naming the checkpoint and the cause. Older checkpoints past
+newest one is never deleted before a newer one is complete. Older checkpoints past
 `keep_last` are renamed out of the way (`.rollout_<N>.old.*`) and deleted by a background
 thread, so a slow filesystem never holds the other ranks at a barrier; leftovers of a kill
-(`.tmp` or `.old` folders) are never read and are removed by the next save.
+(`.tmp` or `.old` folders) are never read and are removed by the next save. A save that
+fails on any rank (a full disk) removes its `.tmp` folder at once and stops the run with one
+line naming the checkpoint and the cause.
 
 Loading tries the newest complete checkpoint and falls back to older ones, one warning line
 for each it skips: before any tensor is read, each is checked cheaply (its trainer state
@@ -43,18 +43,12 @@ them afresh, and says so).
 from __future__ import annotations
 
 import errno
-import fcntl
-import io
 import json
 import os
-import pickle
-import random
 import re
 import shutil
-import socket
 import threading
 import time
-import warnings
 from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -63,19 +57,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from rl import parallel
 from rl.buffer import sample_from_dict
 from rl.config import ConfigError, RunStopped
 from rl.lora import adapted_layers
-from rl.metrics import read_metric_rows
 from rl.parallel import print0
+from rl.safe_load import (DamagedCheckpoint, SafeLoadPlanner, SafeReader, error_line, read_metadata, read_rng,
+                          rng_file, rng_state, rng_to_json, set_rng_state)
 
 CHECKPOINTS = "checkpoints"
 BUFFER_FILE = "rollout_buffer.json"
@@ -235,7 +227,7 @@ def _write_cause(error: BaseException) -> str:
     if isinstance(error, OSError) and error.errno in errno.errorcode:
         where = f" writing {error.filename}" if error.filename else ""
         return f"{errno.errorcode[error.errno]}: {error.strerror or os.strerror(error.errno)}{where}"
-    return _one_line(error)
+    return error_line(error)
 
 
 def prune(root: Path, keep_last: int) -> None:
@@ -281,73 +273,6 @@ def copy_hf_files(sources: list[Path], out: Path) -> None:
                 break
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def rng_to_json(state: dict[str, Any]) -> dict[str, Any]:
-    """RNG states as JSON: the generators' byte states in hex, Python's state (a tuple of ints) as a list."""
-    out = {k: bytes(v.numpy().tobytes()).hex() for k, v in state.items() if k != "python"}
-    version, internal, gauss_next = state["python"]
-    return out | {"python": [version, list(internal), gauss_next]}
-
-
-def rng_from_json(saved: Any) -> dict[str, Any]:
-    """The states rng_to_json wrote, checked on generators of their own (a foreign file raises, nothing is set)."""
-    version, internal, gauss_next = saved["python"]
-    state = {k: torch.frombuffer(bytearray.fromhex(v), dtype=torch.uint8) for k, v in saved.items() if k != "python"}
-    return _checked_rng(state | {"python": (version, tuple(internal), gauss_next)})
-
-
-def _checked_rng(state: dict[str, Any]) -> dict[str, Any]:
-    if set(state) - {"torch", "cuda", "python"} or "torch" not in state:
-        raise ValueError(f"keys {sorted(state)}, expected torch, python and maybe cuda")
-    version, internal, gauss_next = state["python"]
-    if not (type(version) is int and all(type(i) is int for i in internal) and type(gauss_next) in (float, type(None))):
-        raise ValueError("Python's state holds other types than ints")
-    random.Random().setstate(state["python"])
-    torch.Generator().set_state(state["torch"])
-    return state
-
-
-def read_rng(file: Path) -> dict[str, Any]:
-    """The RNG states of `file` (DamagedCheckpoint naming it otherwise); the `.pt` form of earlier checkpoints is
-    read with weights_only=True: tensors and a tuple of ints, so nothing in it can run code."""
-    name = f"rng/{file.name}"
-    try:
-        if file.suffix == ".pt":
-            with warnings.catch_warnings():  # weights_only's note on a pickle protocol it was not written with
-                warnings.simplefilter("ignore")
-                state = torch.load(file, weights_only=True)
-            return _checked_rng(state if isinstance(state, dict) else {})
-        return rng_from_json(json.loads(file.read_text()))
-    except FileNotFoundError:
-        raise DamagedCheckpoint(f"{name} is missing") from None
-    except pickle.UnpicklingError as e:
-        if "Weights only load failed" not in str(e):  # cut off
-            raise DamagedCheckpoint(f"{name} is unreadable ({_one_line(e)})") from None
-        raise DamagedCheckpoint(f"{name} is refused: it holds more than tensors and plain values") from None
-    except Exception as e:  # cut off, not JSON, the wrong types or sizes
-        raise DamagedCheckpoint(f"{name} is unreadable ({_one_line(e)})") from None
-
-
-def rng_file(path: Path, rank: int) -> Path:
-    """Rank `rank`'s RNG file in checkpoint `path`: the JSON one, or the `.pt` one of an earlier checkpoint."""
-    file = path / "rng" / f"rank_{rank}.json"
-    old = file.with_suffix(".pt")
-    return old if not file.exists() and old.exists() else file
-
-
 def _write_json(path: Path, obj: Any) -> None:
     with path.open("w") as f:
         json.dump(obj, f, indent=2)
@@ -372,7 +297,7 @@ def read_rollout_buffer(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise DamagedCheckpoint(f"{BUFFER_FILE} is missing") from None
     except Exception as e:  # cut off, not JSON, not samples
-        raise DamagedCheckpoint(f"{BUFFER_FILE} is unreadable ({_one_line(e)})") from None
+        raise DamagedCheckpoint(f"{BUFFER_FILE} is unreadable ({error_line(e)})") from None
     return saved
 
 
@@ -385,10 +310,6 @@ def _fsync_dir(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- load
-
-
-class DamagedCheckpoint(Exception):
-    """A checkpoint folder that cannot be loaded; the message names the file and what is wrong with it."""
 
 
 def read_trainer_state(path: Path) -> TrainerState:
@@ -421,7 +342,7 @@ def check_shards(folder: Path) -> None:
             ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
         shards = [(folder / name, end) for name, end in sorted(ends.items())]
     except (AttributeError, TypeError) as e:  # built only of allowed classes, but not as DCP builds them
-        raise DamagedCheckpoint(f"{folder.name}/.metadata is not DCP metadata ({_one_line(e)})") from None
+        raise DamagedCheckpoint(f"{folder.name}/.metadata is not DCP metadata ({error_line(e)})") from None
     for shard, end in shards:
         if not shard.is_file():
             raise DamagedCheckpoint(f"{folder.name}/{shard.name} is missing")
@@ -444,84 +365,6 @@ def damage(path: Path) -> str:
     except DamagedCheckpoint as e:
         return str(e)
     return ""
-
-
-# ---------------------------------------------------------------------------- DCP, read without running code
-
-# Every global a DCP `.metadata` pickle names (torch 2.11 to 2.13; full-parameter, LoRA and critic checkpoints),
-# besides torch's dtypes: the metadata dataclasses, torch.Size, the path it was saved to, a layout by name.
-_METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),
-}
-
-
-class Refused(pickle.UnpicklingError):
-    """A pickle in a checkpoint names a global that its kind of file never holds: it is not read further."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only what DCP metadata holds: any other global (a function a planted pickle would call) is refused
-    before it is looked up, so no code of the file's choosing runs."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                 torch.dtype)):
-            return super().find_class(module, name)
-        raise Refused(f"it names {module}.{name}, which DCP metadata never holds")
-
-
-class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with `.metadata` unpickled by _MetadataUnpickler: the bytes checked are the bytes used."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
-            metadata = _MetadataUnpickler(file).load()
-        if not isinstance(metadata, Metadata):
-            raise Refused(f"it holds a {type(metadata).__name__}, not DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, but the values saved as bytes (the optimizer's lr, betas, ...) load with weights_only=True,
-    where DCP's own would unpickle anything; a refused value names its shard file."""
-
-    def __init__(self, reader: SafeReader):
-        super().__init__()
-        self.reader = reader
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError:
-            shard = self.reader.storage_data[read_item.storage_index].relative_path
-            raise DamagedCheckpoint(f"model_optim/{shard}: its value {read_item.dest_index.fqn} is refused, it "
-                                    f"holds more than tensors and plain values") from None
-        if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes places it
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
-
-
-def read_metadata(folder: Path) -> Metadata:
-    """The DCP metadata of `folder`, read safely; DamagedCheckpoint naming the file when missing or refused."""
-    try:
-        return SafeReader(str(folder)).read_metadata()
-    except FileNotFoundError:
-        raise DamagedCheckpoint(f"{folder.name}/.metadata is missing") from None
-    except Refused as e:
-        raise DamagedCheckpoint(f"{folder.name}/.metadata is refused: {e}") from None
-    except Exception as e:  # unpickling a cut-off file fails in many ways
-        raise DamagedCheckpoint(f"{folder.name}/.metadata is unreadable ({_one_line(e)})") from None
 
 
 def _options(model: torch.nn.Module) -> StateDictOptions:
@@ -608,7 +451,7 @@ def load_newest(candidates: list[Path], model: torch.nn.Module, optimizer,
             except ConfigError:  # the checkpoint is fine, the run does not fit it: an older one would not either
                 raise
             except (Exception, CheckpointException) as e:  # damage inside a shard, or a file gone since the check
-                failed = _one_line(e)
+                failed = error_line(e)
             if not (failed := _everywhere(failed)):
                 return path, state
         older = f"; trying {newest_first[i + 1]} instead" if i + 1 < len(newest_first) else ""
@@ -621,103 +464,3 @@ def load_newest(candidates: list[Path], model: torch.nn.Module, optimizer,
 def _everywhere(failed: str) -> str:
     """Every rank's reason, each said once, in rank order ('' when no rank failed): a collective."""
     return "; ".join(dict.fromkeys(r for r in parallel.all_gather_objects([failed]) if r))
-
-
-def _one_line(error: BaseException) -> str:
-    """The error that stopped a read, on one line; DCP wraps each rank's error in a CheckpointException."""
-    if isinstance(error, CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]
-    return f"{type(error).__name__}: {error}".splitlines()[0][:300]
-
-
-# ---------------------------------------------------------------------------- the run folder
-
-
-def resume_candidates(output_dir: str | Path, resume: str, model_path: str) -> list[Path]:
-    """The checkpoints to resume from, newest last ([] for a fresh run), per `checkpoint.resume`; reads only.
-
-    A folder that already holds a run is never written over silently: without a checkpoint to
-    continue from, or with `resume = "never"`, the run stops and says what to pass. A resume from an
-    older checkpoint of the same run branches it (`set_aside_newer`, once that checkpoint has loaded)."""
-    out = Path(output_dir)
-    complete = complete_checkpoints(out)
-    rows = len(read_metric_rows(out / "metrics.jsonl")[0])
-    if resume == "never":
-        if complete or rows:
-            raise ConfigError(f"log.output_dir {str(out)!r} already holds a run ({rows} metric rows, "
-                              f"{len(complete)} checkpoints) and checkpoint.resume='never': pass "
-                              f"--checkpoint.resume=auto to continue it, or another log.output_dir")
-        return []
-    if resume == "auto":
-        if not complete:
-            if rows:
-                raise ConfigError(f"log.output_dir {str(out)!r} holds {rows} metric rows of an earlier run but no "
-                                  f"complete checkpoint to resume from: pass another log.output_dir (or remove "
-                                  f"that folder to start over there)")
-            return []
-        newest = newest_readable_state(complete)
-        if newest is not None:
-            path, state = newest
-            written_for = state.config["model"]["path"]
-            if os.path.realpath(written_for) != os.path.realpath(model_path):  # `/x/model/` is `/x/model`
-                raise ConfigError(f"log.output_dir {str(out)!r} holds checkpoints of a run of model.path "
-                                  f"{written_for!r}, not {model_path!r}: pass another log.output_dir, or "
-                                  f"--checkpoint.resume={path} to start from it on purpose")
-        return complete
-    path = Path(resume)
-    if not (path / "trainer_state.json").is_file() or not (path / "model_optim").is_dir():
-        raise ConfigError(f"checkpoint.resume={resume!r}: not a complete checkpoint folder (expected "
-                          f"trainer_state.json and model_optim/; they are under <output_dir>/checkpoints/rollout_<N>)")
-    if path.resolve().parent != checkpoint_root(out).resolve() and (complete or rows):
-        raise ConfigError(f"checkpoint.resume={resume!r} starts a run from another run's checkpoint, but "
-                          f"log.output_dir {str(out)!r} already holds a run ({rows} metric rows, {len(complete)} "
-                          f"checkpoints): pass a new log.output_dir")
-    return [path]
-
-
-def newest_readable_state(checkpoints: list[Path]) -> tuple[Path, TrainerState] | None:
-    """The newest of `checkpoints` whose trainer state reads, with that state; the unreadable ones are left to
-    load_newest, which skips them with a line each."""
-    for path in reversed(checkpoints):
-        try:
-            return path, read_trainer_state(path)
-        except DamagedCheckpoint:
-            continue
-    return None
-
-
-def set_aside_newer(output_dir: Path, resumed_from: Path) -> None:
-    """A resume from an older checkpoint of the same run branches it: the newer checkpoints move to
-    `checkpoints/abandoned_<time>/`, kept, but out of reach of `resume=auto` and of pruning."""
-    if resumed_from.resolve().parent != checkpoint_root(output_dir).resolve():
-        return
-    rollout_id = rollout_of(resumed_from)
-    newer = [p for p in complete_checkpoints(output_dir) if rollout_of(p) > rollout_id]
-    if not newer:
-        return
-    aside = checkpoint_root(output_dir) / f"abandoned_{time.strftime('%Y%m%d-%H%M%S')}"
-    aside.mkdir()
-    for path in newer:
-        os.replace(path, aside / path.name)
-    print(f"checkpoint: resuming from rollout_{rollout_id}: the newer checkpoints "
-          f"{', '.join(p.name for p in newer)} are moved to {aside}", flush=True)
-
-
-def lock_output_dir(output_dir: str | Path):
-    """An exclusive lock on the run folder for as long as the returned file stays open (rank 0 holds it)."""
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    handle = (out / ".lock").open("a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise ConfigError(f"log.output_dir {str(out)!r} is in use by a running job ({holder}): "
-                          f"wait for it to end or pass another log.output_dir") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    handle.flush()
-    return handle

@@ -13,8 +13,10 @@ last rollout and when the run is asked to stop. The format on disk is rl/checkpo
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from rl.config import Config, ConfigError, dump
 from rl.data import PromptDataset
 from rl.health import Health
 from rl.learner import Learner
-from rl.metrics import keep_rows_before
+from rl.metrics import keep_rows_before, read_metric_rows
 from rl.parallel import print0
 
 
@@ -85,7 +87,7 @@ class RunCheckpointer:
             out = Path(self.cfg.log.output_dir)
             try:
                 if self.cfg.checkpoint.resume not in ("auto", "never") and not self.restarted:
-                    checkpoint.set_aside_newer(out, resumed_from)
+                    set_aside_newer(out, resumed_from)
                 keep_config(out, self.cfg, resumed=True)
             except OSError as e:
                 error = f"log.output_dir {str(out)!r}: {type(e).__name__}: {e}"
@@ -131,7 +133,7 @@ def claim_output_dir(cfg: Config, dist: parallel.Dist, restarted: bool):
     lock, candidates, error = None, [], ""
     if dist.is_main:
         try:
-            lock = checkpoint.lock_output_dir(cfg.log.output_dir)
+            lock = lock_output_dir(cfg.log.output_dir)
             resume = cfg.checkpoint.resume
             if restarted and checkpoint.complete_checkpoints(cfg.log.output_dir):
                 resume = "auto"  # the newest checkpoint is this job's own, whatever the first attempt started from
@@ -141,7 +143,7 @@ def claim_output_dir(cfg: Config, dist: parallel.Dist, restarted: bool):
                     print0(f"metrics: {moved} row(s) of the attempt before this restart, which saved no checkpoint, "
                            f"moved to {moved_to}; starting over")
             check_writable(Path(cfg.log.output_dir))
-            candidates = checkpoint.resume_candidates(cfg.log.output_dir, resume, cfg.model.path)
+            candidates = resume_candidates(cfg.log.output_dir, resume, cfg.model.path)
             if not candidates:  # a resumed run writes its config once its checkpoint has loaded
                 keep_config(Path(cfg.log.output_dir), cfg, resumed=False)
         except ConfigError as e:
@@ -181,3 +183,96 @@ def keep_config(out_dir: Path, cfg: Config, resumed: bool) -> None:
         os.replace(path, kept)
         print0(f"config: resuming with changed keys {', '.join(changed)}; the earlier config is kept as {kept}")
     path.write_text(text)
+
+
+# ---------------------------------------------------------------------------- the run folder
+
+
+def resume_candidates(output_dir: str | Path, resume: str, model_path: str) -> list[Path]:
+    """The checkpoints to resume from, newest last ([] for a fresh run), per `checkpoint.resume`; reads only.
+
+    A folder that already holds a run is never written over silently: without a checkpoint to
+    continue from, or with `resume = "never"`, the run stops and says what to pass. A resume from an
+    older checkpoint of the same run branches it (`set_aside_newer`, once that checkpoint has loaded)."""
+    out = Path(output_dir)
+    complete = checkpoint.complete_checkpoints(out)
+    rows = len(read_metric_rows(out / "metrics.jsonl")[0])
+    if resume == "never":
+        if complete or rows:
+            raise ConfigError(f"log.output_dir {str(out)!r} already holds a run ({rows} metric rows, "
+                              f"{len(complete)} checkpoints) and checkpoint.resume='never': pass "
+                              f"--checkpoint.resume=auto to continue it, or another log.output_dir")
+        return []
+    if resume == "auto":
+        if not complete:
+            if rows:
+                raise ConfigError(f"log.output_dir {str(out)!r} holds {rows} metric rows of an earlier run but no "
+                                  f"complete checkpoint to resume from: pass another log.output_dir (or remove "
+                                  f"that folder to start over there)")
+            return []
+        newest = newest_readable_state(complete)
+        if newest is not None:
+            path, state = newest
+            written_for = state.config["model"]["path"]
+            if os.path.realpath(written_for) != os.path.realpath(model_path):  # `/x/model/` is `/x/model`
+                raise ConfigError(f"log.output_dir {str(out)!r} holds checkpoints of a run of model.path "
+                                  f"{written_for!r}, not {model_path!r}: pass another log.output_dir, or "
+                                  f"--checkpoint.resume={path} to start from it on purpose")
+        return complete
+    path = Path(resume)
+    if not (path / "trainer_state.json").is_file() or not (path / "model_optim").is_dir():
+        raise ConfigError(f"checkpoint.resume={resume!r}: not a complete checkpoint folder (expected "
+                          f"trainer_state.json and model_optim/; they are under <output_dir>/checkpoints/rollout_<N>)")
+    if path.resolve().parent != checkpoint.checkpoint_root(out).resolve() and (complete or rows):
+        raise ConfigError(f"checkpoint.resume={resume!r} starts a run from another run's checkpoint, but "
+                          f"log.output_dir {str(out)!r} already holds a run ({rows} metric rows, {len(complete)} "
+                          f"checkpoints): pass a new log.output_dir")
+    return [path]
+
+
+def newest_readable_state(checkpoints: list[Path]) -> tuple[Path, checkpoint.TrainerState] | None:
+    """The newest of `checkpoints` whose trainer state reads, with that state; the unreadable ones are left to
+    load_newest, which skips them with a line each."""
+    for path in reversed(checkpoints):
+        try:
+            return path, checkpoint.read_trainer_state(path)
+        except checkpoint.DamagedCheckpoint:
+            continue
+    return None
+
+
+def set_aside_newer(output_dir: Path, resumed_from: Path) -> None:
+    """A resume from an older checkpoint of the same run branches it: the newer checkpoints move to
+    `checkpoints/abandoned_<time>/`, kept, but out of reach of `resume=auto` and of pruning."""
+    if resumed_from.resolve().parent != checkpoint.checkpoint_root(output_dir).resolve():
+        return
+    rollout_id = checkpoint.rollout_of(resumed_from)
+    newer = [p for p in checkpoint.complete_checkpoints(output_dir) if checkpoint.rollout_of(p) > rollout_id]
+    if not newer:
+        return
+    aside = checkpoint.checkpoint_root(output_dir) / f"abandoned_{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir()
+    for path in newer:
+        os.replace(path, aside / path.name)
+    print(f"checkpoint: resuming from rollout_{rollout_id}: the newer checkpoints "
+          f"{', '.join(p.name for p in newer)} are moved to {aside}", flush=True)
+
+
+def lock_output_dir(output_dir: str | Path):
+    """An exclusive lock on the run folder for as long as the returned file stays open (rank 0 holds it)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    handle = (out / ".lock").open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(f"log.output_dir {str(out)!r} is in use by a running job ({holder}): "
+                          f"wait for it to end or pass another log.output_dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    return handle

@@ -184,7 +184,7 @@ def test_metrics_without_a_checkpoint_are_not_overwritten(inputs, tmp_path):
 
 
 def test_a_second_run_into_a_busy_folder_is_refused(inputs, tmp_path):
-    from rl.checkpoint import lock_output_dir
+    from rl.checkpointer import lock_output_dir
 
     out = tmp_path / "run"
     held = lock_output_dir(out)  # as a running job holds it

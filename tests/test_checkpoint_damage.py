@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from rl import checkpoint
+from rl import checkpoint, checkpointer
 from rl.config import ConfigError
 from tests.test_checkpoint import final_weights, launch
 from tests.test_checkpoint_safety import Planted, planted_pickle
@@ -206,9 +206,9 @@ def test_the_model_path_check_reads_the_newest_readable_state(tmp_path):
     older = fake_checkpoint(tmp_path, 0, str(model))
     newer = fake_checkpoint(tmp_path, 1, str(model))
     cut(newer / "trainer_state.json")
-    assert checkpoint.resume_candidates(tmp_path, "auto", str(model)) == [older, newer]  # load_newest skips `newer`
+    assert checkpointer.resume_candidates(tmp_path, "auto", str(model)) == [older, newer]  # load_newest skips `newer`
     with pytest.raises(ConfigError, match=f"--checkpoint.resume={older} to start"):
-        checkpoint.resume_candidates(tmp_path, "auto", str(tmp_path / "other"))
+        checkpointer.resume_candidates(tmp_path, "auto", str(tmp_path / "other"))
 
 
 def test_the_same_model_path_spelled_differently_resumes(tmp_path):
@@ -216,6 +216,6 @@ def test_the_same_model_path_spelled_differently_resumes(tmp_path):
     model.mkdir()
     saved = fake_checkpoint(tmp_path, 0, str(model))
     for spelling in (f"{model}/", str(tmp_path / "." / "model"), str(tmp_path / "model" / ".." / "model")):
-        assert checkpoint.resume_candidates(tmp_path, "auto", spelling) == [saved]
+        assert checkpointer.resume_candidates(tmp_path, "auto", spelling) == [saved]
     with pytest.raises(ConfigError, match="holds checkpoints of a run of model.path"):
-        checkpoint.resume_candidates(tmp_path, "auto", str(tmp_path / "another"))
+        checkpointer.resume_candidates(tmp_path, "auto", str(tmp_path / "another"))

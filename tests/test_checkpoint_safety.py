@@ -83,6 +83,19 @@ def test_a_planted_metadata_pickle_is_refused_unrun(runs, tmp_path):
     assert not marker.exists()
 
 
+def test_the_export_of_a_checkpoint_reads_it_safely_too(runs, tmp_path):
+    from rl.export import export_checkpoint
+
+    folder = tmp_path / "rollout_0"
+    shutil.copytree(runs["full"], folder)
+    assert (export_checkpoint(folder, tmp_path / "exported") / "config.json").is_file()
+    marker = tmp_path / "ran"
+    (folder / "model_optim" / ".metadata").write_bytes(planted_pickle(marker))
+    with pytest.raises(ConfigError, match=r"rollout_0: model_optim/.metadata is refused: it names io.open"):
+        export_checkpoint(folder, tmp_path / "again")
+    assert not marker.exists()
+
+
 # ---------------------------------------------------------------------------- RNG states
 
 
