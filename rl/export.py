@@ -240,12 +240,18 @@ def export_adapter(model: torch.nn.Module, lora: LoraConfig, base_model: str, ou
 
 
 def load_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's policy tensors (fp32, full, on the CPU), read without a process group."""
+    """The checkpoint's policy tensors (fp32, full, on the CPU), read without a process group and without running
+    code: its `.metadata` pickle through rl/safe_load.py's allowlist, the tensors with weights_only=True."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(checkpoint / "model_optim"))
-    entries = reader.read_metadata().state_dict_metadata
+    from rl.safe_load import DamagedCheckpoint, SafeReader, read_metadata
+
+    try:
+        entries = read_metadata(checkpoint / "model_optim").state_dict_metadata
+    except DamagedCheckpoint as e:
+        raise ConfigError(f"{checkpoint}: {e}") from None
+    reader = SafeReader(str(checkpoint / "model_optim"))
     model = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in entries.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
