@@ -157,7 +157,7 @@ def check_plain(groups: list[list[Sample]]) -> None:
 
 
 def sample_to_dict(sample: Sample) -> dict[str, Any]:
-    """A plain-JSON copy of `sample` (the checkpoint's rollout_buffer.json); sample_from_dict gives back an equal one."""
+    """A plain-JSON copy of `sample` (in the checkpoint's rollout_buffer.json); sample_from_dict gives it back."""
     return {f.name: sample.status.value if f.name == "status" else to_json(getattr(sample, f.name))
             for f in dataclasses.fields(Sample)}
 

@@ -5,8 +5,8 @@ the format; this file, how each part is read).
   each checked on a generator of its own before any is set; the `rng/rank_<r>.pt` files of earlier
   checkpoints load with `torch.load(weights_only=True)`, which builds only tensors and plain values.
 - DCP's `.metadata` is a pickle: `SafeReader` unpickles it with `_MetadataUnpickler`, which builds only the
-  classes DCP metadata holds (`_METADATA_GLOBALS`, listed from the pickles of full-parameter, LoRA and critic
-  checkpoints of torch 2.11 and 2.13) and refuses the file at any other global, before looking it up.
+  classes DCP metadata holds (`_METADATA_GLOBALS`) and refuses the file at any other global, before looking it
+  up.
 - DCP's tensors load with weights_only=True already; its other values (the optimizer's lr, betas, ...) DCP
   would unpickle freely: `SafeLoadPlanner` loads them with weights_only=True too.
 
@@ -114,8 +114,9 @@ def rng_file(path: Path, rank: int) -> Path:
 
 # ---------------------------------------------------------------------------- DCP, read without running code
 
-# Every global a DCP `.metadata` pickle names (torch 2.11 to 2.13; full-parameter, LoRA and critic checkpoints),
-# besides torch's dtypes: the metadata dataclasses, torch.Size, the path it was saved to, a layout by name.
+# Every global a DCP `.metadata` pickle names besides torch's dtypes (listed from torch 2.13's full-parameter, LoRA
+# and critic checkpoints; torch 2.11 pickles the same classes): the metadata dataclasses, torch.Size, the path it
+# was saved to, a layout by name.
 _METADATA_GLOBALS = {
     *(("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -135,8 +136,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     before it is looked up, so no code of the file's choosing runs."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                 torch.dtype)):
+        # A dtype is looked up in torch's own namespace: getattr(torch, name) may import a submodule.
+        dtype = module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
+        if (module, name) in _METADATA_GLOBALS or dtype:
             return super().find_class(module, name)
         raise Refused(f"it names {module}.{name}, which DCP metadata never holds")
 

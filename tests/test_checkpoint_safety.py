@@ -72,7 +72,8 @@ def test_a_planted_metadata_pickle_is_refused_unrun(runs, tmp_path):
     shutil.copytree(runs["full"] / "model_optim", folder)
     marker = tmp_path / "ran"
     (folder / ".metadata").write_bytes(planted_pickle(marker))
-    with pytest.raises(checkpoint.DamagedCheckpoint, match=r"^model_optim/.metadata is refused: it names io.open, which DCP metadata never holds"):
+    refused = r"^model_optim/.metadata is refused: it names io.open, which DCP metadata never holds"
+    with pytest.raises(checkpoint.DamagedCheckpoint, match=refused):
         checkpoint.check_shards(folder)
     (folder / ".metadata").write_bytes(pickle.dumps(Planted(marker)))  # the global alone, at the top
     with pytest.raises(checkpoint.DamagedCheckpoint, match="is refused: it names io.open"):
