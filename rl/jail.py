@@ -33,8 +33,8 @@ back to clone, whose flags a filter can read); so do the calls that reach the ke
 tracing, BPF, userfaultfd and io_uring machinery, and socket() for families other than unix, IPv4 and IPv6.
 
 A failure to build the jail is written to the status descriptor (SPEC's status_fd, closed before the code runs
-when all went well) and the program's process exits 125: rl/sandbox.py raises it as an error of the sandbox, not a failure
-of the code. Standard library only; nothing of the trainer is imported here.
+when all went well) and the program's process exits 125: rl/sandbox.py raises it as an error of the sandbox, not
+a failure of the code. Standard library only; nothing of the trainer is imported here.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4
 MS_NOATIME, MS_NODIRATIME, MS_PRIVATE, MS_RELATIME, MNT_DETACH = 1024, 2048, 1 << 18, 1 << 21, 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER, PR_CAPBSET_DROP = 1, 38, 22, 2, 24
 MACHINE = os.uname().machine
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, AT_FDCWD, AT_RECURSIVE = 0x1, 0x2, 0x4, -100, 0x8000
+SYS_MOUNT_SETATTR = 442  # the same number on x86-64 and aarch64
 # statvfs flags that a bind mount keeps (the kernel refuses to clear them in a user namespace) -> mount flags
 KEPT_FLAGS = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC, os.ST_NOATIME: MS_NOATIME,
               os.ST_NODIRATIME: MS_NODIRATIME, os.ST_RELATIME: MS_RELATIME}
@@ -110,7 +112,7 @@ def main(spec: dict) -> None:
         os.close(alive_w)
         try:
             jail(spec, files, alive_r)
-        except OSError as e:
+        except Exception as e:  # whatever it is, the jail did not hold: never the code's failure
             os.write(status_fd, describe(e))
             os._exit(JAIL_FAILED)
         os.close(status_fd)  # nothing written: the jail held
@@ -126,8 +128,10 @@ def main(spec: dict) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def describe(e: OSError) -> bytes:
+def describe(e: Exception) -> bytes:
     """The status line for a failed step: what failed, and on which path."""
+    if not isinstance(e, OSError):
+        return f"sandbox: the jail could not be built: {type(e).__name__}: {e}".encode()
     where = f" ({e.filename})" if e.filename else ""
     return f"sandbox: the jail could not be built: {e.strerror or e}{where}".encode()
 
@@ -170,7 +174,8 @@ def enter_namespaces() -> None:
     os.close(go_r)
     os.close(done_w)
     try:
-        flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
+        flags = (CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+                 | CLONE_NEWCGROUP)
         check(libc.unshare(flags), "unshare(user, mount, PID, network, IPC, UTS and cgroup namespaces)")
         os.write(go_w, b"1")
         answer = os.read(done_r, 200).decode()
@@ -233,6 +238,8 @@ def not_alive(fd: int) -> bool:
 
 def build_root(spec: dict) -> None:
     """The new root (see the module docstring), pivoted into; the old root detached."""
+    if MACHINE not in ARCHES:  # pivot_root's number and the seccomp filter are known for these alone
+        raise JailError(0, f"the jail knows x86_64 and aarch64, not {MACHINE}")
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here propagates back to the host
     # The sources are opened before the new root hides anything under its mount point (/tmp may hold one).
     sources = [(path, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path in spec["binds"]]
@@ -261,7 +268,7 @@ def build_root(spec: dict) -> None:
     mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
           f"size={spec['disk_mb']}m,nr_inodes=16384,mode=0700,uid={NOBODY},gid={NOBODY}")
     os.chdir(root)
-    check(libc.syscall(ARCHES.get(MACHINE, (0, 155))[1], b".", b"."), "pivot_root")
+    check(libc.syscall(ARCHES[MACHINE][1], b".", b"."), "pivot_root")
     check(libc.umount2(b".", MNT_DETACH), "detaching the old root")
     os.chdir("/")
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
@@ -269,17 +276,40 @@ def build_root(spec: dict) -> None:
 
 
 def bind(fd: int, target: str, read_only: bool) -> None:
-    """Binds the open source `fd` at `target` (a folder and what is mounted under it, or one file), read-only
-    unless told otherwise, keeping the flags the source's mount has."""
+    """Binds the open source `fd` at `target` (a folder and what is mounted under it, or one file); read-only:
+    every mount of that tree."""
     is_dir = os.path.isdir(f"/proc/self/fd/{fd}")
     os.makedirs(target if is_dir else os.path.dirname(target), exist_ok=True)
     if not is_dir:
         open(target, "a").close()
     mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
-    kept = os.statvfs(target).f_flag
-    flags = MS_BIND | MS_REMOUNT | (MS_RDONLY if read_only else 0)
-    flags |= sum(mount_flag for st_flag, mount_flag in KEPT_FLAGS.items() if kept & st_flag)
-    mount(None, target, None, flags)
+    if read_only:
+        read_only_tree(target)
+
+
+def read_only_tree(target: str) -> None:
+    """Makes the mount at `target` and every mount under it read-only, nosuid and nodev: mount_setattr with
+    AT_RECURSIVE (Linux >= 5.12), else a remount of each mount that /proc/self/mountinfo lists there. A mount
+    under a bound folder (a container's volume under /usr, say) keeps the host's read-write flag otherwise."""
+    attr = MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0, 0, 0)
+    if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, target.encode(), AT_RECURSIVE, ctypes.byref(attr),
+                    ctypes.sizeof(attr)) == 0:
+        return
+    if ctypes.get_errno() != errno.ENOSYS:
+        check(-1, f"making {target} and the mounts under it read-only (mount_setattr)")
+    for point in mounts_under(target):
+        kept = os.statvfs(point).f_flag
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
+        mount(None, point, None, flags | sum(m for st, m in KEPT_FLAGS.items() if kept & st))
+
+
+def mounts_under(target: str) -> list[str]:
+    """The mount points at and under `target`, from this mount namespace's /proc/self/mountinfo."""
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for escaped, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):  # the kernel's escapes
+        points = [p.replace(escaped, char) for p in points]
+    return [p for p in points if p == target or p.startswith(target.rstrip("/") + "/")]
 
 
 def set_limits(timeout_s: float, memory_mb: int, max_file_bytes: int, max_open_files: int) -> None:
@@ -306,6 +336,11 @@ class CapHeader(ctypes.Structure):
 
 class CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+class MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
 
 
 class SockFilter(ctypes.Structure):

@@ -91,7 +91,8 @@ def test_the_two_reward_hacks_score_0():
 def test_answers_cross_as_plain_data_with_their_types():
     from rl.code_harness import NotPlainData, decode, encode
 
-    values = [None, True, 3, -2**80, 1.5, float("inf"), 2j, "é\ud800", b"\x00", [1, (2, {3})], {(1, 2): frozenset({4})}]
+    values = [None, True, 3, -2**80, 1.5, float("inf"), 2j, "é\ud800", b"\x00", [1, (2, {3})],
+              {(1, 2): frozenset({4})}]
     for value in values:
         back = decode(encode(value))
         assert back == value and type(back) is type(value)
@@ -130,8 +131,8 @@ def test_reward_sandbox_reaches_the_workers_and_a_missing_jail_stops_the_start(m
             assert pool.score(inputs).rewards == [expected]
     from rl import sandbox
 
-    monkeypatch.setattr(sandbox, "jail_problem", lambda: "sandbox: the jail could not be built: Operation not permitted")
-    with pytest.raises(ConfigError, match=r"Operation not permitted.*reward\.sandbox = \"barrier\"") as refused:
+    monkeypatch.setattr(sandbox, "jail_problem", lambda: "sandbox: the jail could not be built: Operation refused")
+    with pytest.raises(ConfigError, match=r"Operation refused.*reward\.sandbox = \"barrier\"") as refused:
         RewardPool(RewardConfig(user_fn="rl.code_reward:all_tests_pass"))
     assert "\n" not in str(refused.value)
     RewardPool(RewardConfig(user_fn="rl.code_reward:all_tests_pass", sandbox="barrier")).close()  # accepted knowingly

@@ -10,6 +10,7 @@ a symlink swapped for the code's own folder before the clean-up."""
 
 import os
 import select
+import shutil
 import signal
 import site
 import socket
@@ -21,6 +22,7 @@ import uuid
 
 import pytest
 
+from rl import sandbox
 from rl.sandbox import run_python
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the jail is Linux's")
@@ -259,6 +261,40 @@ for attempt in (os.fork, lambda: subprocess.run(['true']), lambda: os.posix_spaw
         print('refused', e.errno)
 """)
     assert r.ok and "started" not in r.stdout and r.stdout.count("refused") == 3, r
+
+
+SUBMOUNT = """
+import sys
+sys.path.insert(0, {root!r})
+from rl import sandbox
+sandbox.JAIL_PROGRAM = {program!r}
+r = sandbox.run_python("open('/usr/share/rl-planted', 'w').write('x')")
+print('refused' if 'Read-only file system' in r.stderr else r)
+"""
+
+
+@pytest.mark.parametrize("how", ["mount_setattr", "remounts"])
+def test_a_mount_under_a_bound_folder_is_read_only_too(how, tmp_path):
+    """A folder the jail binds read-only may hold mounts of its own (a container's volume under /usr): each is
+    made read-only too, by mount_setattr's AT_RECURSIVE or, on kernels before 5.12, one remount each. The mount
+    here lives in a private mount namespace of the test's own (unshare -m), gone with it."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare command")
+    program = sandbox.JAIL_PROGRAM
+    if how == "remounts":  # a jail whose mount_setattr is a call the kernel does not know (ENOSYS)
+        program = str(tmp_path / "jail.py")
+        with open(sandbox.JAIL_PROGRAM) as f:
+            source = f.read()
+        with open(program, "w") as f:
+            f.write(source.replace("SYS_MOUNT_SETATTR = 442", "SYS_MOUNT_SETATTR = 100000"))
+    code = SUBMOUNT.format(root=os.path.dirname(os.path.dirname(sandbox.__file__)), program=program)
+    script = (f"mount -t tmpfs -o mode=1777 tmpfs /usr/share && {sys.executable} -c \"$0\" && "
+              "test ! -e /usr/share/rl-planted && echo intact")
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, code],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode and "Operation not permitted" in out.stderr:
+        pytest.skip("unshare -m needs root or user namespaces here")
+    assert out.stdout.split() == ["refused", "intact"], (out.stdout, out.stderr)
 
 
 def descendants(pid: int) -> set[int]:
