@@ -6,19 +6,23 @@
 - The tests' side, `run_tests`: runs the row's setup and tests, in which each function the candidate was to
   write is a stand-in that asks the other side and decodes the answer. What the tests compare are objects this
   process built from plain data (None, bool, int, float, complex, str, bytes and lists, tuples, dicts, sets and
-  frozensets of them, by exact type: no subclass crosses), so an answer cannot lie about equality, and a program
-  that prints or exits early on its side cannot pass: the mark is printed here, after the last test, only when
-  every call was answered.
+  frozensets of them; a subclass, a Counter say, crosses as its plain type, read through that type's own
+  methods), so an answer cannot lie about equality, and a program that prints or exits early on its side cannot
+  pass: the mark is printed here, after the last test, only when every call was answered.
 
 The wire: one JSON line a message. Request {"fn": name, "args": [...], "kwargs": {...}}; answer {"value": ...},
-{"raised": [exception type's name, message]} or {"failed": why}. Values are tagged (`encode`). A candidate that
-raises a built-in exception raises the same type on the tests' side, so tests that expect one still pass.
+{"raised": [exception type's name, message]} or {"failed": why}. Values are tagged (`encode`; integers in hex, so
+no digit limit applies). A candidate that raises a built-in exception raises the same type on the tests' side, so
+tests that expect one still pass (StopIteration excepted: see `exception_as`). Arguments cross the same way: a
+test that passes a function or an object of its own to the candidate fails, and one that checks an argument the
+candidate changed in place sees its own copy.
 Standard library only: this file is copied into both sandboxes as harness.py.
 """
 
 from __future__ import annotations
 
 import builtins
+import importlib
 import json
 import math
 import os
@@ -37,58 +41,55 @@ class NotPlainData(TypeError):
     pass
 
 
-SCALARS = {type(None): "n", bool: "b", int: "i", str: "s"}
-SEQUENCES = {list: "l", tuple: "t", set: "e", frozenset: "z"}
+# What crosses, by the plain type it is (subclasses as that type, read through the type's own methods, so that
+# what a subclass overrides never runs): (type, tag, how its payload is read); bool before int, its base.
+PLAIN = [(type(None), "n", lambda v, d: None), (bool, "b", lambda v, d: bool(v)),
+         (int, "i", lambda v, d: int.__index__(v).__format__("x")),  # hex: no digit limit on the way back
+         (float, "f", lambda v, d: float.__float__(v) if math.isfinite(v) else float.__repr__(v)),
+         (complex, "c", lambda v, d: [encode(complex.__complex__(v).real, d), encode(complex.__complex__(v).imag, d)]),
+         (str, "s", lambda v, d: str.__str__(v)), (bytes, "y", lambda v, d: bytes.hex(v)),
+         (list, "l", lambda v, d: [encode(x, d) for x in list.__iter__(v)]),
+         (tuple, "t", lambda v, d: [encode(x, d) for x in tuple.__iter__(v)]),
+         (set, "e", lambda v, d: [encode(x, d) for x in set.__iter__(v)]),
+         (frozenset, "z", lambda v, d: [encode(x, d) for x in frozenset.__iter__(v)]),
+         (dict, "d", lambda v, d: [[encode(k, d), encode(x, d)] for k, x in dict.items(v)])]
+BUILD = {"l": list, "t": tuple, "e": set, "z": frozenset}
 
 
 def encode(value, depth: int = 0):
     """A JSON-able, tagged form of a plain value ([tag, payload]); NotPlainData for anything else."""
     if depth > MAX_DEPTH:
         raise NotPlainData(f"nested deeper than {MAX_DEPTH}")
+    for kind, tag, payload in PLAIN:
+        if isinstance(value, kind):
+            return [tag, payload(value, depth + 1)]
     kind = type(value)
-    if kind in SCALARS:
-        return [SCALARS[kind], value]
-    if kind is float:
-        return ["f", value if math.isfinite(value) else repr(value)]
-    if kind is complex:
-        return ["c", [encode(value.real, depth + 1), encode(value.imag, depth + 1)]]
-    if kind is bytes:
-        return ["y", value.hex()]
-    if kind in SEQUENCES:
-        return [SEQUENCES[kind], [encode(v, depth + 1) for v in value]]
-    if kind is dict:
-        return ["d", [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]]
     raise NotPlainData(f"an object of type {kind.__module__}.{kind.__qualname__}: only plain data crosses")
 
 
 def decode(tagged):
-    """The value `encode` tagged; NotPlainData for a malformed one."""
+    """The value `encode` tagged, built here of plain types; NotPlainData for a malformed one."""
     try:
         tag, payload = tagged
-        if tag in ("n", "b", "i", "s"):
-            if type(payload) is not {"n": type(None), "b": bool, "i": int, "s": str}[tag]:
-                raise NotPlainData(f"a {tag!r} value holding {type(payload).__name__}")
+        if tag == "n" and payload is None:
+            return None
+        if tag == "b" and type(payload) is bool:
             return payload
-        if tag == "f":
-            return float(payload) if type(payload) in (float, int, str) else _bad(tag)
+        if tag in ("i", "s", "y") and type(payload) is str:
+            return int(payload, 16) if tag == "i" else payload if tag == "s" else bytes.fromhex(payload)
+        if tag == "f" and type(payload) in (float, int, str):
+            return float(payload)
         if tag == "c":
             return complex(decode(payload[0]), decode(payload[1]))
-        if tag == "y":
-            return bytes.fromhex(payload)
-        if tag in ("l", "t", "e", "z"):
-            items = [decode(v) for v in payload]
-            return {"l": list, "t": tuple, "e": set, "z": frozenset}[tag](items)
-        if tag == "d":
+        if tag in BUILD and type(payload) is list:
+            return BUILD[tag](decode(v) for v in payload)
+        if tag == "d" and type(payload) is list:
             return {decode(k): decode(v) for k, v in payload}
     except NotPlainData:
         raise
     except Exception as e:
         raise NotPlainData(f"malformed value ({type(e).__name__}: {e})") from None
-    return _bad(tag)
-
-
-def _bad(tag):
-    raise NotPlainData(f"unknown tag {tag!r}")
+    raise NotPlainData(f"malformed value with tag {tag!r}" if isinstance(tagged, list) else "malformed value")
 
 
 def send(fd: int, message: dict) -> None:
@@ -143,10 +144,10 @@ def answer(module, request: dict) -> dict:
         return {"failed": f"the candidate's {request['fn']} raised {type(e).__name__}"}
     try:
         return {"value": encode(result)}
-    except NotPlainData as e:
+    except (NotPlainData, RecursionError) as e:
         return {"failed": f"the candidate's {request['fn']} returned {e}"}
-    except RecursionError:
-        return {"failed": f"the candidate's {request['fn']} returned a value nested too deep"}
+    except Exception as e:  # a container that changed while it was read, say
+        return {"failed": f"the candidate's {request['fn']} returned a value that could not be read ({e})"}
 
 
 # ---------------------------------------------------------------------------- the tests' side
@@ -176,22 +177,37 @@ class Link:
             message = receive(self.answers)
             if "value" in message:
                 return decode(message["value"])
-            if "raised" in message:
-                kind, text = message["raised"]
-                raise_as = getattr(builtins, str(kind), None)
-                if not (isinstance(raise_as, type) and issubclass(raise_as, Exception)):
-                    raise_as = RuntimeError
-                raise raise_as(f"{text}" if raise_as is not RuntimeError else f"{kind}: {text}")
-            raise CandidateFailed(str(message.get("failed", "an answer of no known kind")))
-        except (CandidateFailed, NotPlainData, OSError) as e:
+            if "raised" not in message:
+                raise CandidateFailed(str(message.get("failed", "an answer of no known kind")))
+            kind, text = (str(part) for part in message["raised"])
+        except (CandidateFailed, NotPlainData, OSError, ValueError, TypeError) as e:
             self.failure = self.failure or f"{type(e).__name__}: {e}"
             raise CandidateFailed(self.failure) from None
+        raise exception_as(kind, text)
 
 
-def run_tests(requests_fd: int, answers_fd: int, stand_ins: list[str], mark: str) -> None:
-    """setup.py, then tests.py with `stand_ins` asking the candidate's side; the mark once every call was answered."""
+def exception_as(kind: str, text: str) -> Exception:
+    """The candidate's exception, raised again here: a built-in type by its name, any other as RuntimeError.
+    StopIteration would end the test's own loop over the candidate's results (`all(map(f, cases))` passes on
+    an empty run), so it comes back as RuntimeError, as a generator turns it."""
+    raise_as = getattr(builtins, kind, None)
+    if not (isinstance(raise_as, type) and issubclass(raise_as, Exception)) \
+            or issubclass(raise_as, (StopIteration, StopAsyncIteration)):
+        return RuntimeError(f"{kind}: {text}")
+    try:
+        return raise_as(text)
+    except Exception:  # a type whose constructor wants other arguments (UnicodeDecodeError, ...)
+        return RuntimeError(f"{kind}: {text}")
+
+
+def run_tests(requests_fd: int, answers_fd: int, stand_ins: list[str], modules: list[str], mark: str) -> None:
+    """setup.py, then tests.py with `stand_ins` asking the candidate's side and `modules` imported (the standard
+    library's modules that the tests use without importing, as they found them in the candidate's namespace);
+    the mark, alone on the real stdout (what the tests print goes nowhere), once every call was answered."""
     link = Link(requests_fd, answers_fd)
     scope = {"__name__": "__main__", "__builtins__": builtins}
+    scope.update({name: importlib.import_module(name) for name in modules})
+    sys.stdout = open(os.devnull, "w")
     for name in ("setup.py", "tests.py"):
         with open(name, encoding="utf-8") as f:
             source = f.read()
@@ -200,4 +216,4 @@ def run_tests(requests_fd: int, answers_fd: int, stand_ins: list[str], mark: str
             scope.update({fn: StandIn(fn, link) for fn in stand_ins})
     if link.failure:  # a test that caught the failure must not pass
         sys.exit(f"the candidate's side failed: {link.failure}")
-    print(mark)
+    print(mark, file=sys.__stdout__)

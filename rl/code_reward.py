@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import ast
 import builtins
+import importlib
 import os
 import re
 import secrets
+import sys
 from pathlib import Path
 from typing import Any
 
-from rl.sandbox import finish, kill, start_python
+from rl.sandbox import SandboxError, finish, kill, start_python
 
 TIMEOUT_S = 5.0  # wall clock (and CPU seconds) for one response's program
 MEMORY_MB = 512  # address space of that program; below reward.memory_limit_mb, which bounds the worker's children
@@ -58,11 +60,12 @@ def extract_code(response: str) -> str:
 HARNESS = (Path(__file__).parent / "code_harness.py").read_text(encoding="utf-8")
 
 
-def passes(code: str, tests: str, setup: str = "", timeout_s: float = TIMEOUT_S) -> bool:
+def passes(code: str, tests: str, setup: str = "", timeout_s: float = TIMEOUT_S, entry_point: str = "") -> bool:
     """Whether `tests` run to their end against `code` (imported as solution.py after `setup`) with every call
-    answered, each side in its own sandbox (the module docstring)."""
+    answered, each side in its own sandbox (the module docstring); `entry_point`: the function the row asks for,
+    where the row names it."""
     mark = secrets.token_hex(16)
-    stand_ins = functions_to_write(tests, setup)
+    stand_ins, modules = functions_to_write(tests, setup, entry_point)
     solution = f"{setup}\n\n{code}\n" if setup else f"{code}\n"
     requests_r, requests_w = os.pipe()
     answers_r, answers_w = os.pipe()
@@ -71,7 +74,8 @@ def passes(code: str, tests: str, setup: str = "", timeout_s: float = TIMEOUT_S)
         candidate = start_python(f"import harness\nharness.serve({requests_r}, {answers_w})\n",
                                  files={"harness.py": HARNESS, "solution.py": solution}, timeout_s=timeout_s,
                                  memory_mb=MEMORY_MB, pass_fds=(requests_r, answers_w), quiet=True)
-        judge = start_python(f"import harness\nharness.run_tests({requests_w}, {answers_r}, {stand_ins!r}, {mark!r})\n",
+        judge = start_python(f"import harness\nharness.run_tests({requests_w}, {answers_r}, {stand_ins!r}, "
+                             f"{modules!r}, {mark!r})\n",
                              files={"harness.py": HARNESS, "setup.py": setup, "tests.py": tests},
                              timeout_s=timeout_s, memory_mb=MEMORY_MB, pass_fds=(requests_w, answers_r))
     except BaseException:
@@ -84,21 +88,31 @@ def passes(code: str, tests: str, setup: str = "", timeout_s: float = TIMEOUT_S)
     try:
         result = finish(judge)
     finally:
-        kill(candidate)
-    return result.ok and mark in result.stdout
+        failure = kill(candidate)
+    if failure:  # the candidate's jail did not hold: not the candidate's failure to score
+        raise SandboxError(failure)
+    return result.ok and result.stdout == f"{mark}\n"
 
 
-def functions_to_write(tests: str, setup: str) -> list[str]:
-    """The names the tests call that the candidate defines: the tests' free names (read, never bound in them, not
-    built-ins), less what setup binds, except setup's stubs (`is_stub`)."""
+def functions_to_write(tests: str, setup: str, entry_point: str = "") -> tuple[list[str], list[str]]:
+    """(the names the tests call on the candidate's side, the standard library modules the tests' side imports).
+    The first: setup's stubs (`is_stub`), the row's entry point, and the tests' other free names (read, never
+    bound in them) that are neither built-ins, nor bound by setup, nor standard modules. A built-in's name is
+    never the candidate's unless the row says so: a candidate that defines `abs` would pass `abs(f(x) - y) <
+    eps` otherwise. The second: the tests' free names that are standard modules setup does not import (the
+    candidate imported them, and `from solution import *` gave them to the tests)."""
     test_tree, setup_tree = ast.parse(tests, "tests"), ast.parse(setup, "setup")
     read = {n.id for n in ast.walk(test_tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     stubs = {n.name for n in setup_tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and is_stub(n)}
-    return sorted(read - bound_names(test_tree) - (bound_names(setup_tree) - stubs) - set(dir(builtins)))
+    free = read - bound_names(test_tree) - (bound_names(setup_tree) - stubs)
+    modules = {name for name in free if name in sys.stdlib_module_names} - stubs - {entry_point}
+    written = (free - set(dir(builtins)) - modules) | stubs | ({entry_point} if entry_point else set())
+    return sorted(written), sorted(modules)
 
 
 def bound_names(tree: ast.AST) -> set[str]:
-    """Every name a tree binds anywhere: assigned, defined, imported, a parameter, an exception's name."""
+    """Every name a tree binds anywhere: assigned, defined, imported (a star import of a standard module: its
+    public names), a parameter, an exception's name."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
@@ -107,11 +121,22 @@ def bound_names(tree: ast.AST) -> set[str]:
             names.add(node.name)
         elif isinstance(node, ast.arg):
             names.add(node.arg)
+        elif isinstance(node, ast.ImportFrom) and any(alias.name == "*" for alias in node.names):
+            names |= star_import(node.module or "")
         elif isinstance(node, ast.alias):
             names.add((node.asname or node.name).split(".")[0])
         elif isinstance(node, ast.ExceptHandler) and node.name:
             names.add(node.name)
     return names
+
+
+def star_import(module: str) -> set[str]:
+    """The names `from module import *` binds; only a standard module's are known here without running the row."""
+    if module.split(".")[0] not in sys.stdlib_module_names:
+        raise ValueError(f"the row's setup or tests import * from {module!r}: name the imports (only a standard "
+                         f"module's names are known without running the row)")
+    imported = importlib.import_module(module)
+    return set(getattr(imported, "__all__", [n for n in vars(imported) if not n.startswith("_")]))
 
 
 def is_stub(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -126,4 +151,5 @@ def all_tests_pass(prompt: str, response: str, label: Any, metadata: dict[str, A
     tests = metadata.get("tests")
     if not isinstance(tests, str) or not tests.strip():
         raise ValueError(f"the row has no 'tests' column of Python code (its columns: {sorted(metadata)})")
-    return float(passes(extract_code(response), tests, metadata.get("setup") or ""))
+    return float(passes(extract_code(response), tests, metadata.get("setup") or "",
+                        entry_point=metadata.get("entry_point") or ""))

@@ -110,6 +110,8 @@ def start_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, dis
     same numbers (pipes to another call); `quiet`: its stdin closed and its output dropped, for a program that
     talks through `pass_fds` alone."""
     files = {checked_name(name): text for name, text in (files or {}).items()} | {MAIN: code}
+    for name, text in files.items():
+        text.encode("utf-8")  # a lone surrogate fails here, in the caller, not as the program's exit
     output = subprocess.DEVNULL if quiet else subprocess.PIPE
     if isolation() == "barrier":
         call = start_in_barrier(files, timeout_s, memory_mb, pass_fds, output)
@@ -133,14 +135,15 @@ def finish(call: Call, stdin: str = "") -> SandboxResult:
     return result
 
 
-def kill(call: Call) -> None:
-    """Ends a call at once (its process group, and with it the jail's process) and cleans up."""
+def kill(call: Call) -> str:
+    """Ends a call at once (its process group, and with it the jail's process) and cleans up; returns what the
+    jail reported ('' when it held)."""
     try:
         os.killpg(call.proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     call.proc.wait()
-    clean_up(call)
+    return clean_up(call)
 
 
 def clean_up(call: Call) -> str:

@@ -89,18 +89,25 @@ def test_the_two_reward_hacks_score_0():
 
 
 def test_answers_cross_as_plain_data_with_their_types():
+    import collections
+
     from rl.code_harness import NotPlainData, decode, encode
 
-    values = [None, True, 3, -2**80, 1.5, float("inf"), 2j, "é\ud800", b"\x00", [1, (2, {3})],
+    values = [None, True, 3, -2**80, 10**5000, 1.5, float("inf"), 2j, "é\ud800", b"\x00", [1, (2, {3})],
               {(1, 2): frozenset({4})}]
     for value in values:
         back = decode(encode(value))
         assert back == value and type(back) is type(value)
     assert decode(encode((1, [2]))) == (1, [2]) and decode(encode([1, 2])) != (1, 2)  # a tuple is not a list
-    for refused in (type("Int", (int,), {})(3), object(), [lambda: 0]):
+    # A subclass crosses as its plain type, read through that type's own methods: what it overrides never runs.
+    liar = type("Int", (int,), {"__eq__": lambda s, o: True, "__index__": lambda s: 99})(3)
+    assert type(decode(encode(liar))) is int and decode(encode(liar)) == 3 and decode(encode(liar)) != 4
+    counted = decode(encode(collections.Counter("aab")))
+    assert type(counted) is dict and counted == {"a": 2, "b": 1}
+    for refused in (object(), [lambda: 0]):
         with pytest.raises(NotPlainData, match="only plain data crosses"):
             encode(refused)
-    for forged in (["i", "3"], ["b", 1], ["x", 1], ["l", 5], "nope"):
+    for forged in (["i", 3], ["b", 1], ["x", 1], ["l", 5], ["i", "zz"], "nope"):
         with pytest.raises(NotPlainData):
             decode(forged)
 
@@ -112,8 +119,53 @@ def test_the_functions_to_write_are_the_tests_free_names_not_setups_helpers():
              "def find_zero(xs):\n    \"\"\"A zero of poly.\"\"\"\n")
     tests = ("import random\n\ndef check(candidate):\n    for _ in range(3):\n        xs = [random.random()]\n"
              "        assert abs(poly(xs, candidate(xs))) < 1e-4 and math.pi\n\ncheck(find_zero)\n")
-    assert functions_to_write(tests, setup) == ["find_zero"]
-    assert functions_to_write("assert f(1) == g(2)\nassert len([]) == 0\n", "") == ["f", "g"]
+    assert functions_to_write(tests, setup) == (["find_zero"], [])
+    assert functions_to_write("assert f(1) == g(2)\nassert len([]) == 0\n", "") == (["f", "g"], [])
+    # A built-in's name is the candidate's only where the row says so (a stub, the entry point); a standard module
+    # the tests use without importing is imported on the tests' side; a star import binds the module's names.
+    assert functions_to_write("assert pow(2, 3) == 8\n", "") == ([], [])
+    assert functions_to_write("assert pow(2, 3) == 8\n", "", entry_point="pow") == (["pow"], [])
+    assert functions_to_write("assert pow(2, 3) == 8\n", "def pow(a, b):\n    pass\n") == (["pow"], [])
+    assert functions_to_write("assert math.isclose(area(1), math.pi)\n", "") == (["area"], ["math"])
+    assert functions_to_write("assert abs(root(2) - sqrt(2)) < 1e-9\n", "from math import *\n") == (["root"], [])
+    with pytest.raises(ValueError, match="import \\* from 'numpy'"):
+        functions_to_write("assert f(1)\n", "from numpy import *\n")
+
+
+def test_more_ways_to_score_without_solving_score_0():
+    """A StopIteration that would end the tests' own loop over the candidate's answers, a candidate that defines a
+    built-in the tests use, helpers a star import gave the tests, and an answer too big to print."""
+    def row(tests, setup=""):
+        return {"tests": tests, "setup": setup}
+
+    stop = "```python\ndef add(a, b):\n    raise StopIteration\n```"
+    cases = "cases = [((1, 2), 3), ((2, 2), 4)]\n"
+    assert score(stop, row(cases + "assert all(map(lambda c: add(*c[0]) == c[1], cases))\n")) == 0.0
+    assert score(stop, row(cases + "for r in map(lambda c: add(*c[0]) == c[1], cases):\n    assert r\n")) == 0.0
+    assert score("```python\ndef pow(a, b):\n    return 0\n\ndef f(x):\n    return 0\n```",
+                 row("assert abs(f(2) - pow(2, 3)) < 1e-9\n")) == 0.0
+    assert score("```python\ndef root(x):\n    return 0.0\n\ndef sqrt(x):\n    return 0.0\n```",
+                 row("assert abs(root(2) - sqrt(2)) < 1e-9\n", "from math import *\n")) == 0.0
+    assert score("```python\ndef add(a, b):\n    return a + b\n```", row(cases + "assert all(map(lambda c: add(*c[0]) "
+                 "== c[1], cases))\n")) == 1.0
+
+
+def test_right_answers_of_every_plain_kind_score_1():
+    """Huge integers (past Python's 4,300-digit printing limit), Counters and OrderedDicts compared with dicts, an
+    OSError the tests expect, a standard module only the candidate imported, and tests that print 100 KB."""
+    def row(tests):
+        return {"tests": tests, "setup": ""}
+
+    assert score("```python\nimport math\ndef fact(n):\n    return math.factorial(n)\n```",
+                 row("import math\nassert fact(2000) == math.factorial(2000)\n")) == 1.0
+    assert score("```python\ndef inc(x):\n    return x + 1\n```", row("assert inc(10 ** 5000) == 10 ** 5000 + 1\n")) == 1.0
+    assert score("```python\nfrom collections import Counter\ndef count(s):\n    return Counter(s)\n```",
+                 row("assert count('aab') == {'a': 2, 'b': 1}\n")) == 1.0
+    assert score("```python\ndef get(path):\n    raise FileNotFoundError(path)\n```",
+                 row("try:\n    get('x')\n    assert False\nexcept FileNotFoundError:\n    pass\n")) == 1.0
+    assert score("```python\nimport math\ndef area(r):\n    return math.pi * r * r\n```",
+                 row("assert math.isclose(area(1), math.pi)\n")) == 1.0
+    assert score(RIGHT, dict(ROW, tests=ROW["tests"] + "print('x' * 100_000)\n")) == 1.0
 
 
 def test_a_candidate_that_raises_what_a_test_expects_still_passes():
