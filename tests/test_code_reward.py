@@ -146,8 +146,8 @@ def test_more_ways_to_score_without_solving_score_0():
                  row("assert abs(f(2) - pow(2, 3)) < 1e-9\n")) == 0.0
     assert score("```python\ndef root(x):\n    return 0.0\n\ndef sqrt(x):\n    return 0.0\n```",
                  row("assert abs(root(2) - sqrt(2)) < 1e-9\n", "from math import *\n")) == 0.0
-    assert score("```python\ndef add(a, b):\n    return a + b\n```", row(cases + "assert all(map(lambda c: add(*c[0]) "
-                 "== c[1], cases))\n")) == 1.0
+    right = "```python\ndef add(a, b):\n    return a + b\n```"
+    assert score(right, row(cases + "assert all(map(lambda c: add(*c[0]) == c[1], cases))\n")) == 1.0
 
 
 def test_right_answers_of_every_plain_kind_score_1():
@@ -158,7 +158,8 @@ def test_right_answers_of_every_plain_kind_score_1():
 
     assert score("```python\nimport math\ndef fact(n):\n    return math.factorial(n)\n```",
                  row("import math\nassert fact(2000) == math.factorial(2000)\n")) == 1.0
-    assert score("```python\ndef inc(x):\n    return x + 1\n```", row("assert inc(10 ** 5000) == 10 ** 5000 + 1\n")) == 1.0
+    assert score("```python\ndef inc(x):\n    return x + 1\n```",
+                 row("assert inc(10 ** 5000) == 10 ** 5000 + 1\n")) == 1.0
     assert score("```python\nfrom collections import Counter\ndef count(s):\n    return Counter(s)\n```",
                  row("assert count('aab') == {'a': 2, 'b': 1}\n")) == 1.0
     assert score("```python\ndef get(path):\n    raise FileNotFoundError(path)\n```",
