@@ -151,10 +151,25 @@ class SafeReader(dcp.FileSystemReader):
             metadata = _MetadataUnpickler(file).load()
         if not isinstance(metadata, Metadata):
             raise Refused(f"it holds a {type(metadata).__name__}, not DCP metadata")
+        check_storage(metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def check_storage(metadata: Metadata) -> None:
+    """Where the metadata sends the reads: each item a plain file name of the checkpoint's own folder (not a path
+    out of it, `/etc/...` or `../..`), at a non-negative offset and length, with no transform to apply. Only
+    allowed classes were built, but their values are the file's choice."""
+    for index, item in (getattr(metadata, "storage_data", None) or {}).items():
+        name, offset, length = (getattr(item, key, None) for key in ("relative_path", "offset", "length"))
+        if not (isinstance(name, str) and name and "/" not in name and "\\" not in name and name not in (".", "..")):
+            raise Refused(f"it sends a read of {getattr(index, 'fqn', index)} to {name!r}, not a file of its folder")
+        if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0):
+            raise Refused(f"it gives {name} an offset {offset!r} and length {length!r}")
+        if getattr(item, "transform_descriptors", None):
+            raise Refused(f"it asks for transforms {item.transform_descriptors!r} of {name}, which no save here writes")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

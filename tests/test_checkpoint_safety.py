@@ -84,6 +84,24 @@ def test_a_planted_metadata_pickle_is_refused_unrun(runs, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("where", ["/etc/hostname", "../../trainer_state.json", "offset"])
+def test_metadata_that_sends_reads_out_of_its_folder_is_refused(runs, tmp_path, where):
+    """Built only of allowed classes, the metadata's values are still the file's: a read of a file outside the
+    checkpoint (an absolute path, a way up) or at a negative offset is refused before anything is read."""
+    folder = tmp_path / "model_optim"
+    shutil.copytree(runs["full"] / "model_optim", folder)
+    metadata = checkpoint.read_metadata(folder)
+    index, item = next(iter(metadata.storage_data.items()))
+    if where == "offset":
+        item.offset = -1
+    else:
+        item.relative_path = where
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    refused = r"^model_optim/.metadata is refused: it (sends a read|gives)"
+    with pytest.raises(checkpoint.DamagedCheckpoint, match=refused):
+        checkpoint.check_shards(folder)
+
+
 def test_the_export_of_a_checkpoint_reads_it_safely_too(runs, tmp_path):
     from rl.export import export_checkpoint
 
