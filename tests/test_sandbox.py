@@ -109,6 +109,8 @@ def test_files_are_beside_the_code_in_the_jails_own_tmp():
     assert r.stdout.splitlines() == ["/tmp", "['data', 'helper.py'] seven", "7 /tmp /tmp"], r
     with pytest.raises(ValueError, match="relative path"):
         run_python("pass", files={"../escape.txt": "x"})
+    with pytest.raises(UnicodeEncodeError):  # no UTF-8 for a lone surrogate: the caller's error, not an exit 1
+        run_python("print('\ud800')")
 
 
 def test_a_jail_that_cannot_be_built_is_one_line_naming_the_setting(monkeypatch):
