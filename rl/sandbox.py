@@ -57,6 +57,7 @@ DISK_MB = 64  # the jail's writable tmpfs, the code's files included
 MAIN = ".sandbox_main.py"  # the code, read and removed by the prelude before it runs
 JAIL_PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail.py")
 ISOLATIONS = ("jail", "barrier")
+NOT_BOUND = ("/tmp/", "/proc/", "/dev/", "/sys/")  # the jail has its own of these
 CLONE_NEWUSER, CLONE_NEWNET = jail.CLONE_NEWUSER, jail.CLONE_NEWNET
 PR_SET_PDEATHSIG = jail.PR_SET_PDEATHSIG
 
@@ -158,11 +159,11 @@ def clean_up(call: Call) -> str:
     return failure
 
 
-def require_jail(isolation: str | None = None) -> None:
+def require_jail(isolation: str) -> None:
     """Raises SandboxUnavailable (one line: why, and the setting that accepts the barrier) where no jail can be
-    built and `isolation` (RL_SANDBOX by default) asks for one; `rl.reward.RewardPool` calls it at start-up for
-    the runs whose functions import this module."""
-    if (isolation or os.environ.get("RL_SANDBOX", "jail")) == "jail" and jail_problem():
+    built and `isolation` asks for one; `rl.reward.RewardPool` calls it at start-up for the runs whose functions
+    import this module."""
+    if isolation == "jail" and jail_problem():
         raise SandboxUnavailable(f"{jail_problem()}; model-written code (a code reward, a tool) needs it. Set "
                                  "reward.sandbox = \"barrier\" (RL_SANDBOX=barrier outside a run) to run that code "
                                  "without the jail, knowingly: as your user, with your files in reach")
@@ -228,9 +229,9 @@ def jail_paths() -> tuple[list[tuple[str, str]], list[str]]:
     named = {"/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache", "/etc/localtime",
              sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, os.path.dirname(sys.executable),
              *site.getsitepackages()}
-    named = {p for p in named if os.path.lexists(p) and not p.startswith(("/tmp/", "/proc/", "/dev/", "/sys/"))}
+    named = {p for p in named if os.path.lexists(p) and not p.startswith(NOT_BOUND)}
     real = {os.path.realpath(p) for p in named | {sys.executable}}
-    real = {p for p in real if os.path.exists(p) and not p.startswith(("/tmp/", "/proc/", "/dev/", "/sys/"))}
+    real = {p for p in real if os.path.exists(p) and not p.startswith(NOT_BOUND)}
     binds = sorted(p for p in real if not any(p.startswith(q.rstrip("/") + "/") for q in real if q != p))
     links = {}
     for path in named | {sys.executable}:
