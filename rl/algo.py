@@ -14,6 +14,9 @@ Advantage estimators (`algo.advantage_estimator`), all per sample except GAE:
 - reinforce_plus_plus_baseline: the group mean subtracted, then whitened over the batch.
   Whitening weighs each sample by its number of trained tokens, because the advantage is
   broadcast to every token and the statistics are those of the token batch.
+A NaN reward marks a response that every reward function passed on (returned None for): as in TRL, it is left
+out of its group's (and the batch's) statistics and its advantage is 0, so it neither moves the baseline nor
+the policy. GAE counts it as reward 0 (its advantage comes from the critic, not from a group).
 `gae` and `value_loss` are the per-token estimator and the critic's loss of PPO with a value model.
 """
 
@@ -28,35 +31,44 @@ from rl.config import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, AlgoConfi
 
 def advantages(estimator: str, rewards: torch.Tensor, group_index: torch.Tensor, std_normalization: bool = True,
                token_counts: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """rewards (N,), group_index (N,), token_counts (N,) trained tokens per sample -> advantages (N,)."""
+    """rewards (N,), NaN where unscored; group_index (N,), token_counts (N,) trained tokens per sample ->
+    advantages (N,), 0 where unscored."""
     rewards = rewards.double()
-    if estimator == "grpo":
-        return _group_centred(rewards, group_index, std_normalization, eps).float()
-    if estimator == "dr_grpo":
-        return _group_centred(rewards, group_index, False, eps).float()
-    if estimator == "rloo":
-        sizes = _group_sizes(group_index)
+    scored = ~torch.isnan(rewards)  # (N,)
+    if estimator in ("grpo", "dr_grpo"):
+        out = _group_centred(rewards, group_index, std_normalization and estimator == "grpo", eps, scored)
+    elif estimator == "rloo":
+        sizes = _group_sizes(group_index, scored)
         # r - mean of the others = (G r - sum) / (G - 1) = G / (G - 1) x (r - mean); a group of one keeps 0
         scale = torch.where(sizes > 1, sizes / (sizes - 1).clamp(min=1), torch.zeros_like(sizes))
-        return (_group_centred(rewards, group_index, False, eps) * scale).float()
-    weights = torch.ones_like(rewards) if token_counts is None else token_counts.double()
-    if estimator == "reinforce_plus_plus":
-        return whiten(rewards, weights).float()
-    if estimator == "reinforce_plus_plus_baseline":
-        return whiten(_group_centred(rewards, group_index, False, eps), weights).float()
-    raise ValueError(f"advantages: no per-sample estimator {estimator!r} (gae is per token: rl.algo.gae)")
+        out = _group_centred(rewards, group_index, False, eps, scored) * scale
+    elif estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        weights = torch.ones_like(rewards) if token_counts is None else token_counts.double()
+        if estimator == "reinforce_plus_plus_baseline":
+            rewards = _group_centred(rewards, group_index, False, eps, scored)
+        out = torch.zeros_like(rewards)
+        if scored.any():
+            out[scored] = whiten(rewards[scored], weights[scored])
+    else:
+        raise ValueError(f"advantages: no per-sample estimator {estimator!r} (gae is per token: rl.algo.gae)")
+    return torch.where(scored, out, torch.zeros_like(out)).float()
 
 
-def _group_sizes(group_index: torch.Tensor) -> torch.Tensor:
-    _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
-    return counts[inverse].double()
+def _group_sizes(group_index: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """(N,): how many scored members each sample's group has."""
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    counts = torch.zeros(int(inverse.max()) + 1 if len(inverse) else 0, dtype=torch.float64)
+    return counts.index_add_(0, inverse, scored.double())[inverse]
 
 
-def _group_centred(rewards: torch.Tensor, group_index: torch.Tensor, std_normalization: bool, eps: float
-                   ) -> torch.Tensor:
-    out = torch.empty_like(rewards)
+def _group_centred(rewards: torch.Tensor, group_index: torch.Tensor, std_normalization: bool, eps: float,
+                   scored: torch.Tensor) -> torch.Tensor:
+    """Each scored reward less its group's scored mean (over the group's scored std); 0 where unscored."""
+    out = torch.zeros_like(rewards)
     for g in torch.unique(group_index):
-        members = group_index == g
+        members = (group_index == g) & scored
+        if not members.any():
+            continue
         centred = rewards[members] - rewards[members].mean()
         if std_normalization and int(members.sum()) > 1:
             centred = centred / (centred.std() + eps)  # torch.std is unbiased (n - 1), as in the seed
@@ -80,7 +92,7 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     delta_t = r_t + gamma V_{t+1} - V_t and A_t = delta_t + gamma lam A_{t+1}, with V and A zero
     past the last trained token; returns = A + V are the value targets. Advantages are raw (the
     caller whitens them over the global batch, which spans ranks)."""
-    values, token_rewards = values * mask, token_rewards * mask
+    values, token_rewards = values * mask, torch.nan_to_num(token_rewards, nan=0.0) * mask  # unscored: 0
     adv = torch.zeros_like(values)
     running = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):

@@ -56,7 +56,7 @@ class Sample:
     response_length: int = 0
     loss_mask: list[int] = field(default_factory=list)  # one entry per response token
     rollout_log_probs: list[float] = field(default_factory=list)  # one entry per response token
-    reward: float | None = None
+    reward: float | None = None  # NaN: every reward function passed on it (returned None): advantage 0
     advantage: float = 0.0
     status: Status = Status.PENDING
     group_index: int = -1

@@ -4,7 +4,9 @@ Reads each step's flat metrics row (never tensors) and keeps a few counters acro
 steps, which a checkpoint saves with the run:
 - optimizer steps skipped for a non-finite loss or grad norm (`train.max_bad_steps` in a
   row stop the run);
-- steps in which every reward failed (`reward.max_failed_steps` in a row stop the run);
+- steps in which every reward failed (`reward.max_failed_steps` in a row stop the run; so does the run's first
+  scored step failing whole, which means a broken function, not a flaky one, and would otherwise train on zeros
+  and exit 0 in a short run);
 - warnings, each one line naming the metric, its value and its healthy band, counted in
   `health/warnings` (a metric out of its band for many rollouts in a row prints every 10th):
   the entropy collapsing to zero or rising to uniform, the grad norm staying at zero while
@@ -48,6 +50,7 @@ class Health:
         self.uniform_entropy = math.log(vocab_size)
         self.bad_steps = 0  # optimizer steps skipped in a row
         self.failed_steps = 0  # rollout steps in a row where every reward failed
+        self.ever_scored = False  # some reward of this run (before a resume too) was scored without failing
         self.zero_grad_steps = 0
         self.first_entropy: float | None = None
         self.warnings: collections.Counter[str] = collections.Counter()
@@ -62,13 +65,15 @@ class Health:
         self.warmed_up = False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"bad_steps": self.bad_steps, "failed_steps": self.failed_steps, "zero_grad_steps": self.zero_grad_steps,
+        return {"bad_steps": self.bad_steps, "failed_steps": self.failed_steps, "ever_scored": self.ever_scored,
+                "zero_grad_steps": self.zero_grad_steps,
                 "first_entropy": self.first_entropy, "warnings": dict(self.warnings),
                 "out_of_band": dict(self.out_of_band), "history": {k: list(v) for k, v in self.history.items()},
                 "scored": list(self.scored)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.bad_steps, self.failed_steps = state["bad_steps"], state["failed_steps"]
+        self.ever_scored = state.get("ever_scored", True)  # a checkpoint from before the key: it trained on rewards
         self.zero_grad_steps, self.first_entropy = state["zero_grad_steps"], state["first_entropy"]
         self.warnings = collections.Counter(state["warnings"])
         self.out_of_band = dict(state.get("out_of_band", {}))
@@ -81,10 +86,14 @@ class Health:
         if not scored:
             return
         self.failed_steps = self.failed_steps + 1 if failed == scored else 0
+        look = "the reward warnings above name the function that failed and its error"
+        if self.failed_steps and not self.ever_scored:
+            raise RunStopped(f"reward: every reward of the run's first scored step failed ({failed} of {scored}), "
+                             f"so the reward function is broken rather than flaky: {look}")
+        self.ever_scored = self.ever_scored or failed < scored
         if self.failed_steps >= self.max_failed_steps:
             raise RunStopped(f"reward: every reward failed in {self.failed_steps} steps in a row "
-                             f"(reward.max_failed_steps={self.max_failed_steps}); the reward warnings above show the "
-                             f"error; check reward.user_fn")
+                             f"(reward.max_failed_steps={self.max_failed_steps}): {look}")
 
     def after_train(self, row: dict[str, Any], steps: int) -> None:
         """Counts skipped steps (a streak may cross rollouts) and warns on metrics out of their bands."""

@@ -181,7 +181,7 @@ RL_ROOT = str(Path(__file__).resolve().parents[1])  # where `python -m rl.reward
 
 @dataclass
 class RewardResult:
-    rewards: list[float]
+    rewards: list[float]  # NaN where every batched function passed (returned None) and no other term weighs
     # "correct", "format", "length", then each batched function's name; 0.0 where the input failed, None where
     # a function passed on it
     terms: dict[str, list[float | None]]
@@ -485,12 +485,17 @@ def gather(outcomes: list[dict[str, float] | None], num_timeouts: int, cfg: Rewa
     failed = {**dict.fromkeys(BUILT_IN_TERMS + ("reward",), 0.0), "functions": dict.fromkeys(functions, 0.0)}
     filled = [o if o is not None else failed for o in outcomes]
     unscored = [i for i, o in enumerate(outcomes) if o is not None and all(o["functions"][f] is None for f in functions)]
+    # With no format or length term either, such a response has no score at all: NaN, left out of its group's
+    # advantage statistics with advantage 0 (rl/algo.py), as TRL leaves it.
+    no_score = set(unscored) if functions and not (cfg.format_weight or cfg.length_penalty_weight) else set()
     if functions and unscored:
         logging.getLogger(__name__).warning(
-            "reward: every reward function returned None for %d input(s) (inputs %s), which score 0.0; a function "
-            "returns None for inputs that are another's to score", len(unscored), unscored[:10])
+            "reward: every reward function returned None for %d input(s) (inputs %s), %s; a function returns None "
+            "for inputs that are another's to score", len(unscored), unscored[:10],
+            "left out of their groups' statistics with advantage 0" if no_score else "scored by the format and "
+            "length terms alone")
     return RewardResult(
-        rewards=[o["reward"] for o in filled],
+        rewards=[math.nan if i in no_score else o["reward"] for i, o in enumerate(filled)],
         terms={**{name: [o[name] for o in filled] for name in BUILT_IN_TERMS},
                **{name: [o["functions"][name] for o in filled] for name in functions}},
         num_errors=sum(o is None for o in outcomes) - num_timeouts,

@@ -95,8 +95,9 @@ def test_rewards_that_always_fail_stop_the_run(inputs, tmp_path):
     proc = run(inputs, tmp_path / "run", "--reward.user_fn=tests.reward_fns:wrong_signature",
                "--reward.max_failed_steps=2", "--train.num_rollout=5")
     assert rank_exit_code(proc) == 1
-    assert "every reward failed in 2 steps in a row" in one_line(proc, "rl: stopped:")
-    assert [r["reward/num_errors"] for r in strict_rows(tmp_path / "run")] == [32, 32]
+    # A function failing on every input of the run's first step is broken: the run stops there, not at the streak.
+    assert "every reward of the run's first scored step failed (32 of 32)" in one_line(proc, "rl: stopped:")
+    assert [r["reward/num_errors"] for r in strict_rows(tmp_path / "run")] == [32]
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused(inputs, tmp_path):

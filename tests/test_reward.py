@@ -318,3 +318,27 @@ def test_all_failed():
     assert all_failed(reduce_metrics([stats(4, 3, 1), stats(1, 0, 1)]))
     assert all_failed(reduce_metrics([stats(4, 3, 1), stats(0, 0, 0)]))
     assert not all_failed(reduce_metrics([stats(0, 0, 0), stats(0, 0, 0)]))
+
+
+def test_a_run_whose_first_scored_step_fails_every_reward_stops_there():
+    from rl.health import Health
+
+    health = Health(max_bad_steps=3, max_failed_steps=3, vocab_size=100)
+    health.after_rewards(scored=0, failed=0)  # nothing scored (trained on groups scored before): no verdict
+    with pytest.raises(RunStopped, match=r"^reward: every reward of the run's first scored step failed \(8 of 8\), so "
+                                         r"the reward function is broken rather than flaky: the reward warnings above "
+                                         r"name the function that failed and its error$"):
+        health.after_rewards(scored=8, failed=8)
+    # Once a reward has scored, a failing step is a flaky one: reward.max_failed_steps in a row stop the run.
+    flaky = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    flaky.after_rewards(scored=8, failed=3)
+    flaky.after_rewards(scored=8, failed=8)
+    resumed = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    resumed.load_state_dict(flaky.state_dict())
+    with pytest.raises(RunStopped, match="every reward failed in 2 steps in a row"):
+        resumed.after_rewards(scored=8, failed=8)
+    # A checkpoint written before the run kept `ever_scored` trained on rewards: not a first step.
+    old = {k: v for k, v in Health(3, 2, 100).state_dict().items() if k != "ever_scored"}
+    resumed = Health(max_bad_steps=3, max_failed_steps=2, vocab_size=100)
+    resumed.load_state_dict(old)
+    resumed.after_rewards(scored=8, failed=8)

@@ -3,6 +3,7 @@ values combine (weights, None), how their failures are counted, and runs scored 
 
 import json
 import logging
+import math
 
 import pytest
 
@@ -55,9 +56,12 @@ def test_weights_sum_the_functions_and_none_is_left_out_as_trl_leaves_it(caplog)
     with RewardPool(RewardConfig(functions=["tests.reward_fns:from_column"], num_workers=1)) as pool:
         with caplog.at_level(logging.WARNING, logger="rl.reward"):
             result = pool.score(inputs)
-    assert result.rewards == [1.0, 1.0, 0.0, 0.0] and result.terms["from_column"] == [1.0, 1.0, None, None]
+    # No function scored inputs 2 and 3 and no other term weighs: no reward at all (NaN), as TRL's NaN row.
+    assert result.rewards[:2] == [1.0, 1.0] and all(math.isnan(r) for r in result.rewards[2:])
+    assert result.terms["from_column"] == [1.0, 1.0, None, None] and result.terms["correct"][2:] == [0.0, 0.0]
     assert (result.num_errors, result.num_timeouts, result.num_unscored) == (0, 0, 2)
-    assert "every reward function returned None for 2 input(s) (inputs [2, 3])" in caplog.text
+    assert ("every reward function returned None for 2 input(s) (inputs [2, 3]), left out of their groups' "
+            "statistics with advantage 0") in caplog.text
     stats = metrics(result)
     assert stats["reward/from_column_mean"] == 1.0 and stats["reward/num_unscored"] == 2.0  # None left out
     # A rank on which a function passed on every input has no mean; the ranks that have one are averaged.
