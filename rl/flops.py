@@ -14,6 +14,8 @@ import re
 
 import torch
 
+from rl.shape import ModelShape
+
 # Dense bf16 peak of one device from its datasheet (devices not listed get no MFU).
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
                    "B200": 2250e12}
@@ -28,24 +30,17 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 
 
 def decoder_matmul_params(config) -> int:
-    """Weights of the decoder layers' matmuls (Llama / Qwen2 layout; biases left out)."""
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q = config.num_attention_heads * head_dim
-    kv = config.num_key_value_heads * head_dim
-    attention = hidden * q + 2 * hidden * kv + q * hidden
-    mlp = 3 * hidden * config.intermediate_size
-    return layers * (attention + mlp)
+    """Weights of the decoder layers' matmuls (biases left out) of a Hugging Face config."""
+    return ModelShape.from_hf(config).decoder_matmul_params
 
 
 def forward_flops(config, seq_lens: list[int]) -> float:
     """Matmul FLOPs of one forward pass over sequences of these lengths."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    tokens = sum(seq_lens)
-    weights = decoder_matmul_params(config) + config.hidden_size * config.vocab_size
+    s = ModelShape.from_hf(config)
+    weights = s.decoder_matmul_params + s.hidden_size * s.vocab_size
     pairs = sum(n * (n + 1) // 2 for n in seq_lens)
-    attention = config.num_hidden_layers * 4 * config.num_attention_heads * head_dim * pairs
-    return 2.0 * weights * tokens + attention
+    attention = s.num_layers * 4 * s.q_size * pairs
+    return 2.0 * weights * sum(seq_lens) + attention
 
 
 def train_flops(config, seq_lens: list[int], passes: float = 1.0) -> float:

@@ -34,38 +34,13 @@ from rl.host_adamw import CHUNK_ELEMENTS
 from rl.parallel import print0
 from rl.rollout import engine_dtype
 from rl.rollout.native import PAGE_SIZE, PREFILL_TOKENS, kv_cache_pages
+from rl.shape import ModelShape
 from rl.train import FUSED_LOGPROBS, LOGPROB_CHUNK_BYTES
 
 GB = 1e9  # as the memory/ metrics count
 RESERVE = 0.05  # of the device, kept out of the plan: CUDA context, NCCL and cuBLAS workspaces, fragmentation
 FP32 = 4
 HOST_SHARE = 0.85  # of the host's memory that pinned buffers may take: the rest for the ranks' processes and files
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the memory of a decoder-only model depends on, read from its config.json."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    value_head: bool = False  # the critic: lm_head is (hidden -> 1), never tied
-
-    @classmethod
-    def from_hf(cls, config, value_head: bool = False) -> ModelShape:
-        c = config.get_text_config()
-        heads = c.num_attention_heads
-        return cls(c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers, heads,
-                   getattr(c, "num_key_value_heads", None) or heads,
-                   getattr(c, "head_dim", None) or c.hidden_size // heads,
-                   bool(getattr(c, "tie_word_embeddings", False)),
-                   getattr(c, "model_type", "") == "qwen2" or bool(getattr(c, "attention_bias", False)), value_head)
 
 
 @dataclass(frozen=True)
@@ -78,23 +53,6 @@ class Models:
 # ---------------------------------------------------------------------------- shapes -> bytes (pure)
 
 
-def block_params(s: ModelShape) -> int:
-    """One decoder block: q, k, v (and their biases), o, the gated MLP's three matrices, two norms."""
-    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    attention = s.hidden_size * (q + 2 * kv) + q * s.hidden_size + (q + 2 * kv if s.qkv_bias else 0)
-    return attention + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size
-
-
-def root_params(s: ModelShape) -> int:
-    """What FSDP2's root group holds: the embedding, the final norm and the head (none when tied)."""
-    head = s.hidden_size if s.value_head else 0 if s.tie_word_embeddings else s.vocab_size * s.hidden_size
-    return s.vocab_size * s.hidden_size + s.hidden_size + head
-
-
-def num_params(s: ModelShape) -> int:
-    return root_params(s) + s.num_layers * block_params(s)
-
-
 LORA_SHAPES = {"q_proj": ("hidden", "q"), "k_proj": ("hidden", "kv"), "v_proj": ("hidden", "kv"),
                "o_proj": ("q", "hidden"), "gate_proj": ("hidden", "inter"), "up_proj": ("hidden", "inter"), "down_proj": ("inter", "hidden")}
 
@@ -102,8 +60,7 @@ LORA_SHAPES = {"q_proj": ("hidden", "q"), "k_proj": ("hidden", "kv"), "v_proj": 
 def lora_block_params(s: ModelShape, rank: int, targets: list[str]) -> int:
     """One block's LoRA adapters: rank * (in + out) for each targeted projection (rl/lora.py; a target outside
     the attention and MLP projections is not counted)."""
-    size = {"hidden": s.hidden_size, "q": s.num_heads * s.head_dim, "kv": s.num_kv_heads * s.head_dim,
-            "inter": s.intermediate_size}
+    size = {"hidden": s.hidden_size, "q": s.q_size, "kv": s.kv_size, "inter": s.intermediate_size}
     return sum(rank * (size[a] + size[b]) for name, (a, b) in LORA_SHAPES.items() if name in targets)
 
 
@@ -111,8 +68,7 @@ def lora_activation_bytes(s: ModelShape, tokens: int, compute_bytes: int, checkp
                           targets: list[str], dropout: bool) -> int:
     """What the adapters add to the saved activations: each targeted layer's rank-wide x @ A.T, and with dropout
     its dropped input (in features), per token; one block's worth when checkpointing recomputes them."""
-    size = {"hidden": s.hidden_size, "q": s.num_heads * s.head_dim, "kv": s.num_kv_heads * s.head_dim,
-            "inter": s.intermediate_size}
+    size = {"hidden": s.hidden_size, "q": s.q_size, "kv": s.kv_size, "inter": s.intermediate_size}
     per_token = sum(rank + (size[a] if dropout else 0) for name, (a, _) in LORA_SHAPES.items() if name in targets)
     return tokens * per_token * compute_bytes * (1 if checkpointing else s.num_layers)
 
@@ -122,14 +78,14 @@ def gathered_bytes(s: ModelShape, compute_bytes: int, reshard_after_forward: boo
     otherwise the root (FSDP2 keeps the root gathered from forward to backward) and two blocks (the one
     running and the one prefetched)."""
     if not reshard_after_forward:
-        return num_params(s) * compute_bytes
-    return (root_params(s) + 2 * block_params(s)) * compute_bytes
+        return s.num_params * compute_bytes
+    return (s.root_params + 2 * s.block_params) * compute_bytes
 
 
 def grad_bytes(s: ModelShape, dp: int, compute_bytes: int) -> float:
     """The fp32 gradient shards, and one block's unsharded gradient in the compute dtype with its fp32 copy that
     FSDP2 reduce-scatters (reduce_dtype float32) during backward."""
-    return FP32 * num_params(s) / dp + block_params(s) * (compute_bytes + FP32)
+    return FP32 * s.num_params / dp + s.block_params * (compute_bytes + FP32)
 
 
 def block_activation_bytes(s: ModelShape, compute_bytes: int, compiled: bool = False) -> int:
@@ -140,7 +96,7 @@ def block_activation_bytes(s: ModelShape, compute_bytes: int, compiled: bool = F
     gate, up and their product (silu(gate) is rebuilt in backward). Measured on one H200 (packed rows of 32768
     tokens, benchmarks/train.py): the peaks less the state and logits were 34.5 GB at 0.5B and 72.2 GB at 1.5B,
     against 33.5 and 70.4 GB from these counts (the final norm included), and 46.8 and 98.2 GB from the eager ones."""
-    q, kv, b = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, compute_bytes
+    q, kv, b = s.q_size, s.kv_size, compute_bytes
     attention = b * (3 * q + 2 * kv) + FP32 * s.num_heads
     if compiled:
         return 2 * 2 * b * s.hidden_size + attention + 3 * b * s.intermediate_size
@@ -177,13 +133,13 @@ def forward_bytes(s: ModelShape, tokens: int, compute_bytes: int) -> int:
 
 def kv_cache_bytes(s: ModelShape, tokens: int, engine_bytes: int) -> int:
     """K and V of every layer for `tokens` cache slots."""
-    return tokens * 2 * s.num_layers * s.num_kv_heads * s.head_dim * engine_bytes
+    return tokens * s.kv_bytes_per_token(engine_bytes)
 
 
 def engine_workspace_bytes(s: ModelShape, max_batch_size: int, engine_bytes: int) -> int:
     """The engine's working memory: a prefill forward of PREFILL_TOKENS tokens at its widest (the residual stream,
     q, k, v, and the MLP's gate, up and product) and a decode step's float32 logits and probabilities."""
-    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    q, kv = s.q_size, s.kv_size
     prefill = PREFILL_TOKENS * engine_bytes * (2 * s.hidden_size + q + 2 * kv + 3 * s.intermediate_size)
     return prefill + 2 * max_batch_size * s.vocab_size * FP32
 
@@ -215,7 +171,7 @@ def engine_terms(cfg: Config, s: ModelShape, engine_bytes: int, device_total: fl
     """The awake engine of this rank (a TP group splits weights and cache). vLLM takes
     rollout.kv_cache_memory_bytes of cache, else rollout.gpu_memory_utilization of the device for everything."""
     ro = cfg.rollout
-    weights = num_params(s) * engine_bytes / ro.tensor_parallel_size
+    weights = s.num_params * engine_bytes / ro.tensor_parallel_size
     workspace = engine_workspace_bytes(s, ro.max_batch_size, engine_bytes)
     if ro.engine != "vllm":
         kv = kv_cache_bytes(s, native_kv_tokens(cfg) + PAGE_SIZE, engine_bytes)  # + the scratch page
@@ -241,7 +197,7 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
     kept = {k: engine[k] for k in ("engine weights", "KV cache")} if ro.sleep_level == 0 else {}
     critic = {}
     if models.critic is not None:  # its own AdamW; built with reshard_after_forward false (rl/critic.py)
-        c_shard = FP32 * num_params(models.critic) / dp
+        c_shard = FP32 * models.critic.num_params / dp
         c_state = c_shard * (1 if cfg.train.optimizer_offload else 3)
         critic = {"resting": c_state, "training": c_state + grad_bytes(models.critic, dp, b)
                   + stream_bytes(cfg, c_shard)
@@ -254,7 +210,7 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
     plan = {"rollout": {**parked, **critic_parked, **engine}}
     if models.reference is not None:
         r = models.reference
-        plan["reference"] = {**resting, **critic_parked, **kept, "reference": FP32 * num_params(r) / dp
+        plan["reference"] = {**resting, **critic_parked, **kept, "reference": FP32 * r.num_params / dp
                              + gathered_bytes(r, b, cfg.model.reshard_after_forward) + forward_bytes(r, tokens, b)}
     grads = trained + lora_block_params(s, lora.rank, lora.target_modules) * (b + FP32) if lora.rank \
         else grad_bytes(s, dp, b)
@@ -280,7 +236,7 @@ def policy_state_bytes(cfg: Config, s: ModelShape, dp: int) -> tuple[float, floa
     the adapters alone; the frozen base has no gradients nor moments)."""
     lora = cfg.lora
     adapters = s.num_layers * lora_block_params(s, lora.rank, lora.target_modules) if lora.rank else 0
-    shard = FP32 * (num_params(s) + adapters) / dp
+    shard = FP32 * (s.num_params + adapters) / dp
     return shard, FP32 * adapters / dp if lora.rank else shard
 
 
@@ -295,14 +251,14 @@ def host_plan(cfg: Config, models: Models, world_size: int) -> dict[str, float]:
     parked between its passes (rl/reference.py)."""
     dp = world_size
     shard, trained = policy_state_bytes(cfg, models.policy, dp)
-    critic = FP32 * num_params(models.critic) / dp if models.critic is not None else 0.0
+    critic = FP32 * models.critic.num_params / dp if models.critic is not None else 0.0
     out = {}
     if cfg.train.optimizer_offload:
         out["AdamW moments"] = 2 * (trained + critic)
     if cfg.train.offload:
         out["parked training state"] = shard + critic + (0 if cfg.train.optimizer_offload else 2 * (trained + critic))
     if models.reference is not None:
-        out["reference"] = FP32 * num_params(models.reference) / dp
+        out["reference"] = FP32 * models.reference.num_params / dp
     return out
 
 
@@ -310,7 +266,7 @@ def checkpoint_bytes(cfg: Config, models: Models) -> float:
     """One checkpoint, all ranks' shards (rl/checkpoint.py): the policy's fp32 parameters and AdamW's two moments
     (LoRA: the adapters alone, the base being the model folder's), the critic's parameters and moments."""
     _, trained = policy_state_bytes(cfg, models.policy, 1)
-    critic = FP32 * num_params(models.critic) if models.critic is not None else 0
+    critic = FP32 * models.critic.num_params if models.critic is not None else 0
     return 3 * (trained + critic)
 
 
@@ -318,7 +274,7 @@ def check_disk(cfg: Config, models: Models, export_itemsize: int, free: float) -
     """Raises ConfigError, one line, when log.output_dir's disk has no room for one checkpoint and the final export
     (a save that fills the disk fails at the run's end, after its work); prints a warning when it has no room for
     the checkpoint.keep_last checkpoints kept and the one being written."""
-    one, export = checkpoint_bytes(cfg, models), num_params(models.policy) * export_itemsize
+    one, export = checkpoint_bytes(cfg, models), models.policy.num_params * export_itemsize
     where = f"{cfg.log.output_dir} has {free / GB:.1f} GB free"
     if cfg.checkpoint.interval < 0:  # no checkpoint is written: only the export needs room
         print0(f"checkpoint.interval=-1: this run writes no checkpoint; a stop or a crash loses its training state "

@@ -11,8 +11,9 @@ from transformers import AutoConfig
 
 from rl import launch, main, memory
 from rl.config import ConfigError, RunStopped, config_from_dict
-from rl.memory import FP32, GB, ModelShape, Models
+from rl.memory import FP32, GB, Models
 from rl.rollout import vmem
+from rl.shape import ModelShape
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = 141e9
@@ -44,12 +45,32 @@ def shapes(name: str) -> Models:
 
 
 def test_parameter_counts_are_the_published_ones():
-    assert memory.num_params(shapes("qwen2.5-7b").policy) == SEVEN_B
-    assert memory.num_params(shapes("qwen2.5-0.5b").policy) == HALF_B
+    assert shapes("qwen2.5-7b").policy.num_params == SEVEN_B
+    assert shapes("qwen2.5-0.5b").policy.num_params == HALF_B
     # TINY: a block is q, k, v 4 x (4 + 2 + 2) + o 4 x 4 + MLP 3 x 4 x 8 + 2 norms of 4; the root the embedding
     # 10 x 4, the final norm 4 and the untied head 10 x 4
-    assert memory.block_params(TINY) == 32 + 16 + 96 + 8 == 152
-    assert memory.num_params(TINY) == 40 + 4 + 40 + 2 * 152 == 388
+    assert TINY.block_params == 32 + 16 + 96 + 8 == 152
+    assert TINY.num_params == 40 + 4 + 40 + 2 * 152 == 388
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_one_shape_counts_the_parameters_of_the_model_and_of_the_engine(model_type):
+    """rl/shape.py's counts against a real model of each layout the native engine runs (a Llama with attention_bias
+    has q, k, v and o biases, and a tied head here), and against the native engine's own tensors."""
+    from math import prod
+
+    from transformers import AutoModelForCausalLM
+
+    from rl.rollout.model import Shape, internal_shapes
+
+    config = AutoConfig.for_model(model_type, vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=model_type == "llama",
+                                  **({"attention_bias": True} if model_type == "llama" else {}))
+    model = AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_hf(config)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert sum(prod(size) for size in internal_shapes(Shape.from_hf(config)).values()) == shape.num_params
+    assert shape.kv_bytes_per_token(2) == 2 * 2 * (2 * 4) * 2  # K and V, 2 layers, 2 heads of 4, 2 bytes
 
 
 def test_activations_and_logits_by_hand():
@@ -97,7 +118,7 @@ def test_reference_and_critic_phases():
     plan = memory.plan_memory(cfg, Models(TINY, TINY, critic), world_size=1, device_type="cuda")
     assert list(plan) == ["rollout", "reference", "train", "critic", "push"]
     # the value head is (hidden -> 1): the embedding, the final norm, 4 weights and the blocks
-    assert memory.num_params(critic) == 40 + 4 + 4 + 3 * 152 == 504
+    assert critic.num_params == 40 + 4 + 4 + 3 * 152 == 504
     assert plan["reference"]["reference"] == 4 * 388 + 2 * 388 + 128 * 2 * (2 * 4 + 3 * 8 + 10)
     assert plan["train"]["critic"] == 3 * 4 * 504  # its parameters and moments wait on the device
     # its state, gradients (one block reduced), its whole bf16 copy (rl/critic.py keeps it gathered), its
@@ -390,18 +411,18 @@ def test_the_plan_against_what_the_tiny_model_holds():
     """The plan's counts against the tensors a real model holds: its parameters, AdamW's state after a step (16
     bytes a parameter in fp32), and the activations its forward saves for backward (by PyTorch's own hooks, every
     storage once), within 20% (no gradient checkpointing, fp32 on the CPU, SDPA attention)."""
-    from rl.memory import activation_bytes, num_params
+    from rl.memory import activation_bytes
     from tests.tiny import tiny_model
 
     model = tiny_model(0)
     shape = ModelShape.from_hf(model.config)
-    assert num_params(shape) == sum(p.numel() for p in model.parameters())
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(input_ids=torch.randint(0, model.config.vocab_size, (1, 16))).logits.float().pow(2).mean().backward()
     optimizer.step()
     state = sum(t.nbytes for p in model.parameters() for t in (p, p.grad, *(v for v in optimizer.state[p].values()
                                                                             if v.dim() > 0)))
-    assert state == 16 * num_params(shape)
+    assert state == 16 * shape.num_params
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     for tokens in (64, 256):
         saved = {}

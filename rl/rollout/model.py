@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +25,7 @@ from rl.kernels.attention import paged_attention_reference, paged_prefill_refere
 from rl.kernels.rms_norm import rms_norm_reference
 from rl.kernels.rope import full_table, rope_reference, rope_tables
 from rl.kernels.silu import silu_mul_reference
+from rl.shape import ModelShape
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 # Decode steps on CUDA of at most this many rows run the qkv and MLP GEMMs in the layouts measured
@@ -40,19 +40,8 @@ DOWN_SPLITS = 2
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-@dataclass(frozen=True)
-class Shape:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
+class Shape(ModelShape):
+    """A model shape the native engine runs: Llama or Qwen2, SwiGLU with silu, no MLP bias, no sliding window."""
 
     @classmethod
     def from_hf(cls, cfg) -> Shape:
@@ -65,12 +54,7 @@ class Shape:
             raise ValueError(f"{model_type}: mlp_bias=True is not supported by the native engine")
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError(f"{model_type}: sliding-window attention is not supported by the native engine")
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        attention_bias = bool(getattr(cfg, "attention_bias", False))
-        return cls(cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
-                   cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads, head_dim,
-                   cfg.rms_norm_eps, bool(cfg.tie_word_embeddings),
-                   qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias)
+        return super().from_hf(cfg)
 
 
 # HF name -> (internal tensor, first row, last row); rows None means the whole tensor.

@@ -1,0 +1,83 @@
+"""One decoder-only model's shape, read from its config.json, and the counts that follow from it.
+
+The memory plan (rl/memory.py), the FLOPs behind `perf/train_mfu` (rl/flops.py) and the native engine's
+tensors (rl/rollout/model.py) all read the model from here, so a new architecture changes one description.
+The layout is Llama / Qwen2's: per block q, k, v (biases with Qwen2 or `attention_bias`) and o over grouped KV
+heads, a gated MLP of three matrices and two RMSNorms; an embedding, a final norm and an lm_head (tied or not)
+around the blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # q, k and v have biases (Qwen2, or Llama with attention_bias)
+    o_bias: bool = False  # o_proj has one too (Llama with attention_bias)
+    value_head: bool = False  # the critic: lm_head is (hidden -> 1), never tied
+
+    @classmethod
+    def from_hf(cls, config, value_head: bool = False) -> ModelShape:
+        """The shape of a Hugging Face config (a multimodal one's text model)."""
+        c = config.get_text_config()
+        heads = c.num_attention_heads
+        attention_bias = bool(getattr(c, "attention_bias", False))
+        return cls(c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers, heads,
+                   getattr(c, "num_key_value_heads", None) or heads,
+                   getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+                   tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+                   qkv_bias=getattr(c, "model_type", "") == "qwen2" or attention_bias, o_bias=attention_bias,
+                   value_head=value_head)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def block_matmul_params(self) -> int:
+        """One block's matmul weights: q, k, v, o and the gated MLP's three (no biases, no norms)."""
+        h = self.hidden_size
+        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.intermediate_size
+
+    @property
+    def decoder_matmul_params(self) -> int:
+        """Every block's matmul weights (the lm_head apart)."""
+        return self.num_layers * self.block_matmul_params
+
+    @property
+    def block_params(self) -> int:
+        """One decoder block: its matmul weights, the attention biases, two norms."""
+        biases = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
+        return self.block_matmul_params + biases + 2 * self.hidden_size
+
+    @property
+    def root_params(self) -> int:
+        """Everything outside the blocks (FSDP2's root group): the embedding, the final norm and the head (none
+        when tied; hidden -> 1 for a value head)."""
+        h = self.hidden_size
+        head = h if self.value_head else 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + h + head
+
+    @property
+    def num_params(self) -> int:
+        return self.root_params + self.num_layers * self.block_params
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """K and V of every layer for one token, at `itemsize` bytes an element."""
+        return 2 * self.num_layers * self.kv_size * itemsize
