@@ -5,6 +5,9 @@ setup(
     version="0.1.0",
     description="A single-program SPMD trainer for RL post-training of LLMs (GRPO-family with verifiable rewards)",
     packages=find_packages(include=["rl", "rl.*"]),
+    # launch.sh rides inside the package (rl/launch.sh links to it) so that the `rl` command finds it installed.
+    package_data={"rl": ["launch.sh"]},
+    entry_points={"console_scripts": ["rl = rl.launch:console"]},
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.11",

@@ -70,6 +70,7 @@ class Sample:
     token_versions: list[int] = field(default_factory=list)
     turns: int = 0  # model turns of a multi-turn episode (env.fn); 0: a single response
     tool_calls: int = 0  # the environment's turns appended to it (each answers a tool call)
+    logged: dict[str, Any] = field(default_factory=dict)  # what reward functions gave it with log_extra
 
     @property
     def prompt_length(self) -> int:
@@ -419,15 +420,15 @@ def render_prompt(raw: Any, cfg: DataConfig, tokenizer, system_prompt: str | Non
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def tokenize_prompts(rows, prompt_key, answer_key, cfg: DataConfig, tokenizer) -> tuple[list[Prompt], int]:
-    """Templated, tokenized prompts and how many were dropped for exceeding max_prompt_len."""
-    prompts, dropped = [], 0
+def tokenize_prompts(rows, prompt_key, answer_key, cfg: DataConfig, tokenizer) -> tuple[list[Prompt], list[int]]:
+    """Templated, tokenized prompts and the token lengths of those dropped for exceeding max_prompt_len."""
+    prompts, dropped = [], []
     for row in rows:
         system_prompt = column(row, cfg.system_prompt_key) if cfg.system_prompt_key else None
         text = render_prompt(column(row, prompt_key), cfg, tokenizer, system_prompt)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > cfg.max_prompt_len:
-            dropped += 1
+            dropped.append(len(ids))
             continue
         prompts.append(Prompt(text=text, token_ids=list(ids), label=column(row, answer_key) if answer_key else None,
                               metadata=user_fn_metadata(row, prompt_key, answer_key), raw=column(row, prompt_key),
@@ -448,9 +449,14 @@ def load_prompts(cfg: DataConfig, tokenizer, keys: SourceKeys = TRAINING_KEYS) -
     """The source's templated, tokenized prompts (at least one) and how many max_prompt_len dropped."""
     rows, prompt_key, answer_key = read_source_rows(cfg, keys)
     prompts, dropped = tokenize_prompts(rows, prompt_key, answer_key, cfg, tokenizer)
+    if not prompts and not dropped:
+        raise ConfigError(f"{keys.source} yields no prompts: it has no rows")
     if not prompts:
-        raise ConfigError(f"{keys.source} yields no prompts (all filtered by data.max_prompt_len?)")
-    return prompts, dropped
+        shortest = ", ".join(map(str, sorted(dropped)[:10])) + (", ..." if len(dropped) > 10 else "")
+        raise ConfigError(f"{keys.source} yields no prompts: all {len(dropped)} are longer than data.max_prompt_len="
+                          f"{cfg.max_prompt_len} tokens with the template (their lengths, shortest first: {shortest}; "
+                          f"the longest {max(dropped)})")
+    return prompts, len(dropped)
 
 
 # ---------------------------------------------------------------------------- dataset

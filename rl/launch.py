@@ -15,6 +15,12 @@ the same way again, so such an attempt is not repeated: the restarted ranks repe
 Error files. A cause torchrun's failure summary should show (one line, not a traceback) is written to the
 rank's error file (`record_error`); ranks of one node record in rank order so the summary names the
 first rank's line the root cause.
+
+Under launch.sh. Torchrun restarts ranks after any failed exit, and ends with a page of `ChildFailedError`.
+So launch.sh checks the config before torchrun starts (`python -m rl.launch`, `check`: one line, no
+ranks), and a rank that still meets one of our final errors hands it to launch.sh in the file named by
+`RL_ERROR_FILE` and exits 0: torchrun neither restarts nor summarises, and launch.sh exits with the code.
+`rl` (the console command) is launch.sh run by the Python that runs `rl`.
 """
 
 from __future__ import annotations
@@ -26,12 +32,9 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from rl.config import ConfigError, help_request, help_text
-from rl.health import RunStopped
-from rl.parallel import StalledRankError, lost_rank_error
+from rl.config import ConfigError, RunStopped, check_paths, help_request, help_text, load_config, resolve
 
 RANK0_REPORT_S = 20.0  # how long the other ranks wait after an error for rank 0 to say it
 PEERS_RECORD_S = 10.0  # how long rank 0 then waits for the other ranks of its node to record the error
@@ -161,6 +164,11 @@ def final_error(errors: list[tuple[int, dict | None]]) -> dict | None:
 def cli(main: Callable[[list[str]], None], argv: list[str]) -> int:
     """A bad config or input, or a fault the run cannot survive: one line on rank 0 and exit 2 (input) or
     1 (run stopped). Anything else is a bug and keeps its traceback (recorded for torchrun's summary)."""
+    # torch here and in `report`, not at the top: launch.sh's `python -m rl.launch` check runs without it
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from rl.parallel import StalledRankError, lost_rank_error
+
     repeated = final_error(previous_attempt_errors())
     try:
         if (section := help_request(argv)) is not None:
@@ -189,7 +197,10 @@ class RepeatedError(Exception):
 
 
 def report(e: Exception) -> int:
-    """Prints and records the one line; returns the exit code (2 for bad input, else 1)."""
+    """Prints and records the one line; returns the exit code (2 for bad input, else 1; 0 under launch.sh, which
+    takes the code from RL_ERROR_FILE)."""
+    from rl.parallel import StalledRankError
+
     code = e.exitcode if isinstance(e, RepeatedError) else 2 if isinstance(e, ConfigError) else 1
     kind = "error" if code == 2 else "stopped"
     message = f"rl: {kind}: {e}"
@@ -202,11 +213,71 @@ def report(e: Exception) -> int:
     files = local_error_files(os.environ.get("TORCHELASTIC_ERROR_FILE"))
     if files and files[0] != os.environ.get("TORCHELASTIC_ERROR_FILE"):
         await_recorded(files[:1], FIRST_RECORD_S)
-    record_error(message, final=not isinstance(e, StalledRankError), exitcode=code)
+    final = not isinstance(e, StalledRankError)
+    record_error(message, final=final, exitcode=code)
+    handed_on = final and hand_to_launcher(message, code)
     if int(os.environ.get("RANK", "0")) == (e.reporter if isinstance(e, StalledRankError) else 0):
         print(message, file=sys.stderr, flush=True)
-        await_recorded(files[1:], PEERS_RECORD_S)
-    else:
+        if not handed_on:
+            await_recorded(files[1:], PEERS_RECORD_S)
+    elif not handed_on:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(RANK0_REPORT_S)
-    return code
+    return 0 if handed_on else code
+
+
+def hand_to_launcher(message: str, code: int) -> bool:
+    """Under launch.sh (RL_ERROR_FILE set): leaves the exit code and the line for it, and says so; the rank then
+    exits 0, since torchrun restarts every failed exit. Every rank meets the same input, so every rank ends;
+    one that does not loses its peers in a collective, and its restart repeats the recorded error at once."""
+    path = os.environ.get("RL_ERROR_FILE")
+    if not path:
+        return False
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # one writer per node: launch.sh runs one torchrun per node
+        Path(path).write_text(f"{code}\n{message}\n")
+    return True
+
+
+# ---------------------------------------------------------------------------- launch.sh's check
+
+
+def check(argv: list[str], world_size: int) -> None:
+    """What a rank checks before its process group starts, in the launcher: the config's keys and values,
+    the model and tokenizer folders, and the split over `world_size` ranks. Paths are the caller's."""
+    cfg = load_config(argv)
+    check_paths(cfg)
+    resolve(cfg, world_size)
+
+
+def check_command(argv: list[str]) -> int:
+    """`python -m rl.launch [--world-size N] CONFIG [--section.key=VALUE ...]`, as launch.sh runs it before
+    torchrun: the config's first problem as one line (exit 2), or --help's answer, or nothing (exit 0)."""
+    world_size = 1
+    if argv[:1] == ["--world-size"]:
+        world_size, argv = int(argv[1]), argv[2:]
+    if (section := help_request(argv)) is not None:
+        try:
+            text = help_text(section)
+            print(f"usage: bash launch.sh [--install] [--nproc N] [--max-restarts N] CONFIG [--section.key=VALUE ...]"
+                  f"\n   or: rl [--nproc N] [--max-restarts N] CONFIG [--section.key=VALUE ...]\n\n{text}")
+        except ConfigError as e:
+            print(f"rl: error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    config, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else (None, argv)
+    try:
+        check(([f"--config={config}"] if config else []) + rest, world_size)
+    except ConfigError as e:
+        print(f"rl: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def console() -> None:
+    """The `rl` command: launch.sh with the Python that runs `rl`, so that the ranks import what it imports."""
+    script = Path(__file__).resolve().with_name("launch.sh")
+    os.execvpe("bash", ["bash", str(script), *sys.argv[1:]], {**os.environ, "PYTHON": sys.executable})
+
+
+if __name__ == "__main__":
+    sys.exit(check_command(sys.argv[1:]))

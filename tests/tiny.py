@@ -1,5 +1,5 @@
-"""Tiny random-weight models and a tiny trained tokenizer, built offline for tests, and a snapshot of
-training state for tests that move it."""
+"""Tiny random-weight models and a tiny trained tokenizer, built offline for tests (rl.prepare's), and a
+snapshot of training state for tests that move it."""
 
 from __future__ import annotations
 
@@ -8,61 +8,9 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
-SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def tiny_config(vocab_size: int = 256, tie: bool = False, layers: int = 2,
-                intermediate_size: int = 200) -> Qwen2Config:
-    # head_dim 64 like real models (and what CPU attention backends expect); sizes not divisible by
-    # 3 ranks exercise FSDP2's uneven shards.
-    return Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=intermediate_size,
-                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                       max_position_embeddings=512, tie_word_embeddings=tie, rope_theta=10000.0)
-
-
-def tiny_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
-    corpus = [f"What is {a} + {b}? Answer with just the number. {a + b}" for a in range(30) for b in range(30)]
-    corpus += ["system user assistant You are a helpful assistant. The answer is \\boxed{7} #### 12"]
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|pad|>",
-                                   model_max_length=512)
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def tiny_model(seed: int = 0, **kwargs) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(**kwargs), dtype=torch.float32,
-                                            attn_implementation="sdpa")
-
-
-def save_tiny_model_dir(path: Path, seed: int = 0, **kwargs) -> Path:
-    """A folder like a downloaded HF model: config, safetensors weights, tokenizer with a chat template."""
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = tiny_tokenizer()
-    model = tiny_model(seed, vocab_size=max(len(tokenizer), 256), **kwargs)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    # Loaded beside a Qwen2 config, the tokenizer may gain that family's <|endoftext|>: the embedding must cover it.
-    loaded = len(AutoTokenizer.from_pretrained(path))
-    if loaded > model.config.vocab_size:
-        model = tiny_model(seed, vocab_size=loaded, **kwargs)
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.save_pretrained(path)
-    return path
+# The tiny model and tokenizer are rl.prepare's (`python -m rl.prepare tiny DIR` writes the same folder).
+from rl.prepare import save_tiny_model_dir, tiny_config, tiny_model, tiny_tokenizer  # noqa: F401
 
 
 def write_arithmetic_jsonl(path: Path, rows: int = 64) -> Path:
