@@ -30,7 +30,9 @@ How it departs from the textbook, where the reward is a function called inline:
 
 from __future__ import annotations
 
+import ast
 import collections
+import functools
 import importlib
 import logging
 import math
@@ -47,7 +49,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rl.answers import format_score, length_penalty, math_correct
-from rl.config import ConfigError, RewardConfig, RunStopped
+from rl.config import ConfigError, RewardConfig, RunStopped, TrainConfig
 from rl.env import EnvOutcome, EnvStep
 
 # ---------------------------------------------------------------------------- one input
@@ -70,6 +72,17 @@ class RewardInput:
     group: int | None = None  # inputs of one prompt group share it (Sample.group_index); None: a group of its own
 
 
+@dataclass(frozen=True)
+class TrainerState:
+    """What TRL's `trainer_state` holds that a reward function reads, in this loop's terms: `global_step`, the
+    optimizer steps taken before this rollout (train.num_steps_per_rollout a rollout), of `max_steps` in the run
+    (train.num_rollout rollouts); `epoch`, the passes through the prompts so far, fractional as TRL's."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+
+
 def require_sandbox(isolation: str) -> None:
     """A ConfigError (one line) where the sandbox's jail cannot be built and reward.sandbox did not accept the
     barrier: before the model loads, not at the first tool call."""
@@ -82,7 +95,10 @@ def require_sandbox(isolation: str) -> None:
 
 
 def load_function(path: str, key: str = "reward.user_fn") -> Callable[..., Any]:
-    """Imports "pkg.module:function"; a ConfigError names `key` and the path."""
+    """Imports "pkg.module:function"; for a factory call "pkg.module:factory(key=value, ...)" (reward.functions), the
+    function the factory returns, made once per process. A ConfigError names `key` and the path."""
+    if "(" in path:
+        return built_function(path, key)
     module_name, colon, fn_name = path.partition(":")
     if not colon or not module_name or not fn_name:
         raise ConfigError(f"{key} must look like 'pkg.module:function', got {path!r}")
@@ -94,6 +110,41 @@ def load_function(path: str, key: str = "reward.user_fn") -> Callable[..., Any]:
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ConfigError(f"{key}={path!r}: module {module_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def function_call(entry: str) -> tuple[str, dict[str, Any] | None]:
+    """A reward.functions entry -> (its "pkg.module:name", None), or for a factory written as a call,
+    "pkg.module:factory(key=literal, ...)", (its path, the keyword arguments): its result is the reward function, as
+    TRL's `get_soft_overlong_punishment(max_completion_len=..., soft_punish_cache=...)`. ValueError: what is wrong."""
+    path, paren, arguments = entry.partition("(")
+    if not paren:
+        return entry, None
+    try:
+        call = ast.parse(f"f({arguments}", mode="eval").body
+    except SyntaxError as e:
+        raise ValueError(f"its arguments do not parse ({e.msg})") from None
+    if not isinstance(call, ast.Call) or call.args or any(k.arg is None for k in call.keywords):
+        raise ValueError("a factory call takes keyword arguments only: 'pkg.module:factory(key=value, ...)'")
+    try:
+        return path.strip(), {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    except ValueError:
+        raise ValueError("a factory's arguments must be literals (numbers, text, lists, dicts)") from None
+
+
+@functools.cache  # one call of the factory per process: a factory may keep state in what it returns
+def built_function(entry: str, key: str) -> Callable[..., Any]:
+    try:
+        path, kwargs = function_call(entry)
+    except ValueError as e:
+        raise ConfigError(f"{key} entry {entry!r}: {e}") from None
+    factory = load_function(path, key)
+    try:
+        fn = factory(**kwargs)
+    except Exception as e:
+        raise ConfigError(f"{key}={entry!r}: the factory raised {type(e).__name__}: {e}") from e
+    if not callable(fn):
+        raise ConfigError(f"{key}={entry!r}: the factory returned {type(fn).__name__} {fn!r:.100}, not a function")
     return fn
 
 
@@ -114,14 +165,18 @@ def function_names(cfg: RewardConfig) -> list[str]:
     """The term (and metric, reward/<name>_mean) of each batched function and then the group hook: the
     function's own name, as TRL logs it, or "module.function" where that would clash with another's or ours."""
     paths = [*cfg.functions, *([cfg.group_fn] if cfg.group_fn else [])]
-    short = [path.partition(":")[2] for path in paths]
+    short = [path.partition(":")[2].partition("(")[0].strip() for path in paths]  # a factory call: the factory's
     return [name if short.count(name) == 1 and name not in BUILT_IN_TERMS else path.replace(":", ".")
             for name, path in zip(short, paths)]
 
 
 def call_user_fn(path: str, inp: RewardInput) -> float:
     fn = load_function(path)  # sys.modules makes this a dict lookup after the first call
-    returned = fn(prompt=inp.prompt, response=inp.response, label=inp.label, metadata=inp.metadata)
+    try:
+        returned = fn(prompt=inp.prompt, response=inp.response, label=inp.label, metadata=inp.metadata)
+    except Exception as e:
+        e.add_note(f"in reward.user_fn {path}")  # the failure log names the function
+        raise
     value = real_number(returned)
     if value is None:
         raise TypeError(f"reward.user_fn {path} returned {type(returned).__name__} {returned!r}, expected a float")
@@ -187,7 +242,9 @@ class RewardResult:
     terms: dict[str, list[float | None]]
     num_errors: int = 0
     num_timeouts: int = 0
-    num_unscored: int | None = None  # with batched functions: inputs every function passed on (scored 0)
+    num_unscored: int | None = None  # with batched functions: inputs every function passed on (no reward)
+    logged: dict[str, list[float]] = field(default_factory=dict)  # log_metric's values, by name, over the calls
+    extra: list[dict[str, Any]] = field(default_factory=list)  # log_extra's columns, one dict per input
 
 
 @dataclass(eq=False)  # identity, so `self.workers.index` finds this very worker
@@ -228,8 +285,9 @@ class Failures:
                          f"{text.decode(errors='replace').rstrip()}" for i, text in self.printed.items())
 
 
-def log_failures(failures: Failures, timeout_s: float, what: str = "reward") -> None:
-    """`what`: "reward" (inputs scored) or "env" (episode steps, which end their episode with reward 0)."""
+def log_failures(failures: Failures, timeout_s: float, what: str = "reward", scorer: str = "") -> None:
+    """`what`: "reward" (inputs scored) or "env" (episode steps, which end their episode with reward 0); `scorer`:
+    the config keys that name what scored, said with each timeout (an error names its function itself)."""
     log = logging.getLogger(__name__)
     unit, cost = ("input", "scored 0.0") if what == "reward" else ("step", "ended its episode with reward 0")
     for message, indices in failures.errors.items():
@@ -237,8 +295,8 @@ def log_failures(failures: Failures, timeout_s: float, what: str = "reward") -> 
                     len(indices), unit, cost, message, unit, indices[:10], failures.tracebacks[message])
     if failures.timeouts:
         log.warning("%s: %d %s(s) %s after exceeding %s.timeout_s=%g s (%ss %s); "
-                    "their workers were killed and replaced", what, len(failures.timeouts), unit, cost, what, timeout_s,
-                    unit, failures.timeouts[:10])
+                    "their workers were killed and replaced%s", what, len(failures.timeouts), unit, cost, what, timeout_s,
+                    unit, failures.timeouts[:10], f" (scored by {scorer})" if scorer else "")
     if failures.printed_bytes:
         kept = sum(len(text) for text in failures.printed.values())
         log.warning("%s: workers printed %d bytes; the first %d, by %s:\n%s", what,
@@ -277,7 +335,7 @@ class RewardPool:
     that built the pool (a worker dies with the thread that started it).
     """
 
-    def __init__(self, cfg: RewardConfig, env_fn: str = ""):
+    def __init__(self, cfg: RewardConfig, env_fn: str = "", train: TrainConfig | None = None):
         if cfg.num_workers < 1 or cfg.timeout_s <= 0:
             raise ConfigError("reward.num_workers must be >= 1 and reward.timeout_s > 0")
         for key, path in function_paths(cfg):
@@ -287,6 +345,9 @@ class RewardPool:
         if "rl.sandbox" in sys.modules:  # a function runs model-written code: refuse a missing jail now
             require_sandbox(cfg.sandbox)
         self.cfg, self.env_fn = cfg, env_fn
+        # The run's length for `trainer_state` (reward.functions): optimizer steps per rollout and rollouts.
+        self.steps = (train.num_steps_per_rollout, train.num_rollout) if train is not None else (1, 0)
+        self.trainer_state = TrainerState(max_steps=self.steps[0] * self.steps[1])
         # Started without waiting: workers import while the caller does other work; `score` waits.
         self.workers = [self.start_worker() for _ in range(cfg.num_workers)]
 
@@ -316,6 +377,11 @@ class RewardPool:
         self.retire(worker, failures)
         self.workers[self.workers.index(worker)] = self.start_worker()
 
+    def begin_rollout(self, rollout_id: int, epoch: float) -> None:
+        """The `trainer_state` the functions see while this rollout is scored; `epoch`: passes through the prompts."""
+        per_rollout, rollouts = self.steps
+        self.trainer_state = TrainerState(rollout_id * per_rollout, rollouts * per_rollout, epoch)
+
     def score(self, inputs: list[RewardInput]) -> RewardResult:
         """Scores every input; one that raises, crashes its worker or times out gets 0.0 and a count (with
         batched functions: every input of its group)."""
@@ -324,7 +390,8 @@ class RewardPool:
         units = units_of(inputs, self.cfg)
         failures = Failures(unit_name="group" if scores_groups(self.cfg) else "input")
         outcomes = self.run_units(inputs, units, self.cfg.timeout_s, failures)
-        log_failures(failures, self.cfg.timeout_s)
+        log_failures(failures, self.cfg.timeout_s, scorer=", ".join(f"{key}={path!r}" for key, path in
+                                                                     function_paths(self.cfg)))
         return gather(outcomes, len(failures.timeouts), self.cfg)
 
     def step_envs(self, steps: list[EnvStep], timeout_s: float) -> tuple[list[EnvOutcome | None], int, int]:
@@ -352,7 +419,7 @@ class RewardPool:
             if pending and worker.ready and worker.index is None:
                 index = pending.popleft()
                 try:
-                    worker.conn.send((index, [inputs[i] for i in units[index]]))
+                    worker.conn.send((index, [inputs[i] for i in units[index]], self.trainer_state))
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # it died while idle; `collect` sees the closed socket and replaces it
                 worker.index, worker.deadline = index, time.monotonic() + timeout_s
@@ -501,7 +568,18 @@ def gather(outcomes: list[dict[str, float] | None], num_timeouts: int, cfg: Rewa
         num_errors=sum(o is None for o in outcomes) - num_timeouts,
         num_timeouts=num_timeouts,
         num_unscored=len(unscored) if functions else None,
+        logged=logged_metrics(outcomes),
+        extra=[o.get("extra", {}) if o is not None else {} for o in outcomes],
     )
+
+
+def logged_metrics(outcomes: list[dict | None]) -> dict[str, list[float]]:
+    """What the functions passed to log_metric, by name, in the order of the calls (each call's on its first input)."""
+    logged: dict[str, list[float]] = {}
+    for outcome in outcomes:
+        for name, values in (outcome or {}).get("logged", {}).items():
+            logged.setdefault(name, []).extend(values)
+    return logged
 
 
 def metrics(result: RewardResult) -> dict[str, float]:
@@ -511,6 +589,8 @@ def metrics(result: RewardResult) -> dict[str, float]:
         scored = [v for v in values if v is not None]
         if scored:
             out[f"reward/{name}_mean"] = sum(scored) / len(scored)
+    for name, values in result.logged.items():  # TRL averages a step's log_metric calls too
+        out[f"reward/logged/{name}"] = sum(values) / len(values)
     out |= {"reward/num_inputs": float(len(result.rewards)), "reward/num_errors": float(result.num_errors),
             "reward/num_timeouts": float(result.num_timeouts)}
     if result.num_unscored is not None:

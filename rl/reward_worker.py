@@ -6,8 +6,9 @@ trainer, torch or transformers. It talks to the pool over the socket FD:
 
     pool -> worker   (sys_path, RewardConfig, env.fn)     once, first
     worker -> pool   ("ready",) | ("failed", message, traceback)
-    pool -> worker   (index, [RewardInput, ...])          one unit at a time: an input, or a prompt's group,
-                     (index, [EnvStep])                   or one step of an episode (rl/env.py)
+    pool -> worker   (index, [RewardInput, ...], state)   one unit at a time: an input, or a prompt's group,
+                     (index, [EnvStep], state)            or one step of an episode (rl/env.py); state: the
+                                                          TrainerState that TRL-style functions are handed
     worker -> pool   ("ok", index, [terms or EnvOutcome, ...]) | ("error", index, message, traceback, exiting)
 
 Whatever it prints (stdout and stderr, fd 1 and 2) goes to a pipe the pool reads and caps.
@@ -28,7 +29,7 @@ from multiprocessing.connection import Connection
 from rl.config import RewardConfig
 from rl.answers import math_correct
 from rl.env import EnvStep, step_episode
-from rl.reward import function_paths, load_function, score_one, scores_groups
+from rl.reward import TrainerState, function_paths, load_function, score_one, scores_groups
 from rl.reward_groups import score_group
 
 PR_SET_PDEATHSIG = 1
@@ -57,29 +58,35 @@ def warm_up(cfg: RewardConfig, env_fn: str) -> None:
         math_correct(r"\boxed{\frac{1}{2}}", "0.5")
 
 
-def score_unit(inputs: list, cfg: RewardConfig, env_fn: str) -> list:
+def score_unit(inputs: list, cfg: RewardConfig, env_fn: str, state: TrainerState) -> list:
     """The terms of each input: a group scored at once with batched functions, else each input alone; or
     for episode steps (rl/env.py), each step's outcome."""
     if inputs and isinstance(inputs[0], EnvStep):
         return [step_episode(step, load_function(env_fn, "env.fn")) for step in inputs]
-    return score_group(inputs, cfg) if scores_groups(cfg) else [score_one(inp, cfg) for inp in inputs]
+    return score_group(inputs, cfg, state) if scores_groups(cfg) else [score_one(inp, cfg) for inp in inputs]
+
+
+def error_message(e: BaseException) -> str:
+    """The exception's one line, with its notes (which function raised it) in brackets."""
+    notes = "; ".join(getattr(e, "__notes__", []))
+    return f"{type(e).__name__}: {e}" + (f" ({notes})" if notes else "")
 
 
 def serve(conn: Connection, cfg: RewardConfig, env_fn: str) -> None:
     """Scores (index, inputs) messages until the pool closes the socket or memory runs out."""
     while True:
         try:
-            index, inputs = conn.recv()
+            index, inputs, state = conn.recv()
         except EOFError:
             return
         try:
-            conn.send(("ok", index, score_unit(inputs, cfg, env_fn)))
+            conn.send(("ok", index, score_unit(inputs, cfg, env_fn, state)))
         except MemoryError:
             conn.send(("error", index, f"MemoryError: past reward.memory_limit_mb={cfg.memory_limit_mb}",
                        traceback.format_exc(), True))  # in the same message, so no input is sent to us meanwhile
             return
         except Exception as e:
-            conn.send(("error", index, f"{type(e).__name__}: {e}", traceback.format_exc(), False))
+            conn.send(("error", index, error_message(e), traceback.format_exc(), False))
 
 
 def main(fd: int) -> None:

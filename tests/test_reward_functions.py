@@ -8,7 +8,7 @@ import math
 import pytest
 
 from rl.config import ConfigError, DataConfig, RewardConfig, config_from_dict
-from rl.reward import RewardInput, RewardPool, function_names, metrics, reduce_metrics
+from rl.reward import RewardInput, RewardPool, TrainerState, function_names, metrics, reduce_metrics
 from rl.reward_groups import score_group
 from tests import reward_fns
 
@@ -35,6 +35,9 @@ def test_batched_functions_are_called_as_trl_calls_them():
         assert [s["functions"]["record"] for s in scored] == [1.0, 2.0]  # one per completion, by its token ids
         assert [s["correct"] for s in scored] == [1.0, 2.0]
     text, chat = reward_fns.CALLS
+    for call in (text, chat):  # TRL's helpers, as TRL passes them to every function
+        assert call.pop("trainer_state") == TrainerState() and callable(call.pop("log_metric"))
+        assert callable(call.pop("log_extra"))
     assert text == {"prompts": ["1 + 1?"] * 2, "completions": ["2", "no"], "completion_ids": [[0], [0, 1]],
                     "answer": ["2", "2"], "source": ["a", "a"]}
     # Chat-format prompts: the prompts as the rows hold them, each completion one assistant message.
@@ -86,9 +89,12 @@ def test_a_batched_function_that_raises_hangs_or_miscounts_costs_its_group_and_i
         assert (result.num_errors, result.num_timeouts) == (4, 2)  # raise, short; hang: whole groups
         assert pool.score(inputs[:2]).rewards == [1.0, 0.5]  # the hung worker was replaced
     log = caplog.text
-    assert "2 input(s) scored 0.0 after ZeroDivisionError: bad batch of 2 (inputs [2, 3])" in log
+    # The function that raised is named (its config key and path) beside its error.
+    assert ("2 input(s) scored 0.0 after ZeroDivisionError: bad batch of 2 (in reward.functions "
+            "tests.reward_fns:batched_by_kind) (inputs [2, 3])") in log
     assert "returned 1 values for 2 completions (inputs [6, 7])" in log
-    assert "2 input(s) scored 0.0 after exceeding reward.timeout_s=1 s (inputs [4, 5])" in log
+    assert ("2 input(s) scored 0.0 after exceeding reward.timeout_s=1 s (inputs [4, 5]); their workers were killed "
+            "and replaced (scored by reward.functions='tests.reward_fns:batched_by_kind')") in log
 
 
 def test_the_group_hook_is_called_once_per_group_with_the_rows_values():

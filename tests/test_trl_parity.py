@@ -3,12 +3,16 @@ function passes on, and its documented reward-function conventions (async functi
 `log_extra`, factories) run through the reward pool as a run runs them. TRL's formulas are written out here by hand
 (TRL itself is not a dependency)."""
 
+import dataclasses
+import logging
 import math
 
 import pytest
 import torch
 
 from rl.algo import advantages, aggregate, policy_loss
+from rl.config import ConfigError, RewardConfig, TrainConfig, config_from_dict
+from rl.reward import RewardPool, metrics
 
 
 # ---------------------------------------------------------------------------- CISPO
@@ -114,3 +118,155 @@ def test_rollout_metrics_and_the_dynamic_filter_leave_unscored_responses_out():
     assert keep_group(group(1.0, NAN, 0.0, 0.0), "nonzero_std")
     stats = rollout_metrics(group(1.0, NAN, 0.0, 0.0) + group(NAN, NAN, NAN, NAN), 4)
     assert stats["rollout/reward_mean"] == pytest.approx(1 / 3) and stats["rollout/zero_std_group_frac"] == 0.5
+
+
+# ---------------------------------------------------------------------------- TRL's reward-function examples
+
+
+def chat_inputs(groups):
+    """RewardInputs of chat-format rows, one group per (row, responses): ids one per character."""
+    from tests.test_reward_functions import inputs_of
+
+    out = []
+    for g, (row, responses) in enumerate(groups):
+        out += [dataclasses.replace(inp, group=g) for inp in inputs_of([row], len(responses), responses, chat=True)]
+    return out
+
+
+FUNCTIONS = ["longer_is_better", "think_then_answer", "boxed_matches_solution", "math_task", "code_task",
+             "async_judge", "async_checker", "curriculum", "logs_what_it_sees",
+             "get_overlong_penalty(max_completion_len=10, soft_punish_cache=4)"]
+
+
+def test_trls_documented_reward_functions_run_unchanged_through_the_reward_pool():
+    cfg = RewardConfig(functions=[f"tests.trl_rewards:{name}" for name in FUNCTIONS],
+                       function_weights=[0.1, 1.0, 2.0, 1.0, 1.0, 0.5, 0.5, 1.0, 1.0, 1.0], num_workers=2)
+    thought = "<think>x</think><answer>\\boxed{4}</answer>"
+    assert len(thought) == 42
+    inputs = chat_inputs([({"prompt": "2 + 2?", "task": "math", "solution": "4"}, [thought, "\\boxed{5}"]),
+                          ({"prompt": "Write code", "task": "code", "solution": "-"}, ["```x```", "text"])])
+    with RewardPool(cfg, train=TrainConfig(num_rollout=4, num_steps_per_rollout=2)) as pool:
+        pool.begin_rollout(rollout_id=1, epoch=0.5)  # 2 optimizer steps taken of 8
+        result = pool.score(inputs)
+    assert (result.num_errors, result.num_timeouts, result.num_unscored) == (0, 0, 0)
+    terms = result.terms
+    assert terms["longer_is_better"] == [42.0, 9.0, 7.0, 4.0]
+    assert terms["think_then_answer"] == [1.0, 0.0, 0.0, 0.0]
+    assert terms["boxed_matches_solution"] == [1.0, 0.0, 0.0, 0.0]
+    assert terms["math_task"] == [1.0, 0.0, None, None] and terms["code_task"] == [None, None, 1.0, 0.0]
+    # The two async functions of a call ran together: each saw the other start before it finished.
+    assert terms["async_judge"] == terms["async_checker"] == [1.0] * 4
+    assert terms["curriculum"] == [0.25 * 42, 0.25 * 9, 0.25 * 7, 0.25 * 4]  # global_step 2 / max_steps 8
+    assert terms["logs_what_it_sees"] == [None] * 4
+    # The factory's function: 0 up to 6 tokens, then (6 - n) / 4, and -1 past 10.
+    assert terms["get_overlong_penalty"] == [-1.0, -0.75, -0.25, 0.0]
+    assert result.rewards == pytest.approx([4.2 + 1 + 2 + 1 + 1 + 10.5 - 1, 0.9 + 1 + 2.25 - 0.75,
+                                            0.7 + 1 + 1 + 1.75 - 0.25, 0.4 + 1 + 1.0])
+    # log_metric: each call's values, averaged over the step's calls (one per prompt group); log_extra: per input.
+    assert result.logged == {"global_step": [2.0, 2.0], "epoch": [0.5, 0.5], "mean_length": [25.5, 5.5]}
+    stats = metrics(result)
+    assert (stats["reward/logged/global_step"], stats["reward/logged/epoch"]) == (2.0, 0.5)
+    assert stats["reward/logged/mean_length"] == 15.5
+    assert result.extra == [{"length": 42}, {"length": 9}, {"length": 7}, {"length": 4}]
+
+
+def test_a_response_every_function_passes_on_gets_trls_advantage_through_the_pool():
+    cfg = RewardConfig(functions=["tests.trl_rewards:digits_unless_empty"], num_workers=1)
+    with RewardPool(cfg) as pool:
+        result = pool.score(chat_inputs([({"prompt": "p"}, ["7", "", "a", "b"])]))
+    assert result.num_unscored == 1 and math.isnan(result.rewards[1])
+    adv = advantages("grpo", torch.tensor(result.rewards), torch.zeros(4, dtype=torch.long))
+    assert adv.tolist() == pytest.approx([1.155, 0.0, -0.577, -0.577], abs=1e-3)
+
+
+def test_a_failing_async_function_and_a_misused_helper_cost_their_group_naming_the_function(caplog):
+    cfg = RewardConfig(functions=["tests.trl_rewards:async_judge", "tests.trl_rewards:bad_helper_use"], num_workers=1)
+    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="rl.reward"):
+        result = pool.score(chat_inputs([({"prompt": "p", "kind": "metric"}, ["a", "b"]),
+                                         ({"prompt": "q", "kind": "extra"}, ["c", "d"]),
+                                         ({"prompt": "r", "kind": "raise"}, ["e", "f"])]))
+    assert result.num_errors == 6 and result.rewards == [0.0] * 6
+    log = caplog.text
+    assert "log_metric(name, value) takes a name and a finite number, got 'm', 'high'" in log
+    assert "log_extra(column, values) takes a name and one value per completion (2), got 'c' and [1]" in log
+    assert "ValueError: async failure (in reward.functions tests.trl_rewards:bad_helper_use)" in log
+
+
+@pytest.mark.parametrize("entry, error", [
+    ("m:f(1)", "reward.functions entry 'm:f(1)': a factory call takes keyword arguments only"),
+    ("m:f(a=b)", "reward.functions entry 'm:f(a=b)': a factory's arguments must be literals"),
+    ("m:f(a=1", "reward.functions entry 'm:f(a=1': its arguments do not parse"),
+    ("m:f(a=1) + 1", "a factory call takes keyword arguments only"),
+    ("m.f(a=1)", "reward.functions must name 'pkg.module:function', got 'm.f(a=1)' (or a factory call"),
+])
+def test_a_bad_factory_entry_is_one_line(entry, error):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"model": {"path": "m"}, "data": {"source": "d.jsonl"}, "reward": {"functions": [entry]}})
+    assert error in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_factory_that_raises_or_returns_no_function_fails_at_start_up_naming_the_entry():
+    with pytest.raises(ConfigError, match=r"^reward.functions='tests.trl_rewards:get_overlong_penalty\(size=3\)': the "
+                                          r"factory raised TypeError: .*unexpected keyword argument 'size'$"):
+        RewardPool(RewardConfig(functions=["tests.trl_rewards:get_overlong_penalty(size=3)"]))
+    with pytest.raises(ConfigError, match=r"the factory returned list \[\], not a function"):  # a plain function
+        RewardPool(RewardConfig(functions=["tests.trl_rewards:think_then_answer(completions=[])"]))
+
+
+def test_the_answer_column_is_optional_where_reward_functions_score():
+    def data(reward, **keys):
+        return config_from_dict({"model": {"path": "m"}, "data": {"source": "d.jsonl", **keys},
+                                 "reward": reward}).data
+
+    assert data({"functions": ["tests.trl_rewards:reward"]}).answer_key == ""  # TRL's rows hold `solution`
+    assert data({"group_fn": "tests.reward_fns:longest_in_group"}).answer_key == ""
+    assert data({"functions": ["tests.trl_rewards:reward"]}, answer_key="answer").answer_key == "answer"  # given
+    assert data({}).answer_key == "answer"  # the default math reward checks it
+    assert data({"user_fn": "tests.reward_fns:digit_fraction"}).answer_key == "answer"  # label= is the answer
+
+
+# ---------------------------------------------------------------------------- a run
+
+
+def test_a_trl_dataset_without_answers_trains_on_trl_functions_and_logs_what_they_log(tmp_path):
+    """A run as a TRL user writes it: rows of chat prompts and a `solution` column (no `answer`), a config that names
+    no answer column, functions that are async, read `trainer_state`, log with `log_metric` / `log_extra`, and a
+    factory call; what they log reaches metrics.jsonl (the row wandb is given too) and the sample dumps."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_faults import ENV, ROOT, strict_rows
+    from tests.tiny import save_tiny_model_dir
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "solution": str(i + 1), "task": "math"}
+            for i in range(16)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = """[reward]
+num_workers = 1
+functions = ["tests.trl_rewards:math_task", "tests.trl_rewards:async_judge", "tests.trl_rewards:async_checker",
+             "tests.trl_rewards:logs_what_it_sees",
+             "tests.trl_rewards:get_overlong_penalty(max_completion_len = 8, soft_punish_cache = 4)"]
+function_weights = [1.0, 0.5, 0.5, 1.0, 0.1]
+"""
+    config = (ROOT / "configs/tiny.toml").read_text().replace('prompt_key = "question"\nanswer_key = "answer"\n',
+                                                              'prompt_key = "prompt"\n')
+    config = config.replace("[reward]\nnum_workers = 1\n", reward)
+    assert "answer_key" not in config and "get_overlong_penalty" in config
+    (tmp_path / "run.toml").write_text(config)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+           str(29500 + os.getpid() % 1000), "-m", "rl.main", "--config", str(tmp_path / "run.toml"),
+           f"--model.path={save_tiny_model_dir(tmp_path / 'model')}", f"--data.source={data}",
+           f"--log.output_dir={tmp_path / 'run'}", "--log.sample_interval=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = strict_rows(tmp_path / "run")
+    assert [r["reward/num_errors"] for r in rows] == [0, 0] and all(r["reward/async_judge_mean"] == 1.0 for r in rows)
+    assert [r["reward/logged/global_step"] for r in rows] == [0.0, 1.0]  # one optimizer step per rollout
+    assert rows[0]["reward/logged/epoch"] == 0.0 and rows[1]["reward/logged/epoch"] == 0.5  # 8 of 16 prompts
+    assert all(0 <= r["reward/logged/mean_length"] for r in rows) and "reward/get_overlong_penalty_mean" in rows[0]
+    samples = [json.loads(line) for line in (tmp_path / "run/samples/rollout_1.jsonl").read_text().splitlines()]
+    assert len(samples) == 32 and all(s["logged"] == {"length": len(s["response"])} for s in samples)
+    assert all(s["label"] == "None" for s in samples)  # no answer column: no label
