@@ -92,7 +92,16 @@ class CallLog:
         if not isinstance(column, str) or isinstance(values, (str, bytes)) or len(values) != self.count:
             raise ValueError(f"log_extra(column, values) takes a name and one value per completion ({self.count}), "
                              f"got {column!r} and {values!r:.100}")
-        self.columns[column] = list(values)
+        self.columns[column] = [plain(value) for value in values]
+
+
+def plain(value: Any) -> Any:
+    """A log_extra value as the sample dumps can write it: text, a bool or a number as they are, a numpy or torch
+    scalar as its number, anything else as its text."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    number = real_number(value)
+    return number if number is not None else str(value)
 
 
 @functools.cache  # one loop per worker, for its life: an async client a function keeps stays on its loop

@@ -167,7 +167,7 @@ def test_trls_documented_reward_functions_run_unchanged_through_the_reward_pool(
     stats = metrics(result)
     assert (stats["reward/logged/global_step"], stats["reward/logged/epoch"]) == (2.0, 0.5)
     assert stats["reward/logged/mean_length"] == 15.5
-    assert result.extra == [{"length": 42}, {"length": 9}, {"length": 7}, {"length": 4}]
+    assert result.extra == [{"length": n, "half": n / 2, "shape": f"{{{n}}}"} for n in (42, 9, 7, 4)]
 
 
 def test_a_response_every_function_passes_on_gets_trls_advantage_through_the_pool():
@@ -268,5 +268,5 @@ function_weights = [1.0, 0.5, 0.5, 1.0, 0.1]
     assert rows[0]["reward/logged/epoch"] == 0.0 and rows[1]["reward/logged/epoch"] == 0.5  # 8 of 16 prompts
     assert all(0 <= r["reward/logged/mean_length"] for r in rows) and "reward/get_overlong_penalty_mean" in rows[0]
     samples = [json.loads(line) for line in (tmp_path / "run/samples/rollout_1.jsonl").read_text().splitlines()]
-    assert len(samples) == 32 and all(s["logged"] == {"length": len(s["response"])} for s in samples)
+    assert len(samples) == 32 and all(s["logged"]["length"] == len(s["response"]) for s in samples)
     assert all(s["label"] == "None" for s in samples)  # no answer column: no label
