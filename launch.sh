@@ -96,8 +96,10 @@ if [[ -z "$nproc" ]]; then
 fi
 [[ "$nproc" =~ ^[1-9][0-9]*$ ]] || { echo "launch.sh: --nproc must be a positive whole number, got '$nproc'" >&2
                                      exit 2; }
-# The config's own errors, before any rank exists (one line, exit 2).
-"$python" -m rl.launch --world-size $((nproc * ${SLURM_NNODES:-1})) "$config" "$@" || exit $?
+# The config's own errors, before any rank exists (one line, exit 2). A stop request meanwhile is this
+# script's (the check ignores it, as torchrun does): the run is then not started.
+(trap '' TERM USR1 INT; exec "$python" -m rl.launch --world-size $((nproc * ${SLURM_NNODES:-1})) "$config" "$@") \
+  || exit $?
 
 # Runs a command in the background and waits for it, turning SIGTERM/SIGUSR1/SIGINT into a stop request
 # for `children` of it (the ranks under torchrun: the file RL_STOP_FILE, which they read at the end of

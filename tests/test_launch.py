@@ -220,3 +220,24 @@ def test_without_PYTHON_the_ranks_run_the_python_on_PATH(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "[train]" in proc.stdout, proc.stderr[-3000:]
     assert (tmp_path / "calls").read_text().startswith("-m rl.launch ")
+
+
+def test_a_stop_request_during_the_config_check_ends_the_run_before_it_starts(fake, tmp_path):
+    """A group SIGTERM while the check runs: the check finishes (it ignores the signal, as torchrun does), and
+    launch.sh then starts no torchrun and exits 0."""
+    slow = tmp_path / "slow_python"  # the check, held until the signal has come
+    slow.write_text(f'#!/bin/sh\nif [ "$1 $2" = "-m rl.launch" ]; then touch {tmp_path / "checking"}; sleep 2; fi\n'
+                    f'exec {fake["PYTHON"]} "$@"\n')
+    slow.chmod(0o755)
+    proc = subprocess.Popen(["bash", "launch.sh", "--nproc", "1", "configs/tiny.toml", *fake["ARGS"].split("\n")],
+                            cwd=ROOT, env={**fake, "PYTHON": str(slow)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 30
+    while not (tmp_path / "checking").exists():
+        assert time.time() < deadline, "the check never started"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    assert "launch.sh: stop requested before the run started; nothing to save" in out
+    assert not Path(fake["MARK"] + ".torchrun").exists()

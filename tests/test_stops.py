@@ -9,6 +9,7 @@ import os
 import pty
 import signal
 import subprocess
+import sys
 import termios
 import threading
 import time
@@ -108,6 +109,13 @@ class Run:
         return sorted(found)
 
 
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # ended since
+        return ""
+
+
 def checkpoints(out: Path) -> list[str]:
     root = out / "checkpoints"
     return sorted(p.name for p in root.iterdir() if p.name.startswith("rollout_")) if root.is_dir() else []
@@ -115,7 +123,8 @@ def checkpoints(out: Path) -> list[str]:
 
 def test_a_group_sigterm_before_the_ranks_exist_ends_at_once_with_nothing_to_save(inputs, tmp_path):
     run = Run(inputs, tmp_path / "run", nproc=1)
-    time.sleep(0.5)  # launch.sh is running; torchrun is still importing, no rank exists yet
+    # launch.sh has checked the config and started torchrun, which is still importing: no rank exists yet
+    run.wait_for(lambda: "torch.distributed.run" in " ".join(map(command_line, run.processes_left())), "torchrun")
     run.signal_group(signal.SIGTERM)
     assert run.finish() == 0, run.text()[-3000:]
     assert "rl: stopped before rollout 0 (a stop request from launch.sh): nothing new to save" in run.text()
@@ -191,11 +200,17 @@ def test_a_rank_killed_mid_run_restarts_the_job_which_finishes(inputs, tmp_path)
     assert (run.out / "final" / "config.json").is_file()
 
 
-def test_an_input_error_is_not_retried_by_the_restarts(inputs, tmp_path):
-    run = Run(inputs, tmp_path / "run", "--rollout.n_samples_per_prompt=1", nproc=1,
-              launch_flags=("--max-restarts", "2"))
-    assert run.finish() != 0
-    text = run.text()
+def test_an_input_error_is_not_retried_by_plain_torchruns_restarts(inputs, tmp_path):
+    """(launch.sh checks the config before torchrun starts, and takes a rank's input error without a restart:
+    tests/test_launch.py.)"""
+    model, data, _ = inputs
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           "--max-restarts", "2", "-m", "rl.main", "--config", "configs/tiny.toml",
+                           f"--model.path={model}", f"--data.source={data}", f"--log.output_dir={tmp_path / 'run'}",
+                           "--rollout.n_samples_per_prompt=1"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
     lines = [line for line in text.splitlines() if line.startswith("rl: error: ")]
     assert len(lines) == 3, text[-3000:]  # the first attempt's line, then each restart repeats it without running
     assert lines[1] == lines[0] + " (restart 1 not run: the same input ends the same way)"
