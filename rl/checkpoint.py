@@ -5,8 +5,9 @@ loop needs to continue after rollout N as if it had never stopped:
 - `model_optim/`: the policy and AdamW state, sharded with `torch.distributed.checkpoint`
   (DCP): each rank writes its own FSDP2 shards, and a later load reshards to any rank count;
   with LoRA the adapters and their AdamW state alone (the frozen base is `model.path`'s weights);
-- `trainer_state.json`: rollout_id, weight_version, the data cursor, the LR schedule, the
-  health counters and the resolved config (rank 0);
+- `trainer_state.json`: rollout_id, weight_version, the resolved config and the rank count, and
+  every stateful part's `state_dict()` under the part's name (the learning-rate schedules, the data
+  cursor, the health counters: whatever the run hands RunCheckpointer.parts) (rank 0);
 - `rng/rank_<r>.json`: every rank's torch (and CUDA) and Python RNG states, as JSON;
 - `hf/`: the model's config, generation config and tokenizer files, so that
   `python -m rl.export` needs nothing but the checkpoint;
@@ -50,9 +51,9 @@ import shutil
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -73,25 +74,44 @@ CHECKPOINTS = "checkpoints"
 BUFFER_FILE = "rollout_buffer.json"
 OLD_BUFFER_FILE = "rollout_buffer.pkl"  # written before the JSON form: never unpickled
 WRITER_THREADS = 8
+Models = dict[str, tuple[torch.nn.Module, Any]]  # name -> (model, its optimizer): the checkpoint's tensors
 _NAME = re.compile(r"rollout_(\d+)")
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
             "added_tokens.json")
 
 
+class Stateful(Protocol):
+    """A part of the run that a checkpoint keeps: its state as plain JSON data (lists, dicts, numbers, strings)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+RUN_KEYS = ("rollout_id", "weight_version", "config", "world_size")
+# Parts every checkpoint has held since the first format: a trainer state without one is damaged. A part added
+# since is absent from older checkpoints, and starts afresh when one of them is resumed.
+FIRST_PARTS = ("data", "scheduler", "health")
+FILE_PARTS = {"rollout_buffer": BUFFER_FILE}  # parts too large for trainer_state.json, each in a file of its own
+
+
 @dataclass(frozen=True)
 class TrainerState:
-    """What the loop restores besides tensors: where it was and what it had counted."""
+    """What the loop restores besides tensors: where it was, and every stateful part's state by name (in
+    trainer_state.json beside the run's keys; None for a part the saving run did not have; for a part of
+    FILE_PARTS whether its file holds it)."""
 
     rollout_id: int  # the last finished rollout
     weight_version: int
-    data: dict[str, int]
-    scheduler: dict[str, Any]
-    health: dict[str, Any]
     config: dict[str, Any]
     world_size: int
-    critic_scheduler: dict[str, Any] | None = None  # PPO with GAE: the critic's learning-rate schedule
-    rollout_buffer: bool = False  # groups in flight are in rollout_buffer.json (partial rollouts, max_staleness)
+    parts: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        saved = {name: self.parts[name] is not None if name in FILE_PARTS else self.parts[name] for name in self.parts}
+        return {"rollout_id": self.rollout_id, "weight_version": self.weight_version, "config": self.config,
+                "world_size": self.world_size, **saved}
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -117,12 +137,10 @@ def rollout_of(path: Path) -> int:
 # ---------------------------------------------------------------------------- save
 
 
-def save(output_dir: str | Path, state: TrainerState, model: torch.nn.Module, optimizer, hf_sources: list[Path],
-         keep_last: int, critic: tuple[torch.nn.Module, Any] | None = None,
-         rollout_buffer: dict[str, Any] | None = None) -> Path:
+def save(output_dir: str | Path, state: TrainerState, models: Models, hf_sources: list[Path], keep_last: int) -> Path:
     """Writes the checkpoint of rollout `state.rollout_id` on every rank (a collective) and returns its path;
-    `critic`: the value model and its optimizer (PPO with GAE), saved beside the policy's; `rollout_buffer`: the
-    groups in flight (every rank holds the same, in RolloutBuffer.state_dict's plain-JSON form).
+    `models`: each model and its optimizer by name (the policy as "model"; the critic of PPO with GAE), sharded;
+    `state.parts`: every rank holds the same, written by rank 0.
 
     A write that fails on any rank (a full disk) removes the `.tmp` folder and raises RunStopped on every rank,
     naming the checkpoint and the cause; the earlier checkpoints are untouched."""
@@ -131,8 +149,7 @@ def save(output_dir: str | Path, state: TrainerState, model: torch.nn.Module, op
     tmp = root / f".rollout_{state.rollout_id}.tmp"
     failed = _everywhere(_attempt(lambda: _begin(tmp)) if dist.get_rank() == 0 else "")
     if not failed:
-        failed = _everywhere(_attempt(lambda: _write(tmp, state, model, optimizer, hf_sources, critic,
-                                                     rollout_buffer)))
+        failed = _everywhere(_attempt(lambda: _write(tmp, state, models, hf_sources)))
     if failed:
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # at once: what it holds may be what fills the disk
@@ -157,18 +174,18 @@ def _begin(tmp: Path) -> None:
     (tmp / "rng").mkdir(parents=True)
 
 
-def _write(tmp: Path, state: TrainerState, model: torch.nn.Module, optimizer, hf_sources: list[Path],
-           critic: tuple[torch.nn.Module, Any] | None, rollout_buffer: dict[str, Any] | None) -> None:
+def _write(tmp: Path, state: TrainerState, models: Models, hf_sources: list[Path]) -> None:
     """Every rank's part of the checkpoint, into `tmp`; DCP's save is a collective that fails on every rank when
     one rank's write fails."""
     # Several writer threads per rank: one thread writes ~1 GB/s, well below what the disks take.
-    dcp.save(_state_dicts(model, optimizer, critic),
+    dcp.save(_state_dicts(models),
              storage_writer=_Writer(str(tmp / "model_optim"), thread_count=WRITER_THREADS))
     _write_json(tmp / "rng" / f"rank_{dist.get_rank()}.json", rng_to_json(rng_state()))
     if dist.get_rank() == 0:
-        if rollout_buffer is not None:
-            _write_json(tmp / BUFFER_FILE, rollout_buffer)
-        _write_json(tmp / "trainer_state.json", {**state.__dict__, "rollout_buffer": rollout_buffer is not None})
+        for name, file in FILE_PARTS.items():
+            if state.parts.get(name) is not None:
+                _write_json(tmp / file, state.parts[name])
+        _write_json(tmp / "trainer_state.json", state.to_json())
         copy_hf_files(hf_sources, tmp / "hf")
 
 
@@ -313,6 +330,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def read_trainer_state(path: Path) -> TrainerState:
+    """The trainer state of checkpoint `path`; DamagedCheckpoint when it does not read, or lacks the run's keys or
+    a part of FIRST_PARTS."""
     file = path / "trainer_state.json"
     try:
         saved = json.loads(file.read_text())
@@ -322,13 +341,18 @@ def read_trainer_state(path: Path) -> TrainerState:
         raise DamagedCheckpoint(f"{file.name} is unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(saved, dict):
         raise DamagedCheckpoint(f"{file.name} holds a JSON {type(saved).__name__}, not an object")
-    missing = [f.name for f in fields(TrainerState) if f.default is MISSING and f.name not in saved]
-    unknown = sorted(saved.keys() - {f.name for f in fields(TrainerState)})
+    missing = [name for name in (*RUN_KEYS, *FIRST_PARTS) if name not in saved]
     if missing:
         raise DamagedCheckpoint(f"{file.name} lacks {', '.join(missing)}")
-    if unknown:
-        raise DamagedCheckpoint(f"{file.name} holds keys this version does not know: {', '.join(unknown)}")
-    return TrainerState(**saved)
+    return TrainerState(**{key: saved.pop(key) for key in RUN_KEYS}, parts=saved)
+
+
+def read_part(path: Path, state: TrainerState, name: str) -> Any:
+    """Part `name`'s state in checkpoint `path` (None when its run did not have it, or it predates the part), its
+    own file read for a part of FILE_PARTS."""
+    if name not in FILE_PARTS:
+        return state.parts.get(name)
+    return read_rollout_buffer(path) if state.parts.get(name) else None  # the one part in a file of its own
 
 
 def check_shards(folder: Path) -> None:
@@ -353,12 +377,12 @@ def check_shards(folder: Path) -> None:
 
 def damage(path: Path) -> str:
     """What makes checkpoint `path` unloadable on this rank, as far as is seen without reading a tensor ('' if
-    nothing): its trainer state, groups in flight, DCP metadata and shard sizes, and this rank's RNG states when
-    they will be restored (the rank count is the one that saved them)."""
+    nothing): its trainer state, the parts in files of their own, DCP metadata and shard sizes, and
+    this rank's RNG states when they will be restored (the rank count is the one that saved them)."""
     try:
         state = read_trainer_state(path)
-        if state.rollout_buffer:
-            read_rollout_buffer(path)
+        for name in FILE_PARTS:
+            read_part(path, state, name)
         check_shards(path / "model_optim")
         if state.world_size == dist.get_world_size():
             read_rng(rng_file(path, dist.get_rank()))
@@ -375,36 +399,45 @@ def _options(model: torch.nn.Module) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
-def _state_dicts(model: torch.nn.Module, optimizer, critic: tuple[torch.nn.Module, Any] | None) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
-    out = {"model": model_sd, "optim": optim_sd}
-    if critic is not None:
-        out["critic"], out["critic_optim"] = get_state_dict(*critic)
+def _optim_key(name: str) -> str:
+    return "optim" if name == "model" else f"{name}_optim"  # the policy's optimizer has always been "optim"
+
+
+def _state_dicts(models: Models) -> dict[str, Any]:
+    out = {}
+    for name, (model, optimizer) in models.items():
+        out[name], out[_optim_key(name)] = get_state_dict(model, optimizer, options=_options(model))
     return out
 
 
-def load(path: Path, model: torch.nn.Module, optimizer, critic: tuple[torch.nn.Module, Any] | None = None
-         ) -> TrainerState:
-    """Restores model and optimizer (resharded to this run's ranks), and the critic's when given; a collective.
-    The RNG states are restored apart (`restore_rng`), once nothing more of the start-up draws from them."""
+def load(path: Path, models: Models) -> TrainerState:
+    """Restores every model and its optimizer (resharded to this run's ranks); a collective. Returns the trainer
+    state for the caller to restore the parts; the RNG states are restored apart (`restore_rng`),
+    once nothing more of the start-up draws from them."""
     state = read_trainer_state(path)
+    check_critic(path, state, models)
+    check_lora(path, state.config.get("lora", {}), models["model"][0])
+    sds = _state_dicts(models)
+    reader = SafeReader(str(path / "model_optim"))
+    dcp.load(sds, storage_reader=reader, planner=SafeLoadPlanner(reader))
+    for name, (model, optimizer) in models.items():
+        set_state_dict(model, optimizer, model_state_dict=sds[name], optim_state_dict=sds[_optim_key(name)],
+                       options=_options(model))
+    return state
+
+
+def check_critic(path: Path, state: TrainerState, models: Models) -> None:
+    """A run with a critic (PPO with GAE) resumes only from a checkpoint that holds one; a critic this run does
+    not have is left unread, with a line."""
+    held = {key.partition(".")[0] for key in read_metadata(path / "model_optim").state_dict_metadata}
     saved = state.config.get("algo", {}).get("advantage_estimator", "?")
-    if critic is not None and state.critic_scheduler is None:
+    if "critic" in models and "critic" not in held:
         raise ConfigError(f"checkpoint {path} holds no critic (its run had algo.advantage_estimator={saved!r}) and "
                           f"this run's algo.advantage_estimator='gae' needs one: resume with {saved!r}, or start "
                           f"the PPO run in another log.output_dir")
-    if critic is None and state.critic_scheduler is not None:
+    if "critic" in held and "critic" not in models:
         print0(f"checkpoint: {path} holds a critic (algo.advantage_estimator={saved!r} there); this run has none, "
                f"so it is not restored")
-    check_lora(path, state.config.get("lora", {}), model)
-    sds = _state_dicts(model, optimizer, critic)
-    reader = SafeReader(str(path / "model_optim"))
-    dcp.load(sds, storage_reader=reader, planner=SafeLoadPlanner(reader))
-    set_state_dict(model, optimizer, model_state_dict=sds["model"], optim_state_dict=sds["optim"],
-                   options=_options(model))
-    if critic is not None:
-        set_state_dict(*critic, model_state_dict=sds["critic"], optim_state_dict=sds["critic_optim"])
-    return state
 
 
 def check_lora(path: Path, saved: dict[str, Any], model: torch.nn.Module) -> None:
@@ -435,8 +468,7 @@ def restore_rng(path: Path, state: TrainerState) -> None:
                           f"command to resume from the checkpoint before it")
 
 
-def load_newest(candidates: list[Path], model: torch.nn.Module, optimizer,
-                critic: tuple[torch.nn.Module, Any] | None = None) -> tuple[Path, TrainerState]:
+def load_newest(candidates: list[Path], models: Models) -> tuple[Path, TrainerState]:
     """Loads the newest of `candidates` that every rank can read (a collective), with one warning line for each one
     skipped; a ConfigError when none can be read.
 
@@ -447,7 +479,7 @@ def load_newest(candidates: list[Path], model: torch.nn.Module, optimizer,
         failed = _everywhere(damage(path))
         if not failed:  # every rank reaches dcp.load, a collective, or none does
             try:
-                state = load(path, model, optimizer, critic)
+                state = load(path, models)
             except ConfigError:  # the checkpoint is fine, the run does not fit it: an older one would not either
                 raise
             except (Exception, CheckpointException) as e:  # damage inside a shard, or a file gone since the check

@@ -4,11 +4,12 @@ max_staleness); every rank's RNG states ride along.
 
 `RunCheckpointer(cfg, dist, restarted)` claims the folder first, before anything expensive: it locks it,
 checks that it can write there, and decides what to resume from (refusing to write over a run silently).
-`attach` hands it the stateful parts once they exist; `resume()` restores them and says where the loop goes
-on; only then does a resumed run write in the folder (the config, kept beside the earlier one when keys
+The run adds each stateful part where it builds it (`learner`, whose models go into the sharded tensors;
+`parts`, name -> an object with state_dict / load_state_dict); `resume()` restores them and says where the loop
+goes on; only then does a resumed run write in the folder (the config, kept beside the earlier one when keys
 changed; newer checkpoints set aside when it branches from an older one), so a refused resume leaves the
-folder as it was. `maybe_save()` saves on the interval, after the
-last rollout and when the run is asked to stop. The format on disk is rl/checkpoint.py's.
+folder as it was. `maybe_save()` saves on the interval, after the last rollout and when the run is asked to
+stop. The format on disk is rl/checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -21,10 +22,8 @@ import time
 from pathlib import Path
 
 from rl import checkpoint, parallel
-from rl.buffer import RolloutBuffer, resume_problem
+from rl.buffer import resume_problem
 from rl.config import Config, ConfigError, dump
-from rl.data import PromptDataset
-from rl.health import Health
 from rl.learner import Learner
 from rl.metrics import keep_rows_before, read_metric_rows
 from rl.parallel import print0
@@ -36,14 +35,14 @@ class RunCheckpointer:
         self.hf_sources = [Path(cfg.model.path), Path(cfg.model.tokenizer or cfg.model.path)]
         self.lock, self.candidates = claim_output_dir(cfg, dist, restarted)
         self.loaded: tuple[Path, checkpoint.TrainerState] | None = None
-        self.learner: Learner | None = None
-        self.dataset: PromptDataset | None = None
-        self.health: Health | None = None
-        self.buffer: RolloutBuffer | None = None
+        self.learner: Learner | None = None  # its models and optimizers (sharded) and its schedules
+        # The run's other stateful parts by name, each added where it is built (None: this run has no such part, and
+        # a checkpoint's state of it stays unread).
+        self.parts: dict[str, checkpoint.Stateful | None] = {}
 
-    def attach(self, learner: Learner, dataset: PromptDataset, health: Health,
-               buffer: RolloutBuffer | None = None) -> None:
-        self.learner, self.dataset, self.health, self.buffer = learner, dataset, health, buffer
+    def models(self) -> checkpoint.Models:
+        critic = self.learner.critic_state
+        return {"model": (self.learner.policy, self.learner.optimizer), **({"critic": critic} if critic else {})}
 
     def resume(self) -> tuple[int, int]:
         """Restores every part from the newest readable checkpoint; returns (the next rollout, weight_version):
@@ -51,26 +50,29 @@ class RunCheckpointer:
         if not self.candidates:
             return 0, 1
         start = time.perf_counter()
-        path, state = checkpoint.load_newest(self.candidates, self.learner.policy, self.learner.optimizer,
-                                             self.learner.critic_state)
-        self.learner.load_state_dict({"scheduler": state.scheduler, "critic_scheduler": state.critic_scheduler},
-                                     state.config)
-        self.dataset.load_state_dict(state.data)
-        self.health.load_state_dict(state.health)
-        self.resume_buffer(path, state)
+        schedules = self.learner.state_dict().keys()
+        path, state = checkpoint.load_newest(self.candidates, self.models())
+        self.learner.load_state_dict({name: state.parts.get(name) for name in schedules}, state.config)
+        saved = {name: checkpoint.read_part(path, state, name) for name in self.parts}
+        for name, part in self.parts.items():
+            if part is not None and saved[name] is not None:
+                part.load_state_dict(saved[name])
+        self.check_buffer(path, saved.get("rollout_buffer"))
+        if unknown := [name for name, value in state.parts.items() if name not in (*schedules, *self.parts) and value]:
+            print0(f"checkpoint: {path} holds {', '.join(unknown)}, which this run does not have: not restored")
         self.settle_folder(path)
         self.loaded = path, state
         print0(f"checkpoint: resumed from {path} in {time.perf_counter() - start:.1f} s: rollout "
                f"{state.rollout_id + 1} next, weight_version {state.weight_version}")
         return state.rollout_id + 1, state.weight_version
 
-    def resume_buffer(self, path: Path, state: checkpoint.TrainerState) -> None:
-        saved = checkpoint.read_rollout_buffer(path) if state.rollout_buffer else None
-        if self.buffer is not None and saved is not None:
-            self.buffer.load_state_dict(saved)
+    def check_buffer(self, path: Path, saved: dict | None) -> None:
+        """The groups in flight, restored, must suit this run's rollout settings; without partial rollouts or
+        max_staleness they are dropped, with a line."""
+        buffer = self.parts.get("rollout_buffer")
+        if buffer is not None and saved is not None:
             ro = self.cfg.rollout
-            problem = resume_problem(self.buffer.groups, ro.n_samples_per_prompt, ro.max_new_tokens,
-                                     ro.max_context_len)
+            problem = resume_problem(buffer.groups, ro.n_samples_per_prompt, ro.max_new_tokens, ro.max_context_len)
             if problem:
                 raise ConfigError(f"checkpoint: {path} holds {len(saved['groups'])} prompt group(s) in flight that "
                                   f"this run cannot continue: {problem}. Resume with the rollout settings it was "
@@ -108,15 +110,11 @@ class RunCheckpointer:
 
     def save(self, rollout_id: int, weight_version: int) -> None:
         start = time.perf_counter()
-        learner = self.learner.state_dict()
-        state = checkpoint.TrainerState(rollout_id=rollout_id, weight_version=weight_version,
-                                        data=self.dataset.state_dict(), scheduler=learner["scheduler"],
-                                        health=self.health.state_dict(), config=self.cfg.to_dict(),
-                                        world_size=self.dist.world_size,
-                                        critic_scheduler=learner["critic_scheduler"])
-        path = checkpoint.save(self.cfg.log.output_dir, state, self.learner.policy, self.learner.optimizer,
-                               self.hf_sources, self.cfg.checkpoint.keep_last, self.learner.critic_state,
-                               self.buffer.state_dict() if self.buffer is not None else None)
+        parts = {name: part.state_dict() if part is not None else None for name, part in self.parts.items()}
+        state = checkpoint.TrainerState(rollout_id, weight_version, self.cfg.to_dict(), self.dist.world_size,
+                                        parts={**self.learner.state_dict(), **parts})
+        path = checkpoint.save(self.cfg.log.output_dir, state, self.models(), self.hf_sources,
+                               self.cfg.checkpoint.keep_last)
         print0(f"checkpoint: saved {path} in {time.perf_counter() - start:.1f} s")
 
     def close(self) -> None:

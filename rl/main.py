@@ -114,18 +114,19 @@ def start_up(cfg: Config, dist: parallel.Dist, stop: launch.StopRequests) -> Run
     check_disk_space(cfg, hf_config)  # and a disk without room for a checkpoint and the export
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     eos_ids = check_model_and_tokenizer(cfg.model, cfg.rollout, hf_config, tokenizer)
-    dataset = PromptDataset.from_config(cfg.data, tokenizer)
+    dataset = checkpointer.parts["data"] = PromptDataset.from_config(cfg.data, tokenizer)
     print0(f"data: {len(dataset.prompts)} prompts, {dataset.num_filtered} dropped by max_prompt_len")
     # Only the first rank of each engine scores: the ranks of a TP group hold the same samples.
     reward_pool = RewardPool(cfg.reward, cfg.env.fn) if dist.rank % cfg.rollout.tensor_parallel_size == 0 else None
     eval_prompts = held_out_prompts(cfg, tokenizer, dataset) if cfg.eval.source else []
-    learner = Learner(cfg, dist)
-    health = Health(cfg.train.max_bad_steps, cfg.reward.max_failed_steps, learner.policy.config.vocab_size,
-                    cfg.rollout.max_staleness, cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt)
+    learner = checkpointer.learner = Learner(cfg, dist)
+    health = checkpointer.parts["health"] = Health(
+        cfg.train.max_bad_steps, cfg.reward.max_failed_steps, learner.policy.config.vocab_size,
+        cfg.rollout.max_staleness, cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt)
     buffer = None  # the synchronous loop: each rollout generates and trains its own groups
     if cfg.rollout.partial_rollout or cfg.rollout.max_staleness:
         buffer = RolloutBuffer(cfg.rollout.rollout_batch_size, cfg.rollout.max_staleness)
-    checkpointer.attach(learner, dataset, health, buffer)
+    checkpointer.parts["rollout_buffer"] = buffer
     start, weight_version = checkpointer.resume()
     with stop_on_oom("engine start-up", cfg, dist.device):
         engine = build_engine(cfg.rollout, cfg.model.path, learner.policy.config, dist.device, dist.rank,

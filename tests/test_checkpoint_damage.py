@@ -3,6 +3,7 @@ resumes from the newest readable one, and when none is readable it stops with on
 
 One 2-rank run writes five checkpoints; each case copies its folder and damages the copy differently."""
 
+import dataclasses
 import io
 import json
 import pickle
@@ -194,9 +195,10 @@ def fake_checkpoint(out: Path, rollout_id: int, model_path: str) -> Path:
     """A checkpoint folder with only the trainer state, which is all resume_candidates reads."""
     path = out / "checkpoints" / f"rollout_{rollout_id}"
     (path / "model_optim").mkdir(parents=True)
-    state = checkpoint.TrainerState(rollout_id=rollout_id, weight_version=rollout_id + 2, data={}, scheduler={},
-                                    health={}, config={"model": {"path": model_path}}, world_size=1)
-    (path / "trainer_state.json").write_text(json.dumps(state.__dict__))
+    state = checkpoint.TrainerState(rollout_id=rollout_id, weight_version=rollout_id + 2,
+                                    config={"model": {"path": model_path}}, world_size=1,
+                                    parts={"data": {}, "scheduler": {}, "health": {}})
+    (path / "trainer_state.json").write_text(json.dumps(state.to_json()))
     return path
 
 
@@ -219,3 +221,25 @@ def test_the_same_model_path_spelled_differently_resumes(tmp_path):
         assert checkpointer.resume_candidates(tmp_path, "auto", spelling) == [saved]
     with pytest.raises(ConfigError, match="holds checkpoints of a run of model.path"):
         checkpointer.resume_candidates(tmp_path, "auto", str(tmp_path / "another"))
+
+
+def test_the_trainer_state_holds_every_part_under_its_name(tmp_path):
+    """A stateful part is saved under its name and read back by it; one the saving run did not have (or that is newer
+    than the checkpoint) reads as None, the groups in flight go to a file of their own, and a trainer state without
+    a part that every checkpoint holds is damage."""
+    groups = {"admitted": 3, "consumed": 1, "groups": []}
+    parts = {"data": {"epoch": 1}, "scheduler": {"last_epoch": 2}, "health": {}, "critic_scheduler": None,
+             "rollout_buffer": groups}
+    state = checkpoint.TrainerState(rollout_id=2, weight_version=3, config={"model": {"path": "m"}}, world_size=1,
+                                    parts=parts)
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state.to_json()))
+    (tmp_path / checkpoint.BUFFER_FILE).write_text(json.dumps(groups))
+    assert json.loads((tmp_path / "trainer_state.json").read_text())["rollout_buffer"] is True
+    read = checkpoint.read_trainer_state(tmp_path)
+    assert (read.rollout_id, read.weight_version, read.world_size) == (2, 3, 1)
+    assert {name: checkpoint.read_part(tmp_path, read, name) for name in parts} == parts
+    assert checkpoint.read_part(tmp_path, read, "reward") is None
+    del parts["health"], parts["scheduler"]
+    (tmp_path / "trainer_state.json").write_text(json.dumps(dataclasses.replace(state, parts=parts).to_json()))
+    with pytest.raises(checkpoint.DamagedCheckpoint, match=r"^trainer_state.json lacks scheduler, health$"):
+        checkpoint.read_trainer_state(tmp_path)
