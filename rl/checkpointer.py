@@ -9,7 +9,8 @@ The run adds each stateful part where it builds it (`learner`, whose models go i
 goes on; only then does a resumed run write in the folder (the config, kept beside the earlier one when keys
 changed; newer checkpoints set aside when it branches from an older one), so a refused resume leaves the
 folder as it was. `maybe_save()` saves on the interval, after the last rollout and when the run is asked to
-stop. The format on disk is rl/checkpoint.py's.
+stop; `export()` writes the finished run's policy beside its checkpoints. The format on disk is
+rl/checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from rl import checkpoint, parallel
 from rl.buffer import resume_problem
 from rl.config import Config, ConfigError, dump
+from rl.export import export_adapter, export_policy
 from rl.learner import Learner
 from rl.metrics import keep_rows_before, read_metric_rows
 from rl.parallel import print0
@@ -116,6 +118,30 @@ class RunCheckpointer:
         path = checkpoint.save(self.cfg.log.output_dir, state, self.models(), self.hf_sources,
                                self.cfg.checkpoint.keep_last)
         print0(f"checkpoint: saved {path} in {time.perf_counter() - start:.1f} s")
+
+    def resume_hint(self) -> str:
+        """What the same command does after a stop, said at the end of the stop's line."""
+        if self.cfg.checkpoint.interval >= 0:
+            return "; run the same command to resume"
+        return ": nothing saved (checkpoint.interval=-1); the same command starts over"
+
+    def export(self, learner: Learner, trained: bool) -> None:
+        """The finished run's policy as a Hugging Face folder in `<output_dir>/final` (with lora.export_adapter,
+        the adapter alone as PEFT loads it in `final_adapter`); `trained`: this process trained, so a folder
+        there is older (a run already finished and exported is not exported again)."""
+        cfg, out = self.cfg, Path(self.cfg.log.output_dir)
+        if not trained and (out / "final").is_dir():
+            return
+        start = time.perf_counter()
+        learner.onload()  # the gathers run on the device
+        written = export_policy(learner.policy, self.hf_sources, out / "final", cfg.checkpoint.export_dtype,
+                                self.dist.is_main)
+        print0(f"rl: the trained policy is in {written} (exported in {time.perf_counter() - start:.1f} s)")
+        if cfg.lora.rank and cfg.lora.export_adapter:
+            config = json.loads((self.hf_sources[0] / "config.json").read_text())
+            written = export_adapter(learner.policy, cfg.lora, cfg.model.path, out / "final_adapter",
+                                     cfg.checkpoint.export_dtype, config, self.dist.is_main)
+            print0(f"rl: the LoRA adapter alone, as PEFT loads it, is in {written}")
 
     def close(self) -> None:
         checkpoint.wait_for_removals()

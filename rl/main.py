@@ -4,16 +4,14 @@ Every rank runs this same program: it generates its share of prompt groups with 
 gathers the rollout, trains its length-balanced share with FSDP2, and pushes the new weights into its engine.
 Each phase has one home: `Collector` (generate -> score -> gather, rl/collect.py), `Learner` (the policy,
 its optimizer, reference and critic: train and push, rl/learner.py), `RunCheckpointer` (the run folder,
-resume and saves, rl/checkpointer.py); stop requests, restarts and the CLI are rl/launch.py's.
+resume, saves and the final export, rl/checkpointer.py); stop requests, restarts and the CLI are rl/launch.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
@@ -26,9 +24,8 @@ from rl.collect import Collector, dump_rollout, rollout_metrics
 from rl.config import Config, ConfigError, check_paths, dump, load_config, resolve
 from rl.data import PromptDataset
 from rl.evaluate import evaluate, load_eval_prompts
-from rl.export import export_adapter, export_policy
 from rl.health import Health, RunStopped
-from rl.learner import Learner, assign_advantages
+from rl.learner import Learner, TrainResult, assign_advantages
 from rl.memory import check_disk_space, check_memory_plan, choose_allocator, stop_on_oom
 from rl.metrics import StepRecord, make_logger, profile_path, profiled
 from rl.parallel import print0
@@ -87,8 +84,8 @@ def main(argv: list[str]) -> None:
             if run.eval_prompts:  # the trained policy, in a row of its own
                 logger.log({"rollout_id": cfg.train.num_rollout, "weight_version": run.weight_version,
                             **run_eval(run, cfg.train.num_rollout)})
-        if finished and (run.start < cfg.train.num_rollout or not (Path(cfg.log.output_dir) / "final").is_dir()):
-            export(run)
+        if finished:
+            run.checkpointer.export(run.learner, trained=run.start < cfg.train.num_rollout)
         print0(run.health.summary())
     finally:
         logger.close()
@@ -168,14 +165,8 @@ def train(run: Run, logger) -> bool:
         with stop_on_oom("push", cfg, dist.device):
             sync_stats = run.learner.push(run.engine, record)
         run.weight_version += int(result.stats["train/skipped_steps"] < result.num_steps)
-        if cfg.log.sample_interval and rollout_id % cfg.log.sample_interval == 0 and dist.is_main:
-            dump_rollout(samples, result.mismatch, Path(cfg.log.output_dir) / "samples" / f"rollout_{rollout_id}.jsonl")
-        row = {"rollout_id": rollout_id, "weight_version": run.weight_version, **run.restart_stats,
-               **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **rollout_stats, **result.stats,
-               **sync_stats, **eval_stats, "data/epoch": run.dataset.epoch,
-               "data/prompts_filtered": run.dataset.num_filtered}
-        log_row(run, logger, row, record, result.num_steps)
-        run.restart_stats.pop("run/restart_cause", None)  # said once, in the first row after the restart
+        log_row(run, logger, rollout_id, samples, result, record,
+                {**rollout_stats, **result.stats, **sync_stats, **eval_stats})
         if rollout_id == run.start:  # start-up (loading, compiling, the first rollout) is over
             parallel.set_collective_timeout(cfg.train.collective_timeout_s, dist.mesh)
         # Checkpoint on the interval, after the last rollout, and when asked to stop.
@@ -183,8 +174,7 @@ def train(run: Run, logger) -> bool:
         run.checkpointer.maybe_save(rollout_id, run.weight_version, force=last or stopping)
         if stopping and not last:  # a stop at the last rollout still ends the run: final eval and export
             print0(f"rl: stopping after rollout {rollout_id} ({run.stop.reason() or 'a stop request on another rank'})"
-                   + ("; run the same command to resume" if cfg.checkpoint.interval >= 0 else
-                      ": nothing saved (checkpoint.interval=-1); the same command starts over"))
+                   + run.checkpointer.resume_hint())
             return False
     return True
 
@@ -201,11 +191,19 @@ def check_rewards(run: Run, logger, rollout_id: int, rollout_stats: dict) -> Non
         raise
 
 
-def log_row(run: Run, logger, row: dict, record: StepRecord, num_steps: int) -> None:
-    """The health checks on the step's row, then the row (also when a check stops the run)."""
-    row |= record.metrics()
+def log_row(run: Run, logger, rollout_id: int, samples: list, result: TrainResult, record: StepRecord,
+            stats: dict) -> None:
+    """The step's samples (every log.sample_interval rollouts), then its row after the health checks on it (also
+    when a check stops the run)."""
+    cfg = run.cfg
+    if cfg.log.sample_interval and rollout_id % cfg.log.sample_interval == 0 and run.dist.is_main:
+        dump_rollout(samples, result.mismatch, Path(cfg.log.output_dir) / "samples" / f"rollout_{rollout_id}.jsonl")
+    row = {"rollout_id": rollout_id, "weight_version": run.weight_version, **run.restart_stats,
+           **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **stats,
+           "data/epoch": run.dataset.epoch, "data/prompts_filtered": run.dataset.num_filtered, **record.metrics()}
+    run.restart_stats.pop("run/restart_cause", None)  # said once, in the first row after the restart
     try:
-        run.health.after_train(row, num_steps)
+        run.health.after_train(row, result.num_steps)
     finally:
         row |= run.health.metrics()
         logger.log(row)
@@ -236,20 +234,6 @@ def held_out_prompts(cfg: Config, tokenizer, dataset: PromptDataset) -> list:
                           f"+ data.num_examples={cfg.data.num_examples}), or a task with more distinct prompts")
     print0(f"eval: {len(prompts)} held-out prompts ({overlapping} dropped: also training prompts)")
     return prompts
-
-
-def export(run: Run) -> None:
-    start = time.perf_counter()
-    run.learner.onload()  # the gathers run on the device
-    written = export_policy(run.learner.policy, run.checkpointer.hf_sources, Path(run.cfg.log.output_dir) / "final",
-                            run.cfg.checkpoint.export_dtype, run.dist.is_main)
-    print0(f"rl: the trained policy is in {written} (exported in {time.perf_counter() - start:.1f} s)")
-    if run.cfg.lora.rank and run.cfg.lora.export_adapter:
-        config = json.loads((run.checkpointer.hf_sources[0] / "config.json").read_text())
-        written = export_adapter(run.learner.policy, run.cfg.lora, run.cfg.model.path,
-                                 Path(run.cfg.log.output_dir) / "final_adapter", run.cfg.checkpoint.export_dtype,
-                                 config, run.dist.is_main)
-        print0(f"rl: the LoRA adapter alone, as PEFT loads it, is in {written}")
 
 
 def stop_requested(stop: launch.StopRequests) -> bool:
