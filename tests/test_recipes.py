@@ -86,7 +86,8 @@ def test_the_readme_path_from_rows_and_a_reward_function_to_a_run_holds_together
     from rl.reward_groups import score_group
 
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Your own data and reward"):readme.index("## Results")]
+    start = readme.index("## Your own data and reward")
+    section = readme[start:readme.index("\n## ", start)]
     (row_json, reward_py, run_toml) = [body for _, body in re.findall(r"```(\w+)\n(.*?)```", section, re.S)[:3]]
     (tmp_path / "data").mkdir()
     (tmp_path / "data/my_rows.jsonl").write_text(json.dumps(json.loads(row_json)) + "\n")

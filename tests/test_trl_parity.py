@@ -54,8 +54,8 @@ def test_cispo_maps_epsilon_high_to_eps_clip_high_plus_one():
 def test_readme_maps_cispo_epsilon_high_minus_one():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    row = next(line for line in readme.splitlines() if line.startswith('| `loss_type="cispo"`'))
+    page = (Path(__file__).resolve().parents[1] / "docs/algorithms.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith('| `loss_type="cispo"`'))
     assert "`epsilon_high` - 1" in row, row
 
 
