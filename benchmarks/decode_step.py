@@ -40,12 +40,12 @@ from rl.rollout.native import NativeEngine  # noqa: E402
 def wall_ms(engine: NativeEngine, prompts: list[list[int]], steps: int, repeats: int) -> float:
     """Milliseconds a decode step: a call of 1 + steps tokens less a call of 1 (the prefill and its token)."""
     def call(tokens: int) -> tuple[float, int]:
-        before = engine.decode_steps
+        before = engine.stats.decode_steps
         sync(engine.device)
         start = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_new_tokens=tokens, temperature=1.0))
         sync(engine.device)
-        return time.perf_counter() - start, engine.decode_steps - before
+        return time.perf_counter() - start, engine.stats.decode_steps - before
 
     call(1 + steps)  # warm-up: the bucket's graph captured, kernels compiled
     per_step = []

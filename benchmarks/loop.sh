@@ -6,8 +6,8 @@
 #   bash benchmarks/loop.sh configs/models/qwen2.5-1.5b TOKENIZER_DIR "1 2 4 8" [ROLLOUTS] [--section.key=value ...]
 #   ENGINES="native vllm" bash benchmarks/loop.sh ...   # each GPU count with each engine, tabled side by side
 #
-# vLLM runs take rollout.gpu_memory_utilization=$VLLM_MEMORY (default 0.3; an override after ROLLOUTS wins) and
-# rollout.vllm_kwargs=$VLLM_KWARGS (a TOML inline table, default {}).
+# vLLM runs take rollout.vllm.gpu_memory_utilization=$VLLM_MEMORY (default 0.3; an override after ROLLOUTS wins) and
+# rollout.vllm.kwargs=$VLLM_KWARGS (a TOML inline table, default {}).
 # The trainer runs compiled decoder blocks over micro-batches of 32768 tokens (MICRO_BATCH_TOKENS, COMPILE=false
 # to run eager). Runs land in runs/loop/<model>-<gpus> (native) or runs/loop/<model>-<gpus>-vllm; the step-time
 # table is printed at the end (LOOP_OUT=DIR puts them under DIR instead of runs/loop).
@@ -24,8 +24,8 @@ for n in $gpus; do
     extra=()
     if [ "$engine" = vllm ]; then
       out=$out-vllm
-      extra=(--rollout.engine=vllm --rollout.gpu_memory_utilization=${VLLM_MEMORY:-0.3}
-             "--rollout.vllm_kwargs=${VLLM_KWARGS:-{\}}")
+      extra=(--rollout.engine=vllm --rollout.vllm.gpu_memory_utilization=${VLLM_MEMORY:-0.3}
+             "--rollout.vllm.kwargs=${VLLM_KWARGS:-{\}}")
     fi
     torchrun --standalone --nproc-per-node $n -m rl.main --config configs/tiny.toml \
       --model.path=$model --model.random_init=true --model.tokenizer=$tokenizer \

@@ -13,7 +13,7 @@ first (which compiles kernels, captures graphs and pins host memory) of the seed
 engine sleep, policy onload, train, weight sync, policy offload and KV wake-up, with weight-sync
 GB/s and memory per phase. `benchmarks/loop.sh` runs the loop on 1..N GPUs and calls both.
 `best-vllm` prints the `vllm.LLM` arguments of the fastest vLLM variant that `benchmarks/rollout.py` measured
-for MODEL as a TOML inline table, the value of `--rollout.vllm_kwargs`.
+for MODEL as a TOML inline table, the value of `--rollout.vllm.kwargs`.
 """
 
 from __future__ import annotations

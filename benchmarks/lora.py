@@ -142,9 +142,9 @@ def main(argv: list[str]) -> None:
               *(["--model.random_init=true"] if args.random_init else []), *extra]
     results = {}
     for engine in args.engines:
-        engine_keys = ["--rollout.engine=vllm", "--rollout.gpu_memory_utilization=0.3"] if engine == "vllm" else []
+        engine_keys = ["--rollout.engine=vllm", "--rollout.vllm.gpu_memory_utilization=0.3"] if engine == "vllm" else []
         if engine == "vllm" and args.smoke:
-            engine_keys = ["--rollout.engine=vllm", "--rollout.kv_cache_memory_bytes=33554432"]
+            engine_keys = ["--rollout.engine=vllm", "--rollout.vllm.kv_cache_memory_bytes=33554432"]
         for variant, keys in (("full", []), ("full-host-adamw", ["--train.optimizer_offload=true"]),
                               (f"lora{args.rank}", [f"--lora.rank={args.rank}", f"--lora.alpha={2 * args.rank}"])):
             if variant.rstrip("0123456789") not in args.variants:

@@ -58,12 +58,12 @@ def prefill_s(engine: NativeEngine, tokens: list[list[int]], prior: list[int]) -
     """Seconds to prefill the set, and the tokens prefilled (the engine's own count)."""
     sched = Scheduler(tokens, 4000, engine.page_size, PagePool(engine.num_pages), engine.max_batch_size, prior)
     to_prefill, _ = sched.admit()
-    before = engine.prefill_tokens
+    before = engine.stats.prefill_tokens
     torch.cuda.synchronize()
     start = time.perf_counter()
     engine._prefill(to_prefill)
     torch.cuda.synchronize()
-    return time.perf_counter() - start, engine.prefill_tokens - before
+    return time.perf_counter() - start, engine.stats.prefill_tokens - before
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ a sleeping vLLM is shown beside it) and that wake + load reproduces greedy outpu
 
 Each vLLM engine runs as the trainer runs it (rl/rollout/vllm.py, in-process, a process group of
 one), in a child process of its own (vLLM's sleep allocator serves one engine per process);
-`--vllm-variants` takes JSON objects of extra `vllm.LLM` arguments (`rollout.vllm_kwargs`), one
+`--vllm-variants` takes JSON objects of extra `vllm.LLM` arguments (`rollout.vllm.kwargs`), one
 engine per object, e.g. '{}' '{"enable_prefix_caching": false}' '{"enforce_eager": true}'. For each
 vLLM engine the batch is also generated with each of the engine's per-call choices undone (`VLLM_CALLS`:
 without logprobs, with vLLM's per-token logprob dicts, with a generator per request), for what each costs.
@@ -48,7 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rl.config import RolloutConfig  # noqa: E402
+from rl.config import RolloutConfig, VllmEngineConfig  # noqa: E402
 from rl.invariant import make_batch_invariant  # noqa: E402
 from rl.rollout import SamplingParams, derive_seed, vmem  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
@@ -270,11 +270,11 @@ def decode_kernels(engine: NativeEngine, prompts: list[list[int]], steps: int) -
     use_graphs, graphs = engine.use_graphs, engine.graphs
     engine.use_graphs, engine.graphs = False, {}
     try:
-        before = engine.decode_steps
+        before = engine.stats.decode_steps
         prefill = kernel_times(engine, prompts, 1)
-        middle = engine.decode_steps
+        middle = engine.stats.decode_steps
         full = kernel_times(engine, prompts, 1 + steps)
-        decoded = (engine.decode_steps - middle) - (middle - before)
+        decoded = (engine.stats.decode_steps - middle) - (middle - before)
     finally:
         engine.use_graphs, engine.graphs = use_graphs, graphs
     out = {}
@@ -299,7 +299,8 @@ def build(name: str, path: str, cfg, args, device: torch.device, dtype: torch.dt
     from rl.rollout.vllm import VllmEngine
 
     rollout = RolloutConfig(engine="vllm", max_context_len=max_context, max_batch_size=batch,
-                            gpu_memory_utilization=args.gpu_memory_utilization, vllm_kwargs=variant)
+                            vllm=VllmEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization,
+                                                            kwargs=variant))
     return VllmEngine(path, rollout, device, dtype, seed=0)
 
 
@@ -453,7 +454,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print device time per decode step by kernel")
     parser.add_argument("--engines", nargs="+", default=["native"], choices=["native", "vllm"])
     parser.add_argument("--vllm-variants", nargs="+", default=["{}"],
-                        help="JSON objects of extra vllm.LLM arguments (rollout.vllm_kwargs), one engine each")
+                        help="JSON objects of extra vllm.LLM arguments (rollout.vllm.kwargs), one engine each")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the device")
     parser.add_argument("--vllm-child", default="", help=argparse.SUPPRESS)  # vllm_in_child's row file
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

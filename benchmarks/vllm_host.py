@@ -9,7 +9,7 @@ MODEL_DIR may be a config folder (configs/models/...): vLLM builds random weight
 rollout's shape), EOS ignored, so every sequence decodes `--new-tokens`. It prints the timed call's tokens/s
 and time per engine step, then the sampled call's share of samples per function, inclusive and self. The
 sampler takes the interpreter lock every millisecond, so the sampled call runs slower than the timed one; when
-it does, the host is what bounds the step. `--vllm-kwargs` goes to `vllm.LLM` as `rollout.vllm_kwargs` does;
+it does, the host is what bounds the step. `--vllm-kwargs` goes to `vllm.LLM` as `rollout.vllm.kwargs` does;
 `--calls` times that many calls, `--no-sample` leaves out the sampled one (to compare settings, one engine each).
 """
 
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from rl import parallel  # noqa: E402
-from rl.config import RolloutConfig  # noqa: E402
+from rl.config import RolloutConfig, VllmEngineConfig  # noqa: E402
 from rl.rollout import SamplingParams  # noqa: E402
 from rollout import random_prompts  # noqa: E402
 
@@ -98,7 +98,7 @@ def main() -> None:
 
     kwargs = json.loads(args.vllm_kwargs)
     cfg = RolloutConfig(engine="vllm", max_context_len=160 + args.new_tokens, max_batch_size=max(256, args.sequences),
-                        gpu_memory_utilization=0.3, vllm_kwargs=kwargs)
+                        vllm=VllmEngineConfig(gpu_memory_utilization=0.3, kwargs=kwargs))
     engine = VllmEngine(args.model, cfg, device, torch.bfloat16, seed=0)
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     prompts = [p for p in random_prompts(vocab, args.sequences // 8, 100, 150) for _ in range(8)]

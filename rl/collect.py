@@ -93,14 +93,15 @@ class Collector:
         resumed = sum(s.response_length for s in pending)
         starts = [len(s.tokens) for s in pending]
         episodes = EpisodeTally()
-        counters = engine_counters(self.engine)
+        counters = dataclasses.replace(self.engine.stats)
         if any(todo) and self.env is not None:
             self.episodes.run(pending, params, weight_version, episodes)
         elif any(todo):
             generate_rollout(self.engine, todo, params, weight_version, self.tokenizer, progress=progress, until=until)
         parallel.step_barrier(self.dist, barrier_timeout_s, "the end of rollout generation")
         rollout_s = parallel.all_reduce_max(time.perf_counter() - start)
-        steps, row_steps, prefilled = (after - before for after, before in zip(engine_counters(self.engine), counters))
+        did = self.engine.stats - counters
+        steps, row_steps, prefilled = did.decode_steps, did.decode_row_steps, did.prefill_tokens
         context = 0 if self.env is not None else sum(attended(n, len(s.tokens) - n) for n, s in zip(starts, pending))
         start = time.perf_counter()
         # A call that may end early scores only its finished groups; the others are scored once they finish.
@@ -126,8 +127,8 @@ class Collector:
                                               self.ro.max_new_tokens, s.metadata, s.raw_prompt, s.columns,
                                               s.tokens[s.prompt_length:], s.group_index) for s in samples])
         values = result.rewards if term == "reward" else result.terms[term]
-        for sample, value in zip(samples, values, strict=True):
-            sample.reward = value
+        for sample, value, logged in zip(samples, values, result.extra, strict=True):
+            sample.reward, sample.logged = value, logged
         return reward_metrics(result)
 
     def rollout(self, dataset: PromptDataset, sampling: SamplingParams, weight_version: int, rollout_id: int,
@@ -136,6 +137,8 @@ class Collector:
         filter (groups whose rewards all match carry no signal), topped up with filtered groups when the
         rounds run out; every rank keeps the same groups, in order. With a rollout buffer (partial rollouts,
         max_staleness > 0) the groups come through it instead (`rollout_buffered`)."""
+        if self.pool is not None:  # what TRL-style reward functions see as `trainer_state`
+            self.pool.begin_rollout(rollout_id, dataset.epoch + dataset.offset / len(dataset.prompts))
         if self.buffer is not None:
             return self.rollout_buffered(dataset, sampling, weight_version, rollout_id, barrier_timeout_s)
         ro = self.ro
@@ -233,7 +236,8 @@ class Collector:
                  "rollout/topped_up_groups": topped_up, "rollout/num_scored": len(scored),
                  "perf/rollout_s": tally.rollout_s, "perf/reward_s": tally.reward_s}
         if scored:  # a rollout that trains on groups scored before has no reward or speed of its own
-            stats["rollout/reward_mean_all_scored"] = sum(s.reward for s in scored) / len(scored)
+            rewards = [s.reward for s in scored if not math.isnan(s.reward)]  # NaN: every reward function passed
+            stats["rollout/reward_mean_all_scored"] = sum(rewards) / len(rewards) if rewards else math.nan
         if tally.tokens:
             stats["perf/rollout_tokens_per_s"] = tally.tokens / max(tally.rollout_s, 1e-9)
         if self.env is not None:
@@ -316,13 +320,6 @@ def attended(start: int, new: int) -> int:
     return new * start + new * (new - 1) // 2
 
 
-def engine_counters(engine) -> tuple[int, int, int]:
-    """The engine's decode steps, rows summed over them and tokens prefilled, so far (0 for what an engine does not
-    count)."""
-    return (getattr(engine, "decode_steps", 0), getattr(engine, "decode_row_steps", 0),
-            getattr(engine, "prefill_tokens", 0))
-
-
 def split_by_group(samples: list[Sample]) -> list[list[Sample]]:
     """Samples in groups by group_index, in first-seen order."""
     groups: dict[int, list[Sample]] = {}
@@ -341,21 +338,23 @@ def sequences_per_engine(ro: RolloutConfig, num_engines: int) -> int:
 def keep_group(group: list[Sample], dynamic_filter: str) -> bool:
     """The dynamic-sampling filter: a group whose rewards are all equal has zero advantage everywhere."""
     if dynamic_filter == "nonzero_std":
-        return len({s.reward for s in group}) > 1
+        return len({s.reward for s in group if not math.isnan(s.reward)}) > 1  # NaN: unscored, advantage 0
     return True
 
 
 def rollout_metrics(samples: list[Sample], n_samples_per_prompt: int) -> dict[str, float]:
-    rewards = torch.tensor([s.reward for s in samples])
+    rewards = torch.tensor([s.reward for s in samples])  # NaN where every reward function passed: left out
     lengths = torch.tensor([float(s.response_length) for s in samples])
     per_group = rewards.view(-1, n_samples_per_prompt)
+    scored = rewards[~rewards.isnan()]
     return {
-        "rollout/reward_mean": rewards.mean().item(),
-        "rollout/reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
+        "rollout/reward_mean": scored.mean().item() if len(scored) else math.nan,
+        "rollout/reward_std": scored.std().item() if len(scored) > 1 else 0.0,
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/response_length_max": lengths.max().item(),
         "rollout/truncated_frac": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
-        "rollout/zero_std_group_frac": (per_group.amax(1) == per_group.amin(1)).float().mean().item(),
+        "rollout/zero_std_group_frac": (per_group.nan_to_num(-math.inf).amax(1) <= per_group.nan_to_num(math.inf)
+                                        .amin(1)).float().mean().item(),  # at most one distinct scored reward
         "rollout/num_samples": float(len(samples)),
     }
 
@@ -367,13 +366,14 @@ def dump_rollout(samples: list[Sample], mismatch: dict[int, float], path: Path) 
     with path.open("w") as f:
         for s in samples:
             f.write(json.dumps({"index": s.index, "group_index": s.group_index, "prompt": s.prompt,
-                                "response": s.response, "label": str(s.label), "reward": s.reward,
+                                "response": s.response, "label": str(s.label),
+                                "reward": None if math.isnan(s.reward) else s.reward,  # NaN: no function scored it
                                 "advantage": s.advantage, "status": s.status.value,
                                 "response_length": s.response_length, "weight_version": s.weight_version,
                                 "token_versions": version_runs(s.token_versions),
                                 # an episode's turns: [[1, model tokens], [0, environment tokens], ...]
                                 "loss_mask": version_runs(s.loss_mask), "turns": s.turns,
-                                "tool_calls": s.tool_calls,
+                                "tool_calls": s.tool_calls, "logged": s.logged,  # reward functions' log_extra
                                 "rollout_logprob_mean": sum(s.rollout_log_probs) / max(len(s.rollout_log_probs), 1),
                                 "logprob_abs_diff_mean": mismatch.get(s.index)})
                     + "\n")

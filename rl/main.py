@@ -114,7 +114,8 @@ def start_up(cfg: Config, dist: parallel.Dist, stop: launch.StopRequests) -> Run
     dataset = checkpointer.parts["data"] = PromptDataset.from_config(cfg.data, tokenizer)
     print0(f"data: {len(dataset.prompts)} prompts, {dataset.num_filtered} dropped by max_prompt_len")
     # Only the first rank of each engine scores: the ranks of a TP group hold the same samples.
-    reward_pool = RewardPool(cfg.reward, cfg.env.fn) if dist.rank % cfg.rollout.tensor_parallel_size == 0 else None
+    scores = dist.rank % cfg.rollout.tensor_parallel_size == 0  # one reward pool per engine
+    reward_pool = RewardPool(cfg.reward, cfg.env.fn, cfg.train) if scores else None
     eval_prompts = held_out_prompts(cfg, tokenizer, dataset) if cfg.eval.source else []
     learner = checkpointer.learner = Learner(cfg, dist)
     health = checkpointer.parts["health"] = Health(

@@ -6,7 +6,7 @@ config.json shapes alone (no weights are loaded): the policy's fp32 parameters, 
 moments sharded by FSDP2 over the ranks (with LoRA, gradients and moments of the adapters alone), its
 gathered compute-dtype copy, the activations and logits of the largest micro-batch, the engine's weights,
 KV cache and working memory, the reference and the critic.
-Which of them share the device follows the loop (DESIGN.md, "Memory choreography"): the engine sleeps
+Which of them share the device follows the loop (docs/architecture.md, "One RL step"): the engine sleeps
 while the learner trains (`rollout.sleep_level`), the training state leaves the device while the engine
 runs only with `train.offload`, and AdamW's moments stay in host memory with `train.optimizer_offload`. On
 CUDA a plan that cannot fit stops the run before any weights load, with one line naming the keys that would
@@ -162,23 +162,23 @@ def micro_batch_tokens(cfg: Config) -> int:
 
 
 def native_kv_tokens(cfg: Config) -> int:
-    """The native engine's cache slots as rollout.kv_cache_tokens counts them (its scratch page left out)."""
+    """The native engine's cache slots as rollout.native.kv_cache_tokens counts them (its scratch page left out)."""
     ro = cfg.rollout
-    return (kv_cache_pages(ro.kv_cache_tokens, ro.max_batch_size, ro.max_context_len) - 1) * PAGE_SIZE
+    return (kv_cache_pages(ro.native.kv_cache_tokens, ro.max_batch_size, ro.max_context_len) - 1) * PAGE_SIZE
 
 
 def engine_terms(cfg: Config, s: ModelShape, engine_bytes: int, device_total: float | None) -> dict[str, float]:
     """The awake engine of this rank (a TP group splits weights and cache). vLLM takes
-    rollout.kv_cache_memory_bytes of cache, else rollout.gpu_memory_utilization of the device for everything."""
+    rollout.vllm.kv_cache_memory_bytes of cache, else rollout.vllm.gpu_memory_utilization of the device for everything."""
     ro = cfg.rollout
     weights = s.num_params * engine_bytes / ro.tensor_parallel_size
     workspace = engine_workspace_bytes(s, ro.max_batch_size, engine_bytes)
     if ro.engine != "vllm":
         kv = kv_cache_bytes(s, native_kv_tokens(cfg) + PAGE_SIZE, engine_bytes)  # + the scratch page
-    elif ro.kv_cache_memory_bytes is not None:
-        kv = ro.kv_cache_memory_bytes
+    elif ro.vllm.kv_cache_memory_bytes is not None:
+        kv = ro.vllm.kv_cache_memory_bytes
     else:
-        kv = max(0.0, ro.gpu_memory_utilization * (device_total or 0.0) - weights - workspace)
+        kv = max(0.0, ro.vllm.gpu_memory_utilization * (device_total or 0.0) - weights - workspace)
     return {"engine weights": weights, "KV cache": kv, "engine workspace": workspace}
 
 
@@ -351,8 +351,12 @@ def largest_fitting(fits_at, low: int, high: int) -> int | None:
     return low
 
 
-def _with(cfg: Config, section: str, **values) -> Config:
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
+def _with(cfg, section: str, **values):
+    """`cfg` with `values` in `section`, a table's path ("rollout.native")."""
+    first, _, rest = section.partition(".")
+    inner = getattr(cfg, first)
+    return dataclasses.replace(cfg, **{first: _with(inner, rest, **values) if rest else
+                                       dataclasses.replace(inner, **values)})
 
 
 SWITCHES = (("model", "gradient_checkpointing", True), ("model", "reshard_after_forward", True),
@@ -413,10 +417,10 @@ def sized_knobs(cfg: Config) -> list[tuple[str, str, int, int, int | float]]:
     knobs = [("train", "micro_batch_tokens", 1, tr.micro_batch_tokens // 64 - 1, 64) if tr.micro_batch_tokens
              else ("train", "micro_batch_size", 1, tr.micro_batch_size - 1, 1)]
     if ro.engine == "native":  # room for one sequence at least
-        knobs.append(("rollout", "kv_cache_tokens", math.ceil(longest / PAGE_SIZE) + 1,
+        knobs.append(("rollout.native", "kv_cache_tokens", math.ceil(longest / PAGE_SIZE) + 1,
                       native_kv_tokens(cfg) // PAGE_SIZE - 1, PAGE_SIZE))
-    elif ro.kv_cache_memory_bytes is None:
-        knobs.append(("rollout", "gpu_memory_utilization", 1, round(ro.gpu_memory_utilization * 100) - 1, 0.01))
+    elif ro.vllm.kv_cache_memory_bytes is None:
+        knobs.append(("rollout.vllm", "gpu_memory_utilization", 1, round(ro.vllm.gpu_memory_utilization * 100) - 1, 0.01))
     return knobs
 
 
@@ -476,7 +480,7 @@ def check_host(cfg: Config, models: Models, world_size: int, local_ranks: int, h
 def choose_allocator(engine: str, environ=os.environ) -> None:
     """Before CUDA starts: PyTorch's caching allocator grows expandable segments (one address range, mapped a
     page at a time) instead of fixed-size blocks, unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF says
-    otherwise. With fixed blocks the free memory splinters between train phases: at 1.5B on the seed batch (a
+    otherwise. With fixed blocks the free memory splinters between train phases: at 1.5B on a 32 x 8 x 1024-token batch (a
     train peak of 115 GB of the device's 143 usable) the fourth train phase ran out with 105.5 GB allocated
     and 139.4 GB reserved; with expandable segments six phases ran at 117.6 GB reserved. vLLM's sleep-mode
     pools refuse expandable segments (its allocator checks this variable), so a vLLM run keeps the default."""
@@ -502,7 +506,7 @@ def oom_knobs(phase: str, cfg: Config) -> list[str]:
     knobs = []
     if phase in ("rollout", "engine start-up"):
         if ro.engine == "native":
-            knobs += [f"lower rollout.kv_cache_tokens (now {native_kv_tokens(cfg)})",
+            knobs += [f"lower rollout.native.kv_cache_tokens (now {native_kv_tokens(cfg)})",
                       f"lower rollout.max_batch_size (now {ro.max_batch_size})"]
         else:
             knobs.append(vllm_memory_knob(ro))
@@ -522,9 +526,9 @@ def oom_knobs(phase: str, cfg: Config) -> list[str]:
 
 
 def vllm_memory_knob(ro) -> str:
-    if ro.kv_cache_memory_bytes is not None:
-        return f"lower rollout.kv_cache_memory_bytes (now {ro.kv_cache_memory_bytes})"
-    return f"lower rollout.gpu_memory_utilization (now {ro.gpu_memory_utilization})"
+    if ro.vllm.kv_cache_memory_bytes is not None:
+        return f"lower rollout.vllm.kv_cache_memory_bytes (now {ro.vllm.kv_cache_memory_bytes})"
+    return f"lower rollout.vllm.gpu_memory_utilization (now {ro.vllm.gpu_memory_utilization})"
 
 
 def is_device_oom(error: BaseException) -> bool:

@@ -127,9 +127,9 @@ def host_adamw_checks(d, out: Path) -> dict:
     results = {"host_adamw_exact": same(plain, host)}
     for source, target_host in ((plain, True), (host, False)):
         folder = out / f"ckpt_{target_host}"
-        dcp.save(_state_dicts(*source, None), checkpoint_id=str(folder))
+        dcp.save(_state_dicts({"model": source}), checkpoint_id=str(folder))
         target = fresh(target_host)
-        sds = _state_dicts(*target, None)
+        sds = _state_dicts({"model": target})
         dcp.load(sds, checkpoint_id=str(folder))
         set_state_dict(*target, model_state_dict=sds["model"], optim_state_dict=sds["optim"],
                        options=_options(target[0]))

@@ -161,10 +161,15 @@ def test_help_lists_every_key_of_every_section_with_its_default_and_comment():
 
     text = help_text()
     sections = typing.get_type_hints(Config)
-    for section in dataclasses.fields(Config):
-        for key in dataclasses.fields(sections[section.name]):
-            assert f"  {section.name}.{key.name} = " in text, f"{section.name}.{key.name}"
-    assert '  rollout.max_new_tokens = 1024  (int)\n      the seed\'s rollout_max_response_len' in text
+    tables = [(f.name, sections[f.name]) for f in dataclasses.fields(Config)]
+    for name, cls in tables:
+        for key, kind in typing.get_type_hints(cls).items():
+            if dataclasses.is_dataclass(kind):  # a table of its own: [rollout.vllm]
+                tables.append((f"{name}.{key}", kind))
+            else:
+                assert f"  {name}.{key} = " in text, f"{name}.{key}"
+    assert "  rollout.vllm.kv_cache_memory_bytes = None" in text and "\n[rollout.native]\n" in text
+    assert "  rollout.max_new_tokens = 1024  (int)\n      tokens a response may have (verl's rollout.response_length)" in text
     assert "false keeps them gathered" in text  # a comment block above its key
     evals = help_text("eval")
     assert "[seed, seed + num_examples)" in evals and "[model]" not in evals

@@ -102,8 +102,11 @@ def test_sleep_wake_round_trip(engine, model):
     with pytest.raises(RuntimeError, match="sleeping"):
         engine.generate(PROMPTS, params)  # kv_cache still asleep
     engine.wake_up(["kv_cache"])
-    with pytest.raises(RuntimeError, match="weights incomplete"):
+    with pytest.raises(RuntimeError, match="before weights were loaded"):
         engine.generate(PROMPTS, params)  # level 2 dropped the weights
+    engine.load_weights(list(full_weights(model))[:3])
+    with pytest.raises(RuntimeError, match="weights incomplete"):
+        engine.generate(PROMPTS, params)  # a load that left tensors out
     engine.load_weights(full_weights(model))
     engine.reset_prefix_cache()
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == before

@@ -20,7 +20,7 @@ from rl.envs.calculator import evaluate, make_env
 from rl.evaluate import evaluate as run_eval
 from rl.parallel import Dist
 from rl.reward import RewardPool
-from rl.rollout import Completion, SamplingParams
+from rl.rollout import Completion, Engine, SamplingParams
 from rl.rollout.native import NativeEngine
 from rl.train import collate, micro_batch_loss, token_logprobs
 from tests.test_distributed import ROOT, run_loop
@@ -33,19 +33,17 @@ TOKENIZER = tiny_tokenizer()
 LOGPROB = -0.5
 
 
-class ScriptedEngine:
+class ScriptedEngine(Engine):
     """Answers call k with turns[k] for every prompt, and keeps what it was handed."""
 
     def __init__(self, turns: list[list[int]]):
-        self.turns, self.calls = turns, []
+        super().__init__(max_context_len=4096)
+        self.turns, self.handed, self.weights_loaded = turns, [], True
 
-    def generate(self, prompts, params, on_finish=None, prior=None, keep=None):
-        self.calls.append((prompts, prior))
-        out = self.turns[min(len(self.calls) - 1, len(self.turns) - 1)]
+    def _generate(self, prompts, params, on_finish, prior, keep):
+        self.handed.append((prompts, prior))
+        out = self.turns[min(len(self.handed) - 1, len(self.turns) - 1)]
         return [Completion(list(out), [LOGPROB] * len(out), "stop") for _ in prompts]
-
-    def release(self, keys):
-        pass
 
 
 def episodes(env_fn: str, turns: list[list[int]], labels: list[str], max_turns: int = 4, timeout_s: float = 10.0,
@@ -77,7 +75,7 @@ def test_trained_sequence_is_the_engine_and_environment_tokens(env_fn, appended,
     assert s.rollout_log_probs == [LOGPROB] * len(TURN_1) + [0.0] * len(appended) + [LOGPROB] * len(TURN_2)
     assert s.token_versions == [3] * len(s.loss_mask)
     # the engine continued the very tokens it sampled, its prior counting only the model's own
-    assert engine.calls[1] == ([[40, 41, 42] + TURN_1 + appended], [len(TURN_1)])
+    assert engine.handed[1] == ([[40, 41, 42] + TURN_1 + appended], [len(TURN_1)])
     assert (s.reward, s.turns, s.tool_calls, s.status) == (2.0, 2, 1, Status.COMPLETED)
     assert scored.env_failures == 0 and scored.reward_stats[0]["reward/correct_mean"] == 2.0
     dump_rollout(scored.samples, {}, tmp_path / "rollout_0.jsonl")
@@ -87,21 +85,19 @@ def test_trained_sequence_is_the_engine_and_environment_tokens(env_fn, appended,
                                                                                              skip_special_tokens=True))
 
 
-class Staggered:
+class Staggered(Engine):
     """Episode 0's turn finishes first (its completion handed to on_finish), and the call returns `gap_s` later."""
 
     def __init__(self, gap_s: float):
-        self.gap_s, self.returned = gap_s, []
+        super().__init__(max_context_len=4096)
+        self.gap_s, self.returned, self.weights_loaded = gap_s, [], True
 
-    def generate(self, prompts, params, on_finish=None, prior=None, keep=None):
+    def _generate(self, prompts, params, on_finish, prior, keep):
         outs = [Completion([7, 8], [LOGPROB] * 2, "stop") for _ in prompts]
         on_finish({0: outs[0]})
         time.sleep(self.gap_s)  # the other episodes still generating
         self.returned.append(time.time())
         return outs
-
-    def release(self, keys):
-        pass
 
 
 def test_a_turn_goes_to_its_environment_while_the_others_generate():
@@ -120,17 +116,17 @@ def test_a_turn_goes_to_its_environment_while_the_others_generate():
     assert scored.env_failures == 0
 
 
-class FullPrefill:
+class FullPrefill(Engine):
     """An engine that keeps nothing between calls: every turn prefills the whole sequence."""
 
+    matches_stop_text = True  # the engine it calls does
+
     def __init__(self, engine):
-        self.engine = engine
+        super().__init__(engine.max_context_len)
+        self.engine, self.weights_loaded = engine, True
 
-    def generate(self, prompts, params, on_finish=None, prior=None, keep=None):
+    def _generate(self, prompts, params, on_finish, prior, keep):
         return self.engine.generate(prompts, params, on_finish, prior)
-
-    def release(self, keys):
-        pass
 
 
 @pytest.mark.parametrize("top_k", [1, -1], ids=["greedy", "sampled"])
@@ -382,9 +378,9 @@ def test_multi_turn_loop_two_ranks_vllm(tmp_path):
     cache), only the weight push's reset keeps the second rollout from reading KV computed under the first
     weights."""
     rows = run_loop(tmp_path, RANKS, "--train.num_rollout=2", "--rollout.engine=vllm",
-                    "--rollout.kv_cache_memory_bytes=33554432", "--env.fn=tests.env_fns:appending",
+                    "--rollout.vllm.kv_cache_memory_bytes=33554432", "--env.fn=tests.env_fns:appending",
                     "--env.max_turns=3", "--rollout.max_new_tokens=24", f"--rollout.stop_token_ids={STOPS}",
-                    "--rollout.vllm_kwargs={block_size=32}", f"--data.system_prompt={SYSTEM}",
+                    "--rollout.vllm.kwargs={block_size=32}", f"--data.system_prompt={SYSTEM}",
                     "--data.max_prompt_len=96", "--rollout.max_context_len=192", "--rollout.sleep_level=0")
     assert [r["weight_version"] for r in rows] == [2, 3]
     for row in rows:

@@ -12,7 +12,7 @@ from rl.collect import Collector
 from rl.evaluate import evaluate, load_eval_prompts, pass_at_k
 from rl.parallel import Dist, engine_share
 from rl.reward import RewardPool
-from rl.rollout import Completion, SamplingParams
+from rl.rollout import Completion, Engine, SamplingParams
 from tests.test_faults import run, strict_rows
 from tests.tiny import save_tiny_model_dir, tiny_tokenizer, write_arithmetic_jsonl
 
@@ -63,15 +63,20 @@ def test_eval_set_errors_name_the_eval_keys(tmp_path):
     assert error(EvalConfig(source=str(held))) == f"eval.source: {held}:1: invalid UTF-8 (byte 0xff at column 15)"
     held.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n')
     assert error(EvalConfig(source=str(held)), dataclasses.replace(data, max_prompt_len=1)) == \
-        "eval.source yields no prompts (all filtered by data.max_prompt_len?)"
+        "eval.source yields no prompts: all 1 are longer than data.max_prompt_len=1 tokens with the template (their " \
+        "lengths, shortest first: 33; the longest 33)"
     assert error(EvalConfig(source="reasoning_gym:no_such_task", task_config={})).startswith(
         "eval.source=reasoning_gym:no_such_task with eval.task_config={}: ")
 
 
-class EchoEngine:
+class EchoEngine(Engine):
     """Answers every prompt with the same two tokens: the eval's bookkeeping, without a model."""
 
-    def generate(self, prompts, params, on_finish=None, prior=None):
+    def __init__(self):
+        super().__init__(max_context_len=4096)
+        self.weights_loaded = True
+
+    def _generate(self, prompts, params, on_finish, prior, keep):
         return [Completion(token_ids=[40, 41], logprobs=[-0.1, -0.2], finish_reason="stop") for _ in prompts]
 
 

@@ -328,7 +328,7 @@ def test_vllm_generates_with_the_merged_weights_after_each_push(tmp_path):
     from tests.test_distributed import run_loop
 
     rows = run_loop(tmp_path, 2, "--train.num_rollout=2", "--rollout.engine=vllm",
-                    "--rollout.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction",
+                    "--rollout.vllm.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction",
                     "--lora.rank=4", "--lora.alpha=32", "--train.lr=1e-2", "--rollout.sleep_level=1")
     assert [r["weight_version"] for r in rows] == [2, 3]
     # sleep level 1: the engine keeps the base, and the push after rollout 0 sends the adapted layers alone, merged

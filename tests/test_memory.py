@@ -90,7 +90,8 @@ def test_activations_and_logits_by_hand():
 
 
 def test_tiny_plan_by_hand():
-    cfg = make(rollout={"max_batch_size": 2, "max_context_len": 128, "kv_cache_tokens": 64, "max_new_tokens": 8},
+    cfg = make(rollout={"max_batch_size": 2, "max_context_len": 128, "native": {"kv_cache_tokens": 64},
+                            "max_new_tokens": 8},
                data={"max_prompt_len": 64}, train={"micro_batch_tokens": 128}, weights={"bucket_mb": 1.0})
     plan = memory.plan_memory(cfg, Models(TINY), world_size=2, device_type="cuda")
     shard = 4 * 388 / 2  # fp32 over 2 ranks
@@ -181,13 +182,13 @@ def test_rollout_phase_over_names_the_kv_cache_size_that_fits():
     models, small = shapes("qwen2.5-0.5b"), 12e9
     with pytest.raises(ConfigError, match=r"the rollout \(13.0 GB\) phase needs .*: train.offload=true saves 5.9 GB "
                                           r"in rollout \(enough alone\); train.optimizer_offload=true saves 4.0 GB in "
-                                          r"rollout \(enough alone\); rollout.kv_cache_tokens=") as e:
+                                          r"rollout \(enough alone\); rollout.native.kv_cache_tokens=") as e:
         memory.check_fits(cfg, models, 1, small)
     assert "micro_batch_tokens" not in str(e.value)  # it does not shrink the rollout
-    tokens = int(str(e.value).split("rollout.kv_cache_tokens=")[1].split(" ")[0])
-    memory.check_fits(memory._with(cfg, "rollout", kv_cache_tokens=tokens), models, 1, small)
+    tokens = int(str(e.value).split("rollout.native.kv_cache_tokens=")[1].split(" ")[0])
+    memory.check_fits(memory._with(cfg, "rollout.native", kv_cache_tokens=tokens), models, 1, small)
     with pytest.raises(ConfigError):
-        memory.check_fits(memory._with(cfg, "rollout", kv_cache_tokens=tokens + 64), models, 1, small)
+        memory.check_fits(memory._with(cfg, "rollout.native", kv_cache_tokens=tokens + 64), models, 1, small)
     assert 0.5 * 425_984 < tokens < 425_984  # the default: 256 rows of 26 pages of 64
 
 
@@ -241,7 +242,7 @@ def test_an_out_of_memory_error_becomes_one_line_naming_phase_memory_and_keys(mo
         "of the device in use): lower train.micro_batch_tokens (now 32768), model.reshard_after_forward=true, more "
         "ranks (the training state shards over them); nothing of this step was saved: the same command resumes from "
         "the last checkpoint")
-    with pytest.raises(RunStopped, match=r"in the rollout phase .*lower rollout.kv_cache_tokens \(now 425984\), lower "
+    with pytest.raises(RunStopped, match=r"in the rollout phase .*lower rollout.native.kv_cache_tokens \(now 425984\), lower "
                                          r"rollout.max_batch_size \(now 256\)"), \
             memory.stop_on_oom("rollout", cfg, torch.device("cpu")):
         raise torch.OutOfMemoryError("CUDA out of memory")
@@ -259,19 +260,19 @@ def test_an_out_of_memory_error_becomes_one_line_naming_phase_memory_and_keys(mo
 def test_vllms_out_of_memory_at_wake_up_is_the_same_one_line_naming_its_cache():
     """vLLM's sleep-mode allocator maps the KV cache back outside PyTorch and raises a plain RuntimeError."""
     cfg = seed_batch(offload=False)
-    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm",
-                                                               gpu_memory_utilization=0.35))
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(
+        cfg.rollout, engine="vllm", vllm=dataclasses.replace(cfg.rollout.vllm, gpu_memory_utilization=0.35)))
     with pytest.raises(RunStopped) as e, memory.stop_on_oom("push", cfg, torch.device("cpu")):
         raise RuntimeError("CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163")
     assert str(e.value).startswith("out of device memory in the push phase (memory in use unknown): lower "
                                    "weights.bucket_mb")
-    assert "lower rollout.gpu_memory_utilization (now 0.35), train.offload=true" in str(e.value)
+    assert "lower rollout.vllm.gpu_memory_utilization (now 0.35), train.offload=true" in str(e.value)
     # the native engine's memory that keeps its addresses (rl/rollout/vmem.py), at start-up or at a wake-up
     native = seed_batch(offload=False)
     with pytest.raises(RunStopped) as e, memory.stop_on_oom("engine start-up", native, torch.device("cpu")):
         raise RuntimeError("cuMemCreate of 12.38 GiB on cuda:0 failed: CUDA_ERROR_OUT_OF_MEMORY")
     assert str(e.value).startswith("out of device memory in the engine start-up phase (memory in use unknown): lower "
-                                   "rollout.kv_cache_tokens")
+                                   "rollout.native.kv_cache_tokens")
     assert "train.offload=true" in str(e.value)
 
 
@@ -325,11 +326,13 @@ def test_the_vllm_engine_makes_room_for_its_unmapped_pools_before_it_maps_them_b
     """A KV cache that fit at start-up must fit after a train phase: when the device's free memory would not hold
     vLLM's sleeping pools (it allocates outside PyTorch), PyTorch's cached blocks go back before vLLM maps them."""
     from rl.rollout import vllm as vllm_engine
+    from rl.rollout.engine import Engine
 
     order = []
     engine = object.__new__(vllm_engine.VllmEngine)
     engine.llm = types.SimpleNamespace(wake_up=lambda tags: order.append(f"wake_up({','.join(tags)})"))
-    engine.asleep, engine.calls, engine.device = {"weights": True, "kv_cache": True}, [], torch.device("cuda", 0)
+    Engine.__init__(engine, max_context_len=256)
+    engine.asleep, engine.device = {"weights": True, "kv_cache": True}, torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(vmem, "unmapped_allocator_bytes", lambda device: (40 << 30, 42 << 30))
     fake_device_memory(monkeypatch, free_gib << 30, order)
@@ -344,10 +347,12 @@ def test_the_vllm_engine_makes_room_for_its_unmapped_pools_before_it_maps_them_b
 def test_the_native_engine_makes_room_for_its_memory_before_it_maps_it_back(monkeypatch, free_gib):
     """The same for the native engine, whose weights and KV cache are mapped outside PyTorch's allocator too (the
     7B run with AdamW's moments in host memory stopped at its first push: 30.7 GB allocated, 134.7 GB reserved)."""
+    from rl.rollout.engine import Engine
     from rl.rollout.native import NativeEngine
 
     order = []
     engine = object.__new__(NativeEngine)
+    Engine.__init__(engine, max_context_len=256)
     engine.on_gpu, engine.asleep, engine.stable = True, {"weights": True, "kv_cache": True}, True
     engine.weight_buffer = types.SimpleNamespace(nbytes=6 << 30)
     engine.kv_buffer = types.SimpleNamespace(nbytes=30 << 30)
@@ -398,9 +403,8 @@ def test_the_loop_stops_on_out_of_memory_with_its_phase_and_saves_nothing(phase,
     assert run.calls[-1] == phase and "save" not in run.calls  # the last checkpoint stays the run's state
 
 
-def test_the_readme_shows_the_line_the_plan_prints():
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Memory"):readme.index("## When things go wrong")]
+def test_the_memory_page_shows_the_line_the_plan_prints():
+    section = (ROOT / "docs/memory.md").read_text()
     shown = " ".join(section.split("```")[1].split())  # wrapped there to be read
     with pytest.raises(ConfigError) as e:
         memory.check_fits(seed_batch(), shapes("qwen2.5-7b"), 1, H200)

@@ -169,9 +169,9 @@ def test_continued_samples_that_share_a_base_run_under_the_weights_of_now(model,
     other = tiny_model(seed=7).eval()
     engine.load_weights(full_weights(other))
     sequences = [prompt + first.token_ids[:cut] for first, cut in zip(firsts, cuts)]
-    before = engine.prefill_tokens
+    before = engine.stats.prefill_tokens
     rest = engine.generate(sequences + [prompt], params, prior=cuts + [0])
-    assert engine.prefill_tokens - before == len(prompt) + sum(cuts)  # the prompt once, then each one's own tokens
+    assert engine.stats.prefill_tokens - before == len(prompt) + sum(cuts)  # the prompt once, then each one's own tokens
     for sequence, out, cut in zip(sequences, rest, cuts):
         assert len(out.token_ids) == 10 - cut
         assert out.logprobs == pytest.approx(reference_logprobs(other, sequence, out.token_ids), abs=1e-4)

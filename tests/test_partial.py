@@ -13,7 +13,7 @@ from rl.config import Config, DataConfig, ModelConfig, RewardConfig, RolloutConf
 from rl.data import Prompt, PromptDataset, Sample, Status
 from rl.parallel import Dist
 from rl.reward import RewardPool
-from rl.rollout import Completion, SamplingParams
+from rl.rollout import Completion, Engine, SamplingParams
 from rl.rollout import scheduler
 from rl.rollout.native import NativeEngine
 from tests.test_checkpoint import checkpoints, final_weights, launch, rows
@@ -142,7 +142,7 @@ def test_a_rollout_counts_its_decode_steps_and_the_rows_they_ran(pool):
         _, stats = collector.rollout(dataset, SamplingParams.from_config(ro, []), 1, rollout_id, 60.0)
         assert stats["rollout/decode_steps"] == 5 and stats["rollout/decode_rows_mean"] == 3
         assert stats["rollout/prefill_tokens"] == 3 * 3  # three prompts of 3 tokens
-    assert (engine.decode_steps, engine.decode_row_steps) == (10, 30)  # over the engine's life
+    assert (engine.stats.decode_steps, engine.stats.decode_row_steps) == (10, 30)  # over the engine's life
 
 
 def check_tokens_against_their_versions(sample: Sample, models: dict) -> None:
@@ -233,14 +233,15 @@ def test_a_group_past_the_bound_is_dropped_untrained_and_counted(pool):
     assert buffer.admitted == buffer.consumed + len(buffer.groups)
 
 
-class LengthEngine:
+class LengthEngine(Engine):
     """A stand-in engine whose requests end after `lengths[first prompt token]` response tokens: every request gains
     a token a step, and `on_finish` hears of those that just finished; an early end aborts the rest."""
 
     def __init__(self, lengths: dict[int, int]):
-        self.lengths = lengths
+        super().__init__(max_context_len=4096)
+        self.lengths, self.weights_loaded = lengths, True
 
-    def generate(self, prompts, params, on_finish=None, prior=None, keep=None):
+    def _generate(self, prompts, params, on_finish, prior, keep):
         have, out = list(prior), [None] * len(prompts)
 
         def completion(i: int, reason: str) -> Completion:
@@ -330,7 +331,7 @@ def test_staleness_zero_through_the_buffer_is_the_synchronous_rollout(pool):
 
 
 PARTIAL = ("--rollout.partial_rollout=true", "--rollout.max_staleness=1", "--rollout.max_new_tokens=48",
-           "--rollout.steps_per_poll=2", f"--rollout.stop_token_ids={STOPS}", "--log.sample_interval=1")
+           "--rollout.native.steps_per_poll=2", f"--rollout.stop_token_ids={STOPS}", "--log.sample_interval=1")
 COMPARED = ["rollout_id", "weight_version", "rollout/reward_mean", "train/loss", "train/grad_norm",
             "rollout/staleness_mean", "rollout/partial_frac", "rollout/carried_over", "rollout/num_scored"]
 

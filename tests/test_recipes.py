@@ -101,7 +101,7 @@ def test_the_readme_path_from_rows_and_a_reward_function_to_a_run_holds_together
     assert "Be brief." in prompt.text  # the row's system prompt
     samples = expand_groups([prompt], 2, 0, 0)[0]
     inputs = [RewardInput(s.prompt, response, s.label, 2, 8, s.metadata, s.raw_prompt, s.columns, [1, 2], 0)
-              for s, response in zip(samples, [prompt.label, "no idea"])]
+              for s, response in zip(samples, [prompt.columns["answer"], "no idea"])]
     assert [t["reward"] for t in score_group(inputs, cfg.reward)] == [1.0, 0.0]
 
 

@@ -10,7 +10,7 @@ from rl.config import EnvConfig, RewardConfig, RolloutConfig
 from rl.collect import Collector
 from rl.data import Sample
 from rl.reward import RewardPool
-from rl.rollout import Completion, SamplingParams
+from rl.rollout import Completion, Engine, SamplingParams
 from rl.rollout.native import NativeEngine
 from rl.rollout.stop_text import STOPPED, StopText
 from tests.test_engine import full_weights
@@ -99,18 +99,16 @@ def test_native_engine_ends_rows_at_the_token_that_completes_the_text(model):
     assert 1 in cuts and [out.token_ids for out in stopped] == [w.token_ids[:c] for w, c in zip(free, cuts)]
 
 
-class TooLong:
+class TooLong(Engine):
     """An engine blind to stop text (as vLLM, which runs without a tokenizer): every turn runs past it."""
 
     def __init__(self, turn: list[int]):
-        self.turn, self.calls = turn, []
+        super().__init__(max_context_len=4096)
+        self.turn, self.handed, self.weights_loaded = turn, [], True
 
-    def generate(self, prompts, params, on_finish=None, prior=None, keep=None):
-        self.calls.append(list(prompts))
+    def _generate(self, prompts, params, on_finish, prior, keep):
+        self.handed.append(list(prompts))
         return [Completion(list(self.turn), [-0.5] * len(self.turn), "stop") for _ in prompts]
-
-    def release(self, keys):
-        pass
 
 
 def test_turn_loop_cuts_a_turn_after_its_stop_text():
@@ -130,4 +128,4 @@ def test_turn_loop_cuts_a_turn_after_its_stop_text():
     appended = TOKENIZER.encode(" result 1")
     assert s.tokens == [40, 41, 42] + turn[:cut] + appended + turn[:cut]
     assert s.loss_mask == [1] * cut + [0] * len(appended) + [1] * cut
-    assert engine.calls[1] == [[40, 41, 42] + turn[:cut] + appended]
+    assert engine.handed[1] == [[40, 41, 42] + turn[:cut] + appended]

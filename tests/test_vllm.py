@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from rl.config import RolloutConfig
-from rl.rollout.vllm import engine_kwargs, group_runs
+from rl.config import RolloutConfig, VllmEngineConfig
+from rl.rollout.vllm import engine_kwargs
 from tests.test_distributed import run_loop, torchrun
 from tests.tiny import save_tiny_model_dir
 from tests.vllm_checks import PROMPTS
@@ -25,15 +25,10 @@ def needs_ranks(n: int):
     return pytest.mark.skipif(ON_GPU and torch.cuda.device_count() < n, reason=f"needs {n} GPUs")
 
 
-def test_group_runs():
-    assert group_runs([[1], [1], [2], [2], [2], [1]]) == [(0, 2), (2, 3), (5, 1)]
-    assert group_runs([[1], [1], [1]], prior=[0, 0, 2]) == [(0, 2), (2, 1)]  # a continued sample asks for fewer
-
-
 def test_engine_kwargs_pass_vllm_kwargs_through_last():
-    cfg = RolloutConfig(engine="vllm", max_batch_size=64, vllm_kwargs={
+    cfg = RolloutConfig(engine="vllm", max_batch_size=64, vllm=VllmEngineConfig(kwargs={
         "max_num_batched_tokens": 8192, "enable_prefix_caching": False,
-        "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}})
+        "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}))
     gpu = engine_kwargs("m", cfg, torch.device("cuda"), torch.bfloat16, 0)
     assert gpu["max_num_batched_tokens"] == 8192 and gpu["enable_prefix_caching"] is False
     # graphs for the batch sizes the engine runs, merged with the user's table
@@ -85,7 +80,7 @@ def test_vllm_tensor_parallel_group_spans_both_ranks(tmp_path):
 @needs_vllm
 def test_main_loop_with_vllm(tmp_path):
     rows = run_loop(tmp_path, RANKS, "--train.num_rollout=2", "--rollout.engine=vllm",
-                    "--rollout.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction")
+                    "--rollout.vllm.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction")
     assert [r["weight_version"] for r in rows] == [2, 3]
     for row in rows:
         assert row["rollout/logprob_abs_diff_max"] < GAP
@@ -102,7 +97,7 @@ def test_main_loop_with_vllm_partial_rollouts(tmp_path):
     read back, aborted and continued after the push; every trained token is within the bound, and groups crossed it."""
     stops = list(range(100, 115))  # a random tiny model stops after a few to a few dozen tokens
     rows = run_loop(tmp_path, RANKS, "--train.num_rollout=4", "--rollout.engine=vllm",
-                    "--rollout.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction",
+                    "--rollout.vllm.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction",
                     "--rollout.partial_rollout=true", "--rollout.max_staleness=1", "--rollout.max_new_tokens=32",
                     f"--rollout.stop_token_ids={stops}", "--algo.tis_cap=2.0")
     assert [r["weight_version"] for r in rows] == [2, 3, 4, 5]
@@ -118,7 +113,7 @@ def test_main_loop_with_vllm_two_tensor_parallel_groups(tmp_path):
     """4 ranks with TP=2: two engines of two ranks each (the seed's 8 GPUs -> 4 engines, halved)."""
     # top_k: the engine's logprobs stay under the full distribution the trainer recomputes (not the truncated one)
     rows = run_loop(tmp_path, 4, "--train.num_rollout=2", "--rollout.engine=vllm", "--rollout.tensor_parallel_size=2",
-                    "--rollout.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction",
+                    "--rollout.vllm.kv_cache_memory_bytes=33554432", "--reward.user_fn=tests.reward_fns:digit_fraction",
                     "--rollout.top_k=4")
     assert [r["weight_version"] for r in rows] == [2, 3]
     for row in rows:
@@ -135,13 +130,13 @@ def test_vllm_sleep_level_2_frees_gpu_memory(tmp_path):
     import os
 
     from rl import parallel
-    from rl.config import RolloutConfig
+    from rl.config import RolloutConfig, VllmEngineConfig
     from rl.rollout.vllm import VllmEngine
 
     os.environ.update(MASTER_PORT="29631", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     d = parallel.init_distributed()
     model_dir = save_tiny_model_dir(tmp_path / "model")
-    cfg = RolloutConfig(engine="vllm", gpu_memory_utilization=0.3, max_context_len=256)  # the tiny model's 512 at most
+    cfg = RolloutConfig(engine="vllm", vllm=VllmEngineConfig(gpu_memory_utilization=0.3), max_context_len=256)  # the tiny model's 512 at most
     engine = VllmEngine(str(model_dir), cfg, d.device, torch.bfloat16, 0)
     free_awake = torch.cuda.mem_get_info()[0]
     engine.sleep(2)

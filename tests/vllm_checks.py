@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rl import parallel  # noqa: E402
-from rl.config import AlgoConfig, RolloutConfig, TrainConfig  # noqa: E402
+from rl.config import AlgoConfig, RolloutConfig, TrainConfig, VllmEngineConfig  # noqa: E402
 from rl.data import Sample, Status  # noqa: E402
 from rl.rollout import SamplingParams, build_engine, generate_rollout  # noqa: E402
 from rl.policy import build_optimizer, shard_policy  # noqa: E402
@@ -40,7 +40,7 @@ def main(out_dir: str, model_dir: str, tp: int) -> None:
     d = parallel.init_distributed()
     whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     policy = shard_policy(whole, d.mesh, d.device, False)
-    cfg = RolloutConfig(engine="vllm", tensor_parallel_size=tp, kv_cache_memory_bytes=32 * 2**20,
+    cfg = RolloutConfig(engine="vllm", tensor_parallel_size=tp, vllm=VllmEngineConfig(kv_cache_memory_bytes=32 * 2**20),
                         max_context_len=256, max_batch_size=32)
     engine = build_engine(cfg, model_dir, policy.config, d.device, d.rank)
     sync_weights(policy, engine, torch.float32, bucket_mb=0.05)

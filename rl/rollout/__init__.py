@@ -1,80 +1,17 @@
-"""Rollout: the engine interface and the function that turns prompt groups into responses.
-
-Every engine speaks token ids in and token ids out (no re-tokenisation) and
-reports, per sampled token, its log-probability under the temperature-scaled
-full-vocabulary distribution: exactly what the trainer recomputes, so the two can
-be compared token by token. Engines sleep and wake by tags like vLLM's
-("weights", "kv_cache") so the trainer can borrow their memory.
-"""
+"""Rollout: the engines (one contract, rl/rollout/engine.py) and the function that turns prompt groups into
+responses."""
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
-from typing import Protocol
+import dataclasses
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
 from rl.config import RolloutConfig
 from rl.data import Sample, Status
-from rl.rollout.stop_text import StopText
-
-
-def derive_seed(*parts: int) -> int:
-    """A 31-bit seed from a tuple of integers (base seed, rollout, round, engine, request, ...). Hashed,
-    not summed: `seed + rollout * a + engine * b + i` makes different tuples collide once i reaches b."""
-    digest = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % 2**31
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None  # restarts the engine's sampling stream for this call (None: continue it)
-    stop_text: StopText | None = None  # strings that end a sequence, across tokens (rl/rollout/stop_text.py)
-
-    @classmethod
-    def from_config(cls, cfg: RolloutConfig, eos_token_ids: Iterable[int]) -> SamplingParams:
-        stops = tuple(dict.fromkeys([*cfg.stop_token_ids, *eos_token_ids]))
-        return cls(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, stops)
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort" (the call ended before the request finished)
-    # Prompt tokens whose KV the engine kept from an earlier call instead of prefilling them (None: the engine does
-    # not count them, as vLLM, whose prefix cache serves them unseen).
-    reused_tokens: int | None = None
-
-
-class Engine(Protocol):
-    """`generate(prompts, params, on_finish, prior)`: `on_finish({index: completion})` is told which requests just
-    finished, with what they generated (a caller may act on them while the rest generate); when it answers true
-    the call ends early, and unfinished requests come back with the tokens they have
-    ("abort"). `prior[i]`: response tokens prompt i already ends with (a sample continued from an earlier call,
-    counted against max_new_tokens); the engine computes their KV anew, under the weights it holds now.
-    `keep[i]`: a key under which the engine may keep request i's KV when it finishes, for a later call whose
-    prompt i' goes on from it under the same key (an episode's next turn); `release(keys)` lets it go. The native
-    engine then prefills only the tokens after the kept ones; vLLM ignores keys (its prefix cache serves the
-    prefix). An engine keeps nothing across a weight load, reset_prefix_cache or sleep."""
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_finish: Callable[[dict[int, Completion]], bool | None] | None = None,
-                 prior: list[int] | None = None, keep: list[Hashable | None] | None = None) -> list[Completion]: ...
-    def release(self, keys: Iterable[Hashable]) -> None: ...
-    def sleep(self, level: int) -> None: ...
-    def wake_up(self, tags: list[str] | None = None) -> None: ...
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
-    def reset_prefix_cache(self) -> None: ...
-    def close(self) -> None: ...
+from rl.rollout.engine import Completion, Engine, EngineStats, SamplingParams, derive_seed  # noqa: F401
 
 
 def generate_rollout(engine: Engine, groups: list[list[Sample]], params: SamplingParams, weight_version: int,
@@ -122,8 +59,9 @@ def decode_responses(tokenizer, samples: list[Sample]) -> list[str]:
 
 
 def build_engine(cfg: RolloutConfig, model_path: str, hf_config, device: torch.device, rank: int,
-                 batch_invariant: bool = False):
-    """The configured engine, built empty: weights arrive with the first sync.
+                 batch_invariant: bool = False) -> Engine:
+    """The configured engine, built empty: weights arrive with the first sync. The rollout keys both engines read,
+    and the engine's own table (rollout.native, rollout.vllm).
 
     Ranks of one tensor-parallel group (contiguous, `rank // tensor_parallel_size`) share a
     seed so they sample identically; groups differ."""
@@ -136,8 +74,7 @@ def build_engine(cfg: RolloutConfig, model_path: str, hf_config, device: torch.d
     from rl.rollout.native import NativeEngine
 
     return NativeEngine(hf_config, device, dtype, cfg.max_batch_size, seed, max_context_len=cfg.max_context_len,
-                        kv_cache_tokens=cfg.kv_cache_tokens, cuda_graphs=cfg.cuda_graphs,
-                        steps_per_poll=cfg.steps_per_poll, batch_invariant=batch_invariant)
+                        batch_invariant=batch_invariant, **dataclasses.asdict(cfg.native))
 
 
 def engine_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.rollout import Completion, SamplingParams, vmem
 from rl.kernels.attention import invariant_num_splits
+from rl.rollout import vmem
+from rl.rollout.engine import TAGS, Completion, Engine, SamplingParams
 from rl.rollout.model import DecoderModel, internal_shapes
 from rl.rollout.scheduler import Kept, PagePool, Request, Scheduler, cdiv
 from rl.rollout.stop_text import STOPPED
 
-TAGS = ("weights", "kv_cache")
 # Stop ids a call may pass: the torch bookkeeping compares each token with all the slots, the fused GPU step
 # with the call's ids alone (rl/kernels/advance_triton.py).
 MAX_STOP_IDS = 512
@@ -159,13 +159,17 @@ class Rows:
         self.done[start:end] = True
 
 
-class NativeEngine:
+class NativeEngine(Engine):
+    matches_stop_text = True
+    max_stop_ids = MAX_STOP_IDS
+
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_batch_size: int = 256,
                  seed: int = 0, *, max_context_len: int = 4096, kv_cache_tokens: int = 0, cuda_graphs: bool = True,
                  steps_per_poll: int = 16, page_size: int = PAGE_SIZE, stable_memory: bool = True,
                  batch_invariant: bool = False):
+        super().__init__(max_context_len)
         self.device, self.dtype = torch.device(device), dtype
-        self.max_batch_size, self.max_context_len = max_batch_size, max_context_len
+        self.max_batch_size = max_batch_size
         self.page_size, self.steps_per_poll = page_size, steps_per_poll
         self.model = DecoderModel(hf_config, self.device, dtype, max_context_len, batch_invariant)
         self.on_gpu = self.device.type == "cuda"  # graphs, Triton sampling and bookkeeping, device syncs
@@ -203,24 +207,16 @@ class NativeEngine:
             self.kv_buffer = vmem.StableBuffer(torch.Size(self.kv_shape).numel() * dtype.itemsize, self.device)
         self.loaded: set[tuple] = set()
         self.kept: dict[Hashable, Kept] = {}  # finished sequences' KV, by the caller's key (see `generate`)
-        self.asleep = {tag: True for tag in TAGS}
-        # Over the engine's life: decode steps, and the rows holding a sequence summed over them (their ratio is
-        # the batch a step ran, what a long tail drains).
-        self.decode_steps = self.decode_row_steps = 0
-        self.prefill_tokens = 0  # tokens prefilled (past those a kept sequence or a shared base held)
+        self.asleep = dict.fromkeys(TAGS, True)
         self.wake_up()
+        self.calls.clear()
 
     # ------------------------------------------------------------------ weights and memory
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies tensors in place by HF name; a first (or post-level-2) load must cover every parameter.
-
-        Buffers the HF model registers (rotary inv_freq, ...) are accepted and ignored: the engine
-        computes its own rotary tables from the config.
-        """
-        if self.asleep["weights"]:
-            raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
+    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies tensors in place by HF name. Buffers the HF model registers (rotary inv_freq, ...) are accepted and
+        ignored: the engine computes its own rotary tables from the config."""
         self.kept.clear()  # computed under the weights being replaced
         for name, tensor in weights:
             if name in self.model.hf_buffers:
@@ -234,11 +230,7 @@ class NativeEngine:
             (target if start is None else target[start:end]).copy_(tensor)
             self.loaded.add((key, start))
 
-    def sleep(self, level: int) -> None:
-        if level == 0:
-            return
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 0, 1 or 2, got {level}")
+    def _sleep(self, level: int) -> None:
         if not self.stable:
             self._drop_graphs()
             self.rows = None
@@ -255,7 +247,6 @@ class NativeEngine:
             self.host_weights = None
             self.loaded.clear()
         self.model.weights = {}
-        self.asleep = {tag: True for tag in TAGS}
         if self.stable:  # back to the driver; PyTorch's cached blocks stay cached for the trainer (`wake_up`)
             self.weight_buffer.unmap()
             self.kv_buffer.unmap()
@@ -264,17 +255,11 @@ class NativeEngine:
             if not self.stable:  # the weights and KV were PyTorch's own blocks
                 torch.cuda.empty_cache()
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        tags = list(tags or TAGS)
-        for tag in tags:
-            if tag not in TAGS:
-                raise ValueError(f"unknown wake-up tag {tag!r}; expected one of {TAGS}")
+    def _wake_up(self, tags: list[str]) -> None:
         if self.stable:  # the train phase's cached blocks go back to the driver only if the mapping needs them
             buffers = {"weights": self.weight_buffer, "kv_cache": self.kv_buffer}
-            vmem.make_room(self.device, sum(buffers[tag].nbytes for tag in tags if self.asleep[tag]))
+            vmem.make_room(self.device, sum(buffers[tag].nbytes for tag in tags))
         for tag in tags:
-            if not self.asleep[tag]:
-                continue
             if tag == "weights":
                 self.model.weights = self._new_weights()
                 if self.host_weights is not None:
@@ -291,7 +276,6 @@ class NativeEngine:
                     self.rows = Rows.allocate(self.max_batch_size, cdiv(self.max_context_len, self.page_size),
                                               self.max_context_len + 1, self.device)
                 self.rows.clear(0, self.max_batch_size)  # kept rows (stable memory) start idle too
-            self.asleep[tag] = False
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
 
@@ -303,11 +287,11 @@ class NativeEngine:
         return {k: self.weight_buffer.view(offset, shape, self.dtype)
                 for k, (offset, shape) in self.weight_layout.items()}
 
-    def reset_prefix_cache(self) -> None:
+    def _reset_prefix_cache(self) -> None:
         """Drops every kept sequence: the only KV that outlives a generate() call."""
         self.kept.clear()
 
-    def release(self, keys: Iterable[Hashable]) -> None:
+    def _release(self, keys: Iterable[Hashable]) -> None:
         """Drops the sequences kept under `keys` (those it holds): their pages go back to the cache."""
         for key in keys:
             self.kept.pop(key, None)
@@ -316,7 +300,7 @@ class NativeEngine:
         """Pages of the KV cache that kept sequences hold between calls."""
         return len({page for kept in self.kept.values() for page in kept.pages})
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Releases the engine's device and host memory: sleep level 2, and the graphs too."""
         self.sleep(2)
         self._drop_graphs()
@@ -331,43 +315,24 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def _check_ready(self, prompts: list[list[int]], params: SamplingParams, prior: list[int] | None,
-                     keep: list[Hashable | None] | None) -> None:
-        if any(self.asleep.values()):
-            raise RuntimeError(f"generate on a sleeping engine ({self.asleep}); call wake_up() first")
+    def check_request(self, prompts: list[list[int]], params: SamplingParams, prior: list[int] | None,
+                      keep: list[Hashable | None] | None) -> None:
+        super().check_request(prompts, params, prior, keep)
         missing = self.required - self.loaded
         if missing:
             names = sorted(n for n, (k, s, _) in self.model.name_map.items() if (k, s) in missing)
             raise RuntimeError(f"engine weights incomplete; missing e.g. {names[:3]}")
-        prior = prior or [0] * len(prompts)
-        longest = max((len(p) - done for p, done in zip(prompts, prior)), default=0)
-        if longest + params.max_new_tokens > self.max_context_len:
-            raise ValueError(f"prompt of {longest} tokens + max_new_tokens {params.max_new_tokens} exceeds the "
-                             f"engine's max_context_len {self.max_context_len}")
-        if any(not 0 <= done < min(params.max_new_tokens, len(p)) for p, done in zip(prompts, prior)):
-            raise ValueError(f"prior response tokens must be fewer than max_new_tokens ({params.max_new_tokens}) "
-                             f"and than the prompt's tokens")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: every prompt needs at least one token")
-        if keep is not None and len(keep) != len(prompts):
-            raise ValueError(f"keep names {len(keep)} keys for {len(prompts)} prompts: one (or None) per prompt")
-        if not params.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (logprobs are under the tempered distribution), got "
-                             f"{params.temperature}; for greedy decoding pass top_k=1")
-        if len(params.stop_token_ids) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(params.stop_token_ids)}")
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_finish: Callable[[dict[int, Completion]], bool | None] | None = None,
-                 prior: list[int] | None = None, keep: list[Hashable | None] | None = None) -> list[Completion]:
+    def _generate(self, prompts: list[list[int]], params: SamplingParams,
+                  on_finish: Callable[[dict[int, Completion]], bool | None] | None, prior: list[int],
+                  keep: list[Hashable | None] | None) -> list[Completion]:
         """`on_finish({index: completion})` hears of finished requests after each poll; a true answer ends the call
-        early (rl/rollout/__init__.py). `prior`: response tokens each prompt already ends with (a continued sample),
+        early (rl/rollout/engine.py). `prior`: response tokens each prompt already ends with (a continued sample),
         counted against max_new_tokens; their KV is computed anew, like the prompt's, unless a kept sequence
         holds it. `keep[i]`: a key (None: none) under which request i's KV is kept when it finishes ("stop" or
         "length"), and from which its prompt continues if that key holds the start of it; a request that ends
         early keeps nothing."""
-        self._check_ready(prompts, params, prior, keep)
         self._set_sampling(params)
         sched = Scheduler(prompts, params.max_new_tokens, self.page_size, PagePool(self.num_pages, self.kept.values()),
                           self.max_batch_size, prior, keep, self.kept)
@@ -391,8 +356,8 @@ class NativeEngine:
                     self._run_decode(bucket)
                 for request in sched.running:
                     request.generated += steps
-                self.decode_steps += steps
-                self.decode_row_steps += steps * len(sched.running)
+                self.stats.decode_steps += steps
+                self.stats.decode_row_steps += steps * len(sched.running)
                 # While no request waits for a row, the host reads a one-flag summary of the chunk
                 # before this one as this one runs, and stops the GPU for a full poll only once a
                 # row has finished: the device never idles on a poll that finds nothing. Finished
@@ -445,7 +410,7 @@ class NativeEngine:
             tables[n, : len(p.pages)] = torch.tensor(p.pages, dtype=torch.int32)
         starts = torch.tensor([p.cached for p in prompts])
         counts = torch.tensor([len(p.tokens) - p.cached for p in prompts])
-        self.prefill_tokens += int(counts.sum())
+        self.stats.prefill_tokens += int(counts.sum())
         dev = self.device
         logits = self.model.prefill(tokens.to(dev), starts.to(dev), counts.to(dev), tables.to(dev), self.kv,
                                     self.page_size)

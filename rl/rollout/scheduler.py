@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rl.rollout.engine import prompt_groups
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -103,16 +105,16 @@ class Scheduler:
         # Samples of one prompt wait side by side (each prompt where it first appears): a prompt's
         # pages are then held only while its samples run, and a cache with room for one prompt and
         # one sample at a time never waits on pages held for samples queued behind other prompts.
-        samples: dict[tuple[tuple[int, ...], int], list[int]] = {}
-        for i, p in enumerate(prompts):
-            samples.setdefault((tuple(p), prior[i] if prior else 0), []).append(i)
         keys = keep or [None] * len(prompts)
+        prior = prior or [0] * len(prompts)
         self.waiting: deque[Request] = deque()
         distinct = {}
-        for (tokens, done), indices in samples.items():
-            prompt = PromptKV(list(tokens), len(indices), done, [keys[i] for i in indices if keys[i] is not None])
-            distinct[tokens, done] = prompt
-            self.waiting.extend(Request(i, prompt, generated=done, keep=keys[i]) for i in indices)
+        for indices in prompt_groups(prompts, prior):
+            first = indices[0]
+            prompt = PromptKV(list(prompts[first]), len(indices), prior[first],
+                              [keys[i] for i in indices if keys[i] is not None])
+            distinct[tuple(prompts[first]), prior[first]] = prompt
+            self.waiting.extend(Request(i, prompt, generated=prior[first], keep=keys[i]) for i in indices)
         share_bases(distinct, page_size)
         self.running: list[Request] = []  # in row order: running[i] decodes in row i
         self.max_new_tokens, self.page_size, self.pool, self.max_rows = max_new_tokens, page_size, pool, max_rows
@@ -166,7 +168,7 @@ class Scheduler:
             prompt = self.waiting[0].prompt
             raise RuntimeError(f"KV cache too small: one request of a {len(prompt.tokens)}-token prompt needs "
                                f"{self.private_pages(prompt) + self.prompt_pages(prompt)} pages of {self.page_size} "
-                               f"tokens, the cache has {len(self.pool.free)}; raise rollout.kv_cache_tokens")
+                               f"tokens, the cache has {len(self.pool.free)}; raise rollout.native.kv_cache_tokens")
         self.running += new
         return to_prefill, new
 

@@ -67,6 +67,11 @@ class StopText:
             table[:, tokens] = torch.tensor([self.columns[t] for t in tokens], dtype=torch.int32).T
         return table.to(device)
 
+    def stopping_tokens(self) -> tuple[int, ...]:
+        """The tokens that complete a stop string from any state (those whose text holds a whole one, such as
+        "</tool_call>" in Qwen2.5's vocabulary): stop ids for an engine that cannot follow the automaton."""
+        return tuple(t for t, column in self.columns.items() if all(state == STOPPED for state in column))
+
     def cut(self, tokens: list[int]) -> int | None:
         """How many of `tokens` there are up to and with the one that completes a stop string (None: none does)."""
         state = 0

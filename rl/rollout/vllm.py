@@ -19,9 +19,9 @@ Departures from vLLM defaults, and why:
   its generation config, which the trainer already puts into the stop ids, and a benchmark that
   ignores EOS leaves out.
 - Stop text (SamplingParams.stop_text) is not vLLM's to match: it runs without a tokenizer (token ids in and
-  out), so a sequence goes on past the text and the caller cuts it there (rl/episodes.py); a stop string that
-  is one token is also a stop id, at which vLLM does stop.
-- A prompt group (identical consecutive prompts) is one request with `n` samples, so
+  out), so it stops at the tokens that hold a whole stop string and otherwise goes on past the text, and the
+  engine contract cuts its completions there (rl/rollout/engine.py).
+- A prompt group (identical prompts, `prompt_groups`) is one request with `n` samples, so
   its KV is prefilled once and shared.
 - A call seed seeds the call, not each request: the call's sampling draws from PyTorch's default generators,
   seeded with it for the call (and restored after, so the trainer's random state is untouched), and vLLM's
@@ -43,7 +43,7 @@ Departures from vLLM defaults, and why:
   all-reduce workspace (multicast) for its all-reduce + RMSNorm fusion and takes symmetric-memory
   all-reduce. Here `pass_config.fuse_allreduce_rms` is off, and the environment gets
   VLLM_ALLREDUCE_USE_SYMM_MEM=0 and VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm unless it sets them.
-- `rollout.vllm_kwargs` is passed to `vllm.LLM` last; a `compilation_config` table in it is merged
+- `rollout.vllm.kwargs` is passed to `vllm.LLM` last; a `compilation_config` table in it is merged
   into this file's key by key (its own `pass_config` replaces this file's whole).
 - Before vLLM maps its memory back at a wake-up, the trainer's caching allocator returns the blocks it holds
   (`torch.cuda.empty_cache`) if the device's free memory would not hold what vLLM maps (its unmapped pools):
@@ -64,26 +64,12 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 
 from rl.config import RolloutConfig
-from rl.rollout import Completion, SamplingParams, vmem
-
-TAGS = ("weights", "kv_cache")
-
-
-def group_runs(prompts: list[list[int]], prior: list[int] | None = None) -> list[tuple[int, int]]:
-    """(start, count) of each run of identical consecutive prompts (with the same prior tokens): one request per
-    group."""
-    prior = prior or [0] * len(prompts)
-    runs: list[tuple[int, int]] = []
-    for i, prompt in enumerate(prompts):
-        if runs and prompts[runs[-1][0]] == prompt and prior[runs[-1][0]] == prior[i]:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
+from rl.rollout import vmem
+from rl.rollout.engine import Completion, Engine, SamplingParams, prompt_groups
 
 
 def engine_kwargs(model_path: str, cfg: RolloutConfig, device: torch.device, dtype: torch.dtype, seed: int) -> dict:
-    on_gpu = device.type == "cuda"
+    on_gpu, own = device.type == "cuda", cfg.vllm
     kwargs = dict(
         model=model_path,
         skip_tokenizer_init=True,  # token ids in, token ids out
@@ -92,21 +78,21 @@ def engine_kwargs(model_path: str, cfg: RolloutConfig, device: torch.device, dty
         seed=seed,
         tensor_parallel_size=cfg.tensor_parallel_size,
         distributed_executor_backend="external_launcher",
-        enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_prefix_caching=own.enable_prefix_caching,
         enable_sleep_mode=on_gpu and cfg.sleep_level > 0,
         max_model_len=cfg.max_context_len,
         max_num_seqs=cfg.max_batch_size,
-        enforce_eager=cfg.enforce_eager or not on_gpu,  # CPU graph compilation costs minutes at start-up
+        enforce_eager=own.enforce_eager or not on_gpu,  # CPU graph compilation costs minutes at start-up
         logprobs_mode=logprobs_mode(cfg),
     )
-    if cfg.kv_cache_memory_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+    if own.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = own.kv_cache_memory_bytes
     else:
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        kwargs["gpu_memory_utilization"] = own.gpu_memory_utilization
     compilation = {"max_cudagraph_capture_size": cfg.max_batch_size} if on_gpu else {}
     if on_gpu and cfg.tensor_parallel_size > 1:
         compilation["pass_config"] = {"fuse_allreduce_rms": False}  # module docstring: no NVLink multicast
-    extra = dict(cfg.vllm_kwargs)
+    extra = dict(own.kwargs)
     compilation |= extra.pop("compilation_config", {})
     if compilation:
         kwargs["compilation_config"] = compilation
@@ -142,8 +128,9 @@ def _copy_into_parameters(worker, weights: Iterable[tuple[str, torch.Tensor]]) -
     worker.get_model().load_weights(weights)
 
 
-class VllmEngine:
+class VllmEngine(Engine):
     def __init__(self, model_path: str, cfg: RolloutConfig, device: torch.device, dtype: torch.dtype, seed: int):
+        super().__init__(cfg.max_context_len)
         # The engine core must run in this process for external_launcher (and for weights to
         # be loaded by a plain function call).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -159,51 +146,29 @@ class VllmEngine:
         self.llm = LLM(**engine_kwargs(model_path, cfg, device, dtype, seed))
         self.device = device
         self.in_place_loads = device.type == "cuda"  # module docstring: CPU weights are repacked after a load
-        self.asleep = {tag: False for tag in TAGS}
-        self.calls: list[str] = []  # the order of weight loads and memory transitions, for the tests
         self.call_count = 0  # request ids are unique over the engine's life
-        # Engine steps over the engine's life, and the sequences unfinished (running or waiting) summed over them.
-        self.decode_steps = self.decode_row_steps = 0
 
     # ------------------------------------------------------------------ memory
 
-    def sleep(self, level: int) -> None:
-        self.calls.append(f"sleep({level})")
-        if level == 0:
-            return
+    def _sleep(self, level: int) -> None:
         self.llm.sleep(level=level)
-        self.asleep = {tag: True for tag in TAGS}
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        tags = list(tags or TAGS)
-        unknown = set(tags) - set(TAGS)
-        if unknown:
-            raise ValueError(f"unknown wake-up tags {sorted(unknown)}; expected some of {TAGS}")
-        self.calls.append(f"wake_up({','.join(tags)})")
-        if any(self.asleep[t] for t in tags):
-            if torch.cuda.is_initialized():  # module docstring: vLLM maps its memory outside PyTorch's allocator
-                vmem.make_room(self.device, vmem.unmapped_allocator_bytes(self.device)[1])
-            self.llm.wake_up(tags=[t for t in tags if self.asleep[t]])
-        for tag in tags:
-            self.asleep[tag] = False
+    def _wake_up(self, tags: list[str]) -> None:
+        if torch.cuda.is_initialized():  # module docstring: vLLM maps its memory outside PyTorch's allocator
+            vmem.make_room(self.device, vmem.unmapped_allocator_bytes(self.device)[1])
+        self.llm.wake_up(tags=tags)
 
-    def reset_prefix_cache(self) -> None:
-        self.calls.append("reset_prefix_cache")
+    def _reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
-    def release(self, keys: Iterable[Hashable]) -> None:
-        """Nothing to let go: vLLM keeps no sequence by key; its prefix cache serves a continued prompt's prefix."""
+    # `release` lets nothing go: vLLM keeps no sequence by key; its prefix cache serves a continued prompt's prefix.
 
     # ------------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hands HF-named full tensors to vLLM, which applies its TP slicing and fusions (qkv,
         gate_up): on CUDA copied straight into its parameters, on CPU through its in-place reload
-        (module docstring). Tensors are consumed one by one as the iterator gathers them, so no
-        second full copy of the model exists."""
-        if self.asleep["weights"]:
-            raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
-        self.calls.append("load_weights")
+        (module docstring)."""
         # vLLM computes its own rotary tables; the trainer's rotary buffers have no place here.
         params = ((name, t) for name, t in weights if ".rotary_emb." not in name)
         if self.in_place_loads:
@@ -215,8 +180,8 @@ class VllmEngine:
     # ------------------------------------------------------------------ generation
 
     def requests(self, prompts: list[list[int]], params: SamplingParams,
-                 prior: list[int] | None = None) -> tuple[list, list, list[tuple[int, int]]]:
-        """vLLM's prompts and sampling parameters for `prompts`, and the runs they stand for: one request per
+                 prior: list[int] | None = None) -> tuple[list, list, list[list[int]]]:
+        """vLLM's prompts and sampling parameters for `prompts`, and the groups they stand for: one request per
         prompt group (module docstring); a continued sample's request asks for the tokens it has left. No request
         has a seed of its own: the call seed seeds the whole call (module docstring)."""
         from vllm import SamplingParams as VllmSamplingParams
@@ -224,83 +189,82 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         prior = prior or [0] * len(prompts)
-        runs = group_runs(prompts, prior)
-        requests = [TokensPrompt(prompt_token_ids=list(prompts[start])) for start, _ in runs]
-        sampling = [VllmSamplingParams(n=count, max_tokens=params.max_new_tokens - prior[start],
+        groups = prompt_groups(prompts, prior)
+        requests = [TokensPrompt(prompt_token_ids=list(prompts[group[0]])) for group in groups]
+        sampling = [VllmSamplingParams(n=len(group), max_tokens=params.max_new_tokens - prior[group[0]],
                                        temperature=params.temperature,
                                        top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
                                        stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
                                        logprobs=0, flat_logprobs=True, detokenize=False,
                                        skip_special_tokens=False, spaces_between_special_tokens=False,
                                        output_kind=RequestOutputKind.FINAL_ONLY)
-                    for start, count in runs]
-        return requests, sampling, runs
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_finish: Callable[[dict[int, Completion]], bool | None] | None = None,
-                 prior: list[int] | None = None, keep: list[Hashable | None] | None = None) -> list[Completion]:
-        """Steps vLLM's engine until every request is done, or until `on_finish` (told of each prompt group as it
-        finishes) answers true: the unfinished requests then come back with what they generated ("abort"), read
-        from vLLM's output processor, and are aborted (rl/rollout/__init__.py). `keep` is ignored (see
-        `release`)."""
-        if any(self.asleep.values()):
-            raise RuntimeError(f"generate on a sleeping engine ({self.asleep}); call wake_up() first")
-        if params.seed is None:
-            return self._generate(prompts, params, on_finish, prior)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(params.seed)  # every device's default generator: the call's own stream
-            return self._generate(prompts, params, on_finish, prior)
+                    for group in groups]
+        return requests, sampling, groups
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams,
-                  on_finish: Callable[[dict[int, Completion]], bool | None] | None,
-                  prior: list[int] | None) -> list[Completion]:
-        requests, sampling, runs = self.requests(prompts, params, prior)
+                  on_finish: Callable[[dict[int, Completion]], bool | None] | None, prior: list[int],
+                  keep: list[Hashable | None] | None) -> list[Completion]:
+        """Steps vLLM's engine until every request is done, or until `on_finish` (told of each prompt group as it
+        finishes) answers true: the unfinished requests then come back with what they generated ("abort"), read
+        from vLLM's output processor, and are aborted (rl/rollout/engine.py). `keep` is ignored (see
+        `release`)."""
+        if params.seed is None:
+            return self._step_until_done(prompts, params, on_finish, prior)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(params.seed)  # every device's default generator: the call's own stream
+            return self._step_until_done(prompts, params, on_finish, prior)
+
+    def _step_until_done(self, prompts: list[list[int]], params: SamplingParams,
+                         on_finish: Callable[[dict[int, Completion]], bool | None] | None,
+                         prior: list[int]) -> list[Completion]:
+        requests, sampling, groups = self.requests(prompts, params, prior)
         engine = self.llm.llm_engine
         self.call_count += 1
-        ids = [f"{self.call_count}-{i}" for i in range(len(runs))]
+        ids = [f"{self.call_count}-{i}" for i in range(len(groups))]
         for request_id, request, sp in zip(ids, requests, sampling):
             engine.add_request(request_id, request, sp)
         results: list[Completion | None] = [None] * len(prompts)
-        run_of = {request_id: run for request_id, run in zip(ids, runs)}
+        group_of = dict(zip(ids, groups))
         while engine.has_unfinished_requests():
             finished = {}
-            self.decode_steps += 1
-            self.decode_row_steps += engine.get_num_unfinished_requests()
+            self.stats.decode_steps += 1
+            self.stats.decode_row_steps += engine.get_num_unfinished_requests()
             for out in engine.step():
                 if not out.finished:
                     continue
-                start, _ = run_of.pop(out.request_id)
-                for choice in sorted(out.outputs, key=lambda c: c.index):
-                    results[start + choice.index] = completion(choice.token_ids, choice.logprobs,
+                group = group_of.pop(out.request_id)
+                for choice in out.outputs:
+                    finished[group[choice.index]] = completion(choice.token_ids, choice.logprobs,
                                                                choice.finish_reason or "abort")
-                    finished[start + choice.index] = results[start + choice.index]
+            for i, out in finished.items():
+                results[i] = out
             if finished and on_finish is not None and on_finish(finished):
-                self._end_early(run_of, results)
+                self._end_early(group_of, results)
                 break
         return results
 
-    def _end_early(self, run_of: dict[str, tuple[int, int]], results: list[Completion | None]) -> None:
+    def _end_early(self, group_of: dict[str, list[int]], results: list[Completion | None]) -> None:
         """The unfinished requests' tokens and logprobs so far, from vLLM's per-request output state (kept even
         when only final outputs are returned), then the requests aborted."""
         engine = self.llm.llm_engine
         for state in engine.output_processor.request_states.values():
             parent = state.parent_req.external_req_id if state.parent_req is not None else state.external_req_id
-            if parent not in run_of:
+            if parent not in group_of:
                 continue
-            start = run_of[parent][0]
-            results[start + state.request_index] = completion(state.detokenizer.output_token_ids,
-                                                              state.logprobs_processor.logprobs, "abort")
+            group = group_of[parent]
+            results[group[state.request_index]] = completion(state.detokenizer.output_token_ids,
+                                                             state.logprobs_processor.logprobs, "abort")
             # Samples of the group that did finish wait in the parent request until all of them have.
             for choice in state.parent_req.output_aggregator if state.parent_req is not None else []:
                 if choice is not None and choice.finished():
-                    results[start + choice.index] = completion(choice.token_ids, choice.logprobs, choice.finish_reason)
-        engine.abort_request(list(run_of))
-        for start, count in run_of.values():
-            for i in range(start, start + count):
+                    results[group[choice.index]] = completion(choice.token_ids, choice.logprobs, choice.finish_reason)
+        engine.abort_request(list(group_of))
+        for group in group_of.values():
+            for i in group:
                 if results[i] is None:  # a child not yet scheduled
                     results[i] = Completion([], [], "abort")
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Tears down vLLM's model-parallel groups; the caller then destroys the process group."""
         from vllm.distributed.parallel_state import destroy_model_parallel
 
