@@ -7,7 +7,7 @@ value (`AlgoConfig`). Shapes: per-sample tensors are (N,); per-token ones are (B
 
 Advantage estimators (`algo.advantage_estimator`), all per sample except GAE:
 - grpo: reward minus its group mean, divided by the *unbiased* group std + 1e-6 when
-  `grpo_std_normalization` is on (the advantage step of the seed's RL step); a group of one is only centred.
+  `grpo_std_normalization` is on; a group of one is only centred.
 - dr_grpo: reward minus its group mean (Dr. GRPO: no std, which favours easy/hard groups).
 - rloo: reward minus the mean of the *other* samples of its group = G/(G-1) x centred.
 - reinforce_plus_plus: the reward whitened over the global batch (REINFORCE++).
@@ -71,7 +71,7 @@ def _group_centred(rewards: torch.Tensor, group_index: torch.Tensor, std_normali
             continue
         centred = rewards[members] - rewards[members].mean()
         if std_normalization and int(members.sum()) > 1:
-            centred = centred / (centred.std() + eps)  # torch.std is unbiased (n - 1), as in the seed
+            centred = centred / (centred.std() + eps)  # torch.std is unbiased (n - 1), as GRPO's reference form
         out[members] = centred
     return out
 
@@ -123,7 +123,7 @@ def policy_loss(kind: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, a
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and clip indicator, both (B, T), for `algo.policy_loss`:
 
-    - ppo (the seed's clipped policy loss): max(-r A, -clip(r, 1 - eps_clip, 1 + eps_clip_high) A) with r the token
+    - ppo (the clipped policy loss): max(-r A, -clip(r, 1 - eps_clip, 1 + eps_clip_high) A) with r the token
       ratio; with `eps_clip_c` (dual clip, > 1) a negative-advantage token's loss is capped at
       -eps_clip_c A, so a huge ratio cannot push it without bound.
     - gspo: the same clip on the sequence ratio s = exp(mean over the sequence's tokens of log r)

@@ -1,14 +1,14 @@
 """Samples and prompt sources.
 
-`Sample` carries one response through rollout, reward and training with the seed's
-fields. `PromptDataset` reads prompts (jsonl, parquet, a reasoning-gym task, or one split of a
+`Sample` carries one response through rollout, reward and training: its tokens, logprobs, masks,
+reward, advantage and weight versions. `PromptDataset` reads prompts (jsonl, parquet, a reasoning-gym task, or one split of a
 Hugging Face dataset folder: `save_to_disk` arrow files or the hub's file layout, read with
 pyarrow alone so that `datasets` is not needed to train; "hf:" hands a folder or builder to
 `datasets.load_dataset`, "python:" calls a function that returns rows),
 applies the prompt template and chat template, drops over-long prompts (counted),
 and hands out whole groups of `n_samples_per_prompt` copies of each prompt, whose
 `group_index`/`index` count on across rollouts, so a number names one sample of the
-run (the seed's step 16). Its cursor (epoch, offset, seeded shuffle) is a small dict,
+run. Its cursor (epoch, offset, seeded shuffle) is a small dict,
 so a run can resume exactly where it stopped. Every rank builds the same dataset and
 draws the same groups; ranks then take their own slice.
 
@@ -465,7 +465,7 @@ def load_prompts(cfg: DataConfig, tokenizer, keys: SourceKeys = TRAINING_KEYS) -
 def expand_groups(prompts: list[Prompt], n_samples_per_prompt: int, group_start: int, index_start: int
                   ) -> list[list[Sample]]:
     """Each prompt becomes a group of n copies; groups and samples are numbered on from `group_start` and
-    `index_start`, so that numbers are unique over the run (the seed's step 16)."""
+    `index_start`, so that numbers are unique over the run."""
     groups, index = [], index_start
     for g, prompt in enumerate(prompts):
         # Each sample its own copy of everything; the token ids (ints) by a list copy, which a deepcopy of the

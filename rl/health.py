@@ -10,7 +10,7 @@ steps, which a checkpoint saves with the run:
 - warnings, each one line naming the metric, its value and its healthy band, counted in
   `health/warnings` (a metric out of its band for many rollouts in a row prints every 10th):
   the entropy collapsing to zero or rising to uniform, the grad norm staying at zero while
-  advantages are not, and the seed's metric table (`BANDS` and the trend checks below).
+  advantages are not, and the health metric table (`BANDS` and the trend checks below).
 A stop raises `RunStopped`: one line for the user, no traceback, a non-zero exit.
 """
 
@@ -25,7 +25,7 @@ from rl.config import RunStopped
 from rl.parallel import print0
 
 
-# The seed's metric table as bands on one row: (metric, low, high, what leaving the band means). A metric a
+# The health metric table as bands on one row: (metric, low, high, what leaving the band means). A metric a
 # run does not log (MFU without a known peak, staleness in the synchronous loop) is not checked. The rest of the
 # table's staleness row (pinned at the bound) is a trend: `check_staleness`.
 BANDS = (
@@ -141,7 +141,7 @@ class Health:
         self.check_staleness(row)
 
     def check_staleness(self, row: dict[str, Any]) -> None:
-        """The seed's staleness signal: every trained sample at the bound, rollout after rollout, means the
+        """The staleness signal: every trained sample at the bound, rollout after rollout, means the
         generation side never gets ahead of training."""
         lag = self._push("rollout/staleness_mean", row)
         if lag is not None and self.max_staleness and len(lag) >= 3 and min(lag[-3:]) >= self.max_staleness:
@@ -169,7 +169,7 @@ class Health:
         return tokens is not None and len(tokens) >= 4 and tokens[-1] < 0.5 * statistics.median(tokens[:-1])
 
     def check_trends(self, row: dict[str, Any]) -> None:
-        """The seed's trend signals: the reward jumping or dropping in one rollout, the response length
+        """The trend signals: the reward jumping or dropping in one rollout, the response length
         collapsing, the rollout throughput falling and staying low (a leak)."""
         reward, rollouts = self.pool_scored(row)
         if reward is not None:

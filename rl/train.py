@@ -1,7 +1,7 @@
 """One rollout's worth of optimizer steps on the FSDP2 policy, and how a rollout is cut into them.
 
 `build_schedule` splits the rollout into global batches, one per optimizer step, each
-into length-balanced DP shares and micro-batches (the seed's step 31). The loss is
+into length-balanced DP shares and micro-batches. The loss is
 aggregated over the whole global batch of a step (every rank divides by the same global
 token or sequence count, `rl.algo.aggregate`), so results do not depend on how samples
 were split into micro-batches or ranks. `optimizer_steps` runs those steps for any loss:
@@ -404,7 +404,7 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
     all_micro_batches = [mb for step in steps for mb in step]
     per_sample: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
     # With several optimizer steps the policy moves between them: the old logprobs take a pass of their own
-    # before the first update (the seed's step 38).
+    # before the first update.
     if not old and needs_old_logprobs(train, algo):
         old = logprobs_by_sample(model, all_micro_batches, temperature)
     old = old or {}
@@ -510,7 +510,7 @@ def train_metrics(per_rank: list[dict[str, float]], num_steps: int, algo: AlgoCo
     }
     if algo is not None and algo.kl_coef > 0:  # KL(policy || reference) per trained token, by algo.kl_estimator
         out["train/kl_ref"] = sum(m["kl_ref_sum"] for m in per_rank) / max(tokens, 1)
-        # per response: what the seed's metric table watches (healthy 1-10, > 50 drifting too fast)
+        # per response: what the health metric table watches (healthy 1-10, > 50 drifting too fast)
         out["train/kl_ref_seq"] = sum(m["kl_ref_sum"] for m in per_rank) / max(sum(m["sequences"] for m in per_rank), 1)
     if algo is not None and algo.tis_cap > 0:
         out["train/tis_weight_mean"] = sum(m["tis_weight_sum"] for m in per_rank) / max(tokens, 1)
