@@ -20,12 +20,13 @@ from rl.envs.calculator import evaluate, make_env
 from rl.evaluate import evaluate as run_eval
 from rl.parallel import Dist
 from rl.reward import RewardPool
-from rl.rollout import Completion, Engine, SamplingParams
+from rl.rollout import Completion, SamplingParams
 from rl.rollout.native import NativeEngine
 from rl.train import collate, micro_batch_loss, token_logprobs
 from tests.test_distributed import ROOT, run_loop
 from tests.test_engine import full_weights
 from tests.test_vllm import GAP, RANKS, needs_vllm
+from tests.stand_in import StandInEngine
 from tests.tiny import tiny_model, tiny_tokenizer
 
 ONE_RANK = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
@@ -33,12 +34,12 @@ TOKENIZER = tiny_tokenizer()
 LOGPROB = -0.5
 
 
-class ScriptedEngine(Engine):
+class ScriptedEngine(StandInEngine):
     """Answers call k with turns[k] for every prompt, and keeps what it was handed."""
 
     def __init__(self, turns: list[list[int]]):
-        super().__init__(max_context_len=4096)
-        self.turns, self.handed, self.weights_loaded = turns, [], True
+        super().__init__()
+        self.turns, self.handed = turns, []
 
     def _generate(self, prompts, params, on_finish, prior, keep):
         self.handed.append((prompts, prior))
@@ -85,12 +86,12 @@ def test_trained_sequence_is_the_engine_and_environment_tokens(env_fn, appended,
                                                                                              skip_special_tokens=True))
 
 
-class Staggered(Engine):
+class Staggered(StandInEngine):
     """Episode 0's turn finishes first (its completion handed to on_finish), and the call returns `gap_s` later."""
 
     def __init__(self, gap_s: float):
-        super().__init__(max_context_len=4096)
-        self.gap_s, self.returned, self.weights_loaded = gap_s, [], True
+        super().__init__()
+        self.gap_s, self.returned = gap_s, []
 
     def _generate(self, prompts, params, on_finish, prior, keep):
         outs = [Completion([7, 8], [LOGPROB] * 2, "stop") for _ in prompts]
@@ -116,14 +117,14 @@ def test_a_turn_goes_to_its_environment_while_the_others_generate():
     assert scored.env_failures == 0
 
 
-class FullPrefill(Engine):
+class FullPrefill(StandInEngine):
     """An engine that keeps nothing between calls: every turn prefills the whole sequence."""
 
     matches_stop_text = True  # the engine it calls does
 
     def __init__(self, engine):
         super().__init__(engine.max_context_len)
-        self.engine, self.weights_loaded = engine, True
+        self.engine = engine
 
     def _generate(self, prompts, params, on_finish, prior, keep):
         return self.engine.generate(prompts, params, on_finish, prior)

@@ -12,8 +12,9 @@ from rl.collect import Collector
 from rl.evaluate import evaluate, load_eval_prompts, pass_at_k
 from rl.parallel import Dist, engine_share
 from rl.reward import RewardPool
-from rl.rollout import Completion, Engine, SamplingParams
+from rl.rollout import Completion, SamplingParams
 from tests.test_faults import run, strict_rows
+from tests.stand_in import StandInEngine
 from tests.tiny import save_tiny_model_dir, tiny_tokenizer, write_arithmetic_jsonl
 
 
@@ -69,12 +70,8 @@ def test_eval_set_errors_name_the_eval_keys(tmp_path):
         "eval.source=reasoning_gym:no_such_task with eval.task_config={}: ")
 
 
-class EchoEngine(Engine):
+class EchoEngine(StandInEngine):
     """Answers every prompt with the same two tokens: the eval's bookkeeping, without a model."""
-
-    def __init__(self):
-        super().__init__(max_context_len=4096)
-        self.weights_loaded = True
 
     def _generate(self, prompts, params, on_finish, prior, keep):
         return [Completion(token_ids=[40, 41], logprobs=[-0.1, -0.2], finish_reason="stop") for _ in prompts]

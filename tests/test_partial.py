@@ -13,12 +13,13 @@ from rl.config import Config, DataConfig, ModelConfig, RewardConfig, RolloutConf
 from rl.data import Prompt, PromptDataset, Sample, Status
 from rl.parallel import Dist
 from rl.reward import RewardPool
-from rl.rollout import Completion, Engine, SamplingParams
+from rl.rollout import Completion, SamplingParams
 from rl.rollout import scheduler
 from rl.rollout.native import NativeEngine
 from tests.test_checkpoint import checkpoints, final_weights, launch, rows
 from tests.test_engine import full_weights, reference_logprobs
 from tests.test_faults import one_line, rank_exit_code
+from tests.stand_in import StandInEngine
 from tests.tiny import save_tiny_model_dir, tiny_model, tiny_tokenizer, write_arithmetic_jsonl
 
 ONE_RANK = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
@@ -233,13 +234,13 @@ def test_a_group_past_the_bound_is_dropped_untrained_and_counted(pool):
     assert buffer.admitted == buffer.consumed + len(buffer.groups)
 
 
-class LengthEngine(Engine):
+class LengthEngine(StandInEngine):
     """A stand-in engine whose requests end after `lengths[first prompt token]` response tokens: every request gains
     a token a step, and `on_finish` hears of those that just finished; an early end aborts the rest."""
 
     def __init__(self, lengths: dict[int, int]):
-        super().__init__(max_context_len=4096)
-        self.lengths, self.weights_loaded = lengths, True
+        super().__init__()
+        self.lengths = lengths
 
     def _generate(self, prompts, params, on_finish, prior, keep):
         have, out = list(prior), [None] * len(prompts)

@@ -10,11 +10,12 @@ from rl.config import EnvConfig, RewardConfig, RolloutConfig
 from rl.collect import Collector
 from rl.data import Sample
 from rl.reward import RewardPool
-from rl.rollout import Completion, Engine, SamplingParams
+from rl.rollout import Completion, SamplingParams
 from rl.rollout.native import NativeEngine
 from rl.rollout.stop_text import STOPPED, StopText
 from tests.test_engine import full_weights
 from tests.test_env import ONE_RANK, TOKENIZER
+from tests.stand_in import StandInEngine
 from tests.tiny import tiny_model
 
 
@@ -99,12 +100,12 @@ def test_native_engine_ends_rows_at_the_token_that_completes_the_text(model):
     assert 1 in cuts and [out.token_ids for out in stopped] == [w.token_ids[:c] for w, c in zip(free, cuts)]
 
 
-class TooLong(Engine):
+class TooLong(StandInEngine):
     """An engine blind to stop text (as vLLM, which runs without a tokenizer): every turn runs past it."""
 
     def __init__(self, turn: list[int]):
-        super().__init__(max_context_len=4096)
-        self.turn, self.handed, self.weights_loaded = turn, [], True
+        super().__init__()
+        self.turn, self.handed = turn, []
 
     def _generate(self, prompts, params, on_finish, prior, keep):
         self.handed.append(list(prompts))

@@ -25,6 +25,7 @@ An engine implements loading (`_load_weights`), generating (`_generate`), sleepi
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 from collections.abc import Callable, Hashable, Iterable
@@ -106,7 +107,7 @@ def cut_before_telling(on_finish: Callable[[dict[int, Completion]], bool | None]
     return lambda finished: on_finish({i: cut_at_stop(out, stop_text) for i, out in finished.items()})
 
 
-class Engine:
+class Engine(abc.ABC):
     """`generate(prompts, params, on_finish, prior, keep)`: `on_finish({index: completion})` is told which requests
     just finished, with what they generated (a caller may act on them while the rest generate); when it answers
     true the call ends early, and unfinished requests come back with the tokens they have ("abort"). `prior[i]`:
@@ -236,21 +237,23 @@ class Engine:
 
     # ------------------------------------------------------------------ what each engine implements
 
+    @abc.abstractmethod
     def _generate(self, prompts: list[list[int]], params: SamplingParams,
                   on_finish: Callable[[dict[int, Completion]], bool | None] | None, prior: list[int],
                   keep: list[Hashable | None] | None) -> list[Completion]:
-        raise NotImplementedError
+        """The completions of a checked call (`generate`): `prior` is a list, `params` holds the stop ids."""
 
+    @abc.abstractmethod
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        raise NotImplementedError
+        """Copies the HF-named tensors into the engine's weights as the iterator yields them."""
 
+    @abc.abstractmethod
     def _sleep(self, level: int) -> None:
         """Level 1 or 2, from any state; `self.asleep` still says what was awake."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _wake_up(self, tags: list[str]) -> None:
         """Restores `tags`, each asleep now."""
-        raise NotImplementedError
 
     def _reset_prefix_cache(self) -> None:
         pass
