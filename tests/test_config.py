@@ -184,3 +184,15 @@ def test_help_on_the_command_line_exits_0():
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert "  train.lr = 1e-06  (float)" in proc.stdout and "[rollout]" not in proc.stdout
+
+
+def test_engine_keys_live_in_their_tables_and_an_old_key_names_its_new_place():
+    cfg = load_config(["--model.path=m", "--data.source=d.jsonl", "--rollout.vllm.kv_cache_memory_bytes=1024",
+                       "--rollout.native.steps_per_poll=4", "--rollout.vllm.kwargs={block_size=32}"])
+    assert cfg.rollout.vllm.kv_cache_memory_bytes == 1024 and cfg.rollout.native.steps_per_poll == 4
+    assert cfg.rollout.vllm.kwargs == {"block_size": 32}
+    with pytest.raises(ConfigError, match=r"^'rollout.gpu_memory_utilization' is now "
+                                          r"'rollout.vllm.gpu_memory_utilization' \(its engine's table\)$"):
+        load_config(["--model.path=m", "--data.source=d.jsonl", "--rollout.gpu_memory_utilization=0.3"])
+    with pytest.raises(ConfigError, match=r"^rollout.max_batch_size: expected int, got dict \{'x': 1\}$"):
+        load_config(["--model.path=m", "--data.source=d.jsonl", "--rollout.max_batch_size.x=1"])
