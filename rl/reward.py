@@ -460,7 +460,7 @@ class RewardPool:
         if exited or worker.process.poll() is not None:
             how = self.retire(worker, failures)
             if not worker.ready:
-                raise RunStopped(f"reward worker exited with {how} while starting ({self.limits()})\n"
+                raise RunStopped(f"reward worker could not start ({self.limits()}): it exited with {how}\n"
                                    f"{failures.output_text()}")
             if worker.index is not None:
                 failures.add_error(units[worker.index], f"WorkerDied: reward worker exited with {how}",
