@@ -270,3 +270,172 @@ function_weights = [1.0, 0.5, 0.5, 1.0, 0.1]
     samples = [json.loads(line) for line in (tmp_path / "run/samples/rollout_1.jsonl").read_text().splitlines()]
     assert len(samples) == 32 and all(s["logged"]["length"] == len(s["response"]) for s in samples)
     assert all(s["label"] == "None" for s in samples)  # no answer column: no label
+
+
+# ---------------------------------------------------------------------------- docs/algorithms.md's TRL table, numerically
+
+
+def rl_config(**sections):
+    """The resolved rl config of a run that sets `sections` (as the TRL table's rows say), on `world` ranks."""
+    from rl.config import resolve
+
+    world = sections.pop("world", None)
+    return resolve(config_from_dict({"model": {"path": "m"}, "data": {"source": "d.jsonl"}, **sections}), world)
+
+
+def rl_step_loss(algo, logprobs, old, adv, mask, rollout=None, ref=None, entropy=None):
+    """rl's loss of a one-micro-batch step (rl.train.micro_batch_loss), adv (B, 1) broadcast to the tokens."""
+    from collections import defaultdict
+
+    from rl.train import MicroBatch, micro_batch_loss
+
+    mb = MicroBatch(torch.zeros_like(mask), mask, adv.expand_as(mask), old if rollout is None else rollout, [])
+    entropy = torch.zeros_like(mask) if entropy is None else entropy
+    sums = defaultdict(lambda: torch.zeros(()))
+    return micro_batch_loss(sums, mb, logprobs, entropy, old, ref, algo, float(mask.sum()),
+                            float((mask.sum(-1) > 0).sum()))
+
+
+def trl_grpo_loss(logprobs, old, adv, mask, loss_type="dapo", epsilon=0.2, epsilon_high=None, delta=None,
+                  level="token", beta=0.0, ref=None, is_ratio=None, max_completion_length=None, entropy=None,
+                  entropy_coef=0.0):
+    """TRL's GRPO loss, one process and one accumulation step (use_bias_correction_kl=False): the ratio (per
+    token, or the exp of the sequence's mean log-ratio), clipped to [1 - epsilon, 1 + epsilon_high], the unclipped
+    one capped at delta when set; times the vLLM importance ratio; plus beta x k3; aggregated by loss_type; minus
+    entropy_coef x the mean token entropy."""
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    log_ratio = logprobs - old
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_ratio)
+    coef_2 = coef_1.clamp(1 - epsilon, 1 + epsilon_high)
+    if delta is not None:
+        coef_1 = coef_1.clamp(max=delta)
+    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if is_ratio is not None:
+        per_token = per_token * is_ratio
+    if beta:
+        per_token = per_token + beta * (torch.exp(ref - logprobs) - (ref - logprobs) - 1)
+    if loss_type == "dapo":
+        loss = (per_token * mask).sum() / mask.sum()
+    elif loss_type == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    else:  # dr_grpo
+        loss = (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
+    if entropy_coef:
+        loss = loss - entropy_coef * (entropy * mask).sum() / mask.sum()
+    return loss
+
+
+# Two responses, the second one token shorter: ratios e^1 = 2.718, e^-0.5 = 0.607, 1 | e^0.1 = 1.105, e^-1 = 0.368.
+LOGPROBS = torch.tensor([[-1.0, -2.0, -1.0], [-0.9, -2.0, -5.0]])
+OLD = torch.tensor([[-2.0, -1.5, -1.0], [-1.0, -1.0, -5.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize("trl, rl", [
+    (dict(epsilon=0.2, epsilon_high=0.28), dict(eps_clip=0.2, eps_clip_high=0.28)),
+    (dict(delta=1.5), dict(eps_clip_c=1.5)),
+    (dict(loss_type="grpo"), dict(loss_agg="seq_mean_token_mean")),
+    (dict(loss_type="dr_grpo", max_completion_length=8), dict(loss_agg="seq_mean_token_sum_norm")),
+    (dict(level="sequence"), dict(policy_loss="gspo")),
+    (dict(level="sequence", loss_type="grpo"), dict(policy_loss="gspo", loss_agg="seq_mean_token_mean")),
+], ids=["epsilon_high", "delta", "grpo", "dr_grpo", "sequence", "sequence_grpo"])
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["A>0", "A<0"])
+def test_trl_loss_settings_give_rls_loss_and_gradient_under_the_documented_keys(trl, rl, sign):
+    adv = sign * torch.tensor([[1.0], [-0.5]])
+    # dr_grpo's constant: rl's loss_agg_norm defaults to rollout.max_new_tokens, TRL's max_completion_length.
+    algo = rl_config(rollout={"max_new_tokens": 8}, algo=rl).algo
+    grads = []
+    for loss_of in (lambda lp: trl_grpo_loss(lp, OLD, adv, MASK, **trl), lambda lp: rl_step_loss(algo, lp, OLD, adv,
+                                                                                                  MASK)):
+        lp = LOGPROBS.clone().requires_grad_()
+        loss = loss_of(lp)
+        loss.backward()
+        grads.append((loss.item(), lp.grad * MASK))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(grads[0][1], grads[1][1])
+
+
+def test_trl_delta_caps_a_negative_advantage_token_as_eps_clip_c_does():
+    # One token, ratio e = 2.718, A = -1: PPO's clipped loss alone is e (the unclipped branch is larger); TRL's
+    # delta = 1.5 caps it at 1.5 with no gradient, and so does rl's dual clip at eps_clip_c = 1.5.
+    lp, old, adv, mask = torch.tensor([[0.0]]), torch.tensor([[-1.0]]), -torch.ones(1, 1), torch.ones(1, 1)
+    assert trl_grpo_loss(lp, old, adv, mask, delta=1.5).item() == pytest.approx(1.5)
+    assert rl_step_loss(rl_config(algo={"eps_clip_c": 1.5}).algo, lp, old, adv, mask).item() == pytest.approx(1.5)
+    assert rl_step_loss(rl_config().algo, lp, old, adv, mask).item() == pytest.approx(math.e)
+
+
+def test_trl_beta_and_entropy_coef_are_kl_coef_with_k3_and_entropy_coef():
+    # Token 3 of response 1: log ref - log p = 3, so k3 = e^3 - 3 - 1 = 16.09, past low_var_kl's clamp at 10.
+    ref = LOGPROBS + torch.tensor([[0.1, -0.2, 3.0], [0.0, 0.5, 0.0]])
+    adv, entropy = torch.tensor([[1.0], [-0.5]]), torch.tensor([[1.0, 2.0, 0.5], [0.25, 3.0, 9.0]])
+    trl = trl_grpo_loss(LOGPROBS, OLD, adv, MASK, beta=0.04, ref=ref, entropy=entropy, entropy_coef=0.01)
+    algo = rl_config(algo={"kl_coef": 0.04, "kl_estimator": "k3", "entropy_coef": 0.01}).algo
+    assert rl_step_loss(algo, LOGPROBS, OLD, adv, MASK, ref=ref, entropy=entropy).item() == pytest.approx(trl.item())
+    # The KL part by hand: (k3 of 0.1, -0.2, 3 and 0, 0.5) / 5 tokens.
+    k3 = [math.exp(d) - d - 1 for d in (0.1, -0.2, 3.0, 0.0, 0.5)]
+    no_kl = rl_step_loss(dataclasses.replace(algo, kl_coef=0.0), LOGPROBS, OLD, adv, MASK, entropy=entropy)
+    assert trl.item() - no_kl.item() == pytest.approx(0.04 * sum(k3) / 5, rel=1e-5)
+    # rl's default estimator (low_var_kl) clamps the 16.09 to 10: the reason the table names k3.
+    default = dataclasses.replace(algo, kl_estimator="low_var_kl")
+    assert rl_step_loss(default, LOGPROBS, OLD, adv, MASK, ref=ref, entropy=entropy).item() == pytest.approx(
+        trl.item() - 0.04 * (k3[2] - 10) / 5, rel=1e-5)
+
+
+def trl_vllm_is_ratio(old, sampling, mask, mode, clip_max):
+    """TRL's vllm_importance_sampling_mode with clip_min unset: exp(old - sampling) per token, or of its sum over
+    the sequence (*sequence_*); *_truncate caps it at clip_max, *_mask zeroes it above clip_max."""
+    diff = (old - sampling) * mask
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    return ratio.clamp(max=clip_max) if mode.endswith("truncate") else ratio.masked_fill(ratio > clip_max, 0.0)
+
+
+@pytest.mark.parametrize("mode, level, rl_mode", [("token_truncate", "token", "truncate"),
+                                                  ("token_mask", "token", "mask"),
+                                                  ("sequence_truncate", "sequence", "truncate"),
+                                                  ("sequence_mask", "sequence", "mask")])
+def test_trl_vllm_importance_sampling_modes_are_tis_level_and_tis_mode(mode, level, rl_mode):
+    # The engine's logprobs: response 1's per-token ratios e^1.2 = 3.32, 1, e^-0.2 (sequence: e^1 = 2.72 < 3);
+    # response 2's e^0.5, e^0.7 (sequence: e^1.2 = 3.32 > 3).
+    engine = OLD - torch.tensor([[1.2, 0.0, -0.2], [0.5, 0.7, 0.0]])
+    adv = torch.tensor([[1.0], [-0.5]])
+    algo = rl_config(algo={"tis_cap": 3.0, "tis_level": level, "tis_mode": rl_mode}).algo
+    trl = trl_grpo_loss(LOGPROBS, OLD, adv, MASK, is_ratio=trl_vllm_is_ratio(OLD, engine, MASK, mode, 3.0))
+    assert rl_step_loss(algo, LOGPROBS, OLD, adv, MASK, rollout=engine).item() == pytest.approx(trl.item(), rel=1e-6)
+    if mode == "sequence_mask":  # TRL's default: response 2 (ratio 3.32 > 3) leaves the loss
+        assert trl.item() == pytest.approx(trl_grpo_loss(LOGPROBS, OLD, adv, MASK * torch.tensor([[1.0], [0.0]]))
+                                           .item() * 3 / 5 * math.e, rel=1e-6)
+
+
+@pytest.mark.parametrize("per_device, world, accumulation, generations, steps_per_generation", [
+    (4, 2, 4, 8, None), (4, 2, 2, 8, 8), (8, 1, 1, 4, 4)])
+def test_trl_batch_sizes_are_rls_prompts_samples_and_steps(per_device, world, accumulation, generations,
+                                                          steps_per_generation):
+    # TRL counts completions: an optimizer step takes per_device x world x accumulation of them, and one generation
+    # makes per_device x world x steps_per_generation (default: accumulation) = that / num_generations prompts.
+    steps_per_generation = steps_per_generation or accumulation
+    generated = per_device * world * steps_per_generation
+    cfg = rl_config(world=world, rollout={"rollout_batch_size": generated // generations,
+                                          "n_samples_per_prompt": generations},
+                    train={"num_steps_per_rollout": steps_per_generation // accumulation, "micro_batch_size": per_device})
+    assert cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt == generated
+    assert cfg.train.global_batch_size == per_device * world * accumulation
+    assert cfg.train.global_batch_size // world // cfg.train.micro_batch_size == accumulation
+
+
+def test_trl_warmup_is_rls_lr_warmup_steps_one_step_earlier():
+    # transformers' constant_with_warmup: lr x step / W before step W (0 at the first step), then lr.
+    from rl.config import TrainConfig
+    from rl.policy import build_optimizer
+
+    optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), TrainConfig(lr=1e-3, lr_warmup_steps=4), fused=False)
+    lrs = []
+    for _ in range(6):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    hf = [1e-3 * min(step / 4, 1.0) for step in range(7)]
+    assert lrs == pytest.approx(hf[1:]) and lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
