@@ -272,7 +272,7 @@ function_weights = [1.0, 0.5, 0.5, 1.0, 0.1]
     assert all(s["label"] == "None" for s in samples)  # no answer column: no label
 
 
-# ---------------------------------------------------------------------------- docs/algorithms.md's TRL table, numerically
+# ---------------------------------------------------------------------------- the TRL table, numerically
 
 
 def rl_config(**sections):
@@ -420,7 +420,8 @@ def test_trl_batch_sizes_are_rls_prompts_samples_and_steps(per_device, world, ac
     generated = per_device * world * steps_per_generation
     cfg = rl_config(world=world, rollout={"rollout_batch_size": generated // generations,
                                           "n_samples_per_prompt": generations},
-                    train={"num_steps_per_rollout": steps_per_generation // accumulation, "micro_batch_size": per_device})
+                    train={"num_steps_per_rollout": steps_per_generation // accumulation,
+                           "micro_batch_size": per_device})
     assert cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt == generated
     assert cfg.train.global_batch_size == per_device * world * accumulation
     assert cfg.train.global_batch_size // world // cfg.train.micro_batch_size == accumulation
