@@ -10,7 +10,7 @@ a token does not depend on what else is in the batch:
 - attention is the engine's decode kernel with fixed 512-token splits, run with one row per token
   over the sequence's own keys (`invariant_attention`), in the engine's prefill, its decode steps
   and here alike;
-- RMSNorm, SiLU * up and RoPE are the engine's Triton kernels (rl/kernels/) with its rounded cos/sin
+- RMSNorm, SiLU * up and RoPE (with Qwen3's QK-norm in front of it) are the engine's Triton kernels (rl/kernels/) with its rounded cos/sin
   tables (HF's torch RoPE differs from the engine's by one bf16 ulp in places on the GPU), and residual
   adds are plain bf16 adds (the engine's fused add rounds the same way).
 
@@ -18,7 +18,7 @@ So the rollout logprobs and the trainer's logprobs of the same tokens agree to t
 network (the final log-softmax differs only in float32 summation order). Backward passes use plain
 torch: each custom op differentiates its torch reference from rl/kernels/ (or SDPA for attention).
 
-`make_batch_invariant(model, max_positions)` patches a `transformers` Llama / Qwen2 causal LM in
+`make_batch_invariant(model, max_positions)` patches a `transformers` Llama / Qwen2 / Qwen3 causal LM in
 place (before FSDP2 wraps it) and returns it; the patched forward imports the Triton kernels as it
 first runs (Triton is needed only once the mode is on). It assumes what `rl.train.collate` builds: one
 sequence per row, right-padded, positions 0, 1, 2, ... Padded positions compute garbage that the
@@ -99,20 +99,33 @@ class _SiluMul(torch.autograd.Function):
 
 
 class _Rope(torch.autograd.Function):
-    """x (T, heads, D) rotated by cos, sin (T, D/2) with the engine's RoPE arithmetic."""
+    """x (T, heads, D) rotated by cos, sin (T, D/2) with the engine's RoPE arithmetic; with a QK-norm weight
+    (Qwen3) each head is RMS-normalised first, in the same kernel, as the engine does it."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float):
         from rl.kernels.rope_triton import rope_rounded
 
-        ctx.save_for_backward(cos, sin)
-        return rope_rounded(x, cos, sin)
+        ctx.save_for_backward(cos, sin, x if weight is not None else None, weight)
+        ctx.eps = eps
+        return rope_rounded(x, cos, sin, None if weight is None else (weight, eps))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        cos, sin = (full_table(t).float()[:, None, :] for t in ctx.saved_tensors)
+        cos, sin, x, weight = ctx.saved_tensors
+        cos, sin = (full_table(t).float()[:, None, :] for t in (cos, sin))
         # The rotation's transpose (rotate back by the same angle), in float32.
-        return rope_reference(grad.float(), cos, sin, inverse=True).to(grad.dtype), None, None
+        grad = rope_reference(grad.float(), cos, sin, inverse=True).to(grad.dtype)
+        if weight is None:
+            return grad, None, None, None, None
+        with torch.enable_grad():
+            x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            grad_x, grad_w = torch.autograd.grad(rms_norm_reference(x, weight, ctx.eps), (x, weight), grad)
+        return grad_x, None, None, grad_w, None
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
+    return _Rope.apply(x, cos, sin, None if norm is None else norm.weight, getattr(norm, "variance_epsilon", 0.0))
 
 
 class _Attention(torch.autograd.Function):
@@ -154,8 +167,9 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask=
     if abs(self.scaling - d ** -0.5) > 1e-12:
         raise ValueError(f"batch-invariant attention uses the scale head_dim ** -0.5, the model asks for {self.scaling}")
     cos, sin = (x.expand(b, t, d // 2).reshape(b * t, d // 2) for x in position_embeddings)
-    q = _Rope.apply(self.q_proj(hidden_states).view(b * t, -1, d), cos, sin).view(b, t, -1, d)
-    k = _Rope.apply(self.k_proj(hidden_states).view(b * t, -1, d), cos, sin).view(b, t, -1, d)
+    q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)  # Qwen3's QK-norm
+    q = _rope(self.q_proj(hidden_states).view(b * t, -1, d), cos, sin, q_norm).view(b, t, -1, d)
+    k = _rope(self.k_proj(hidden_states).view(b * t, -1, d), cos, sin, k_norm).view(b, t, -1, d)
     v = self.v_proj(hidden_states).view(b, t, -1, d)
     return self.o_proj(_Attention.apply(q, k, v, self.scaling).reshape(b, t, -1)), None
 
@@ -173,7 +187,7 @@ def _mlp_forward(self, x):
 
 
 def make_batch_invariant(model: torch.nn.Module, max_positions: int) -> torch.nn.Module:
-    """Patches a Llama / Qwen2 `transformers` causal LM to compute its forward with the engine's
+    """Patches a Llama / Qwen2 / Qwen3 `transformers` causal LM to compute its forward with the engine's
     batch-invariant kernels (see the module docstring); returns the same model."""
     Shape.from_hf(model.config)  # the native engine's architecture checks: the two must compute alike
     for module in model.modules():

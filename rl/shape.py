@@ -2,14 +2,17 @@
 
 The memory plan (rl/memory.py), the FLOPs behind `perf/train_mfu` (rl/flops.py) and the native engine's
 tensors (rl/rollout/model.py) all read the model from here, so a new architecture changes one description.
-The layout is Llama / Qwen2's: per block q, k, v (biases with Qwen2 or `attention_bias`) and o over grouped KV
-heads, a gated MLP of three matrices and two RMSNorms; an embedding, a final norm and an lm_head (tied or not)
-around the blocks.
+The layout is Llama / Qwen2 / Qwen3's: per block q, k, v (biases with Qwen2 or `attention_bias`) and o over
+grouped KV heads, Qwen3's RMSNorm of each q and k head (`qk_norm`), a gated MLP of three matrices and two
+RMSNorms; an embedding, a final norm and an lm_head (tied or not) around the blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+QK_NORM_MODEL_TYPES = ("qwen3",)
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class ModelShape:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # q, k and v have biases (Qwen2, or Llama with attention_bias)
     o_bias: bool = False  # o_proj has one too (Llama with attention_bias)
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
     value_head: bool = False  # the critic: lm_head is (hidden -> 1), never tied
 
     @classmethod
@@ -39,7 +43,7 @@ class ModelShape:
                    rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
                    tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
                    qkv_bias=getattr(c, "model_type", "") == "qwen2" or attention_bias, o_bias=attention_bias,
-                   value_head=value_head)
+                   qk_norm=getattr(c, "model_type", "") in QK_NORM_MODEL_TYPES, value_head=value_head)
 
     @property
     def q_size(self) -> int:
@@ -62,9 +66,10 @@ class ModelShape:
 
     @property
     def block_params(self) -> int:
-        """One decoder block: its matmul weights, the attention biases, two norms."""
+        """One decoder block: its matmul weights, the attention biases, two norms (four with QK-norm)."""
         biases = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
-        return self.block_matmul_params + biases + 2 * self.hidden_size
+        qk_norms = 2 * self.head_dim if self.qk_norm else 0
+        return self.block_matmul_params + biases + 2 * self.hidden_size + qk_norms
 
     @property
     def root_params(self) -> int:

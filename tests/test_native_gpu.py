@@ -20,6 +20,7 @@ from rl.rollout.model import DecoderModel, split_qkv
 from rl.rollout.native import NativeEngine
 from rl.rollout.stop_text import StopText
 from tests.test_engine import PROMPTS, full_weights
+from tests.test_families import qwen3_config, random_model
 from tests.tiny import tiny_config, tiny_model
 
 
@@ -99,6 +100,13 @@ def reference_model(dtype, **overrides) -> DecoderModel:
     return model
 
 
+def family_model(family: str, seed: int, layers: int = 2) -> torch.nn.Module:
+    """The tiny Qwen2 model (tied or not) or tests/test_families.py's tiny Qwen3 with QK-norm, float32."""
+    if family == "qwen3":
+        return random_model(qwen3_config(layers=layers), seed=seed)
+    return tiny_model(seed=seed, tie=family == "qwen2_tied", layers=layers).eval()
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -148,9 +156,17 @@ def test_linear_split_k(parts):
     assert rel_err(kernels("linear").linear_split_k(x.T.contiguous().T, w, parts).sum(0), want) < 1e-5  # column-major x
 
 
+def head_norms(model: DecoderModel, qk_norm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Random QK-norm weights of q and k heads (Qwen3's), or None."""
+    d = model.shape.head_dim
+    return tuple(torch.rand(d, device=DEVICE).add(0.5).to(model.dtype) for _ in "qk") if qk_norm else None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_and_store(dtype):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_and_store(dtype, qk_norm):
     model = reference_model(dtype)
+    norms = head_norms(model, qk_norm)
     s = model.shape
     tokens, slots_total = 23, 64
     qkv = torch.randn(tokens, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, device=DEVICE, dtype=dtype)
@@ -159,9 +175,10 @@ def test_rope_and_store(dtype):
     cache = torch.randn(2, slots_total, s.num_kv_heads, s.head_dim, device=DEVICE, dtype=dtype)
     caches = [cache, cache.clone()]
     want_qkv, got_qkv = qkv.clone(), qkv.clone()
-    model.rope_and_store(want_qkv, positions, slots, caches[0][0], caches[0][1])
+    model.rope_and_store(want_qkv, positions, slots, caches[0][0], caches[0][1], qk_norm=norms)
     kernels("rope").rope_and_store(got_qkv, positions, slots, model.cos, model.sin, caches[1][0], caches[1][1],
-                                   s.num_heads, s.num_kv_heads, s.head_dim)
+                                   s.num_heads, s.num_kv_heads, s.head_dim,
+                                   qk_norm=(*norms, s.rms_norm_eps) if norms else None)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(got_qkv, want_qkv) < tol
     assert rel_err(caches[1], caches[0]) < tol
@@ -169,11 +186,14 @@ def test_rope_and_store(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_rope_and_store_from_partial_sums(dtype, with_bias):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_and_store_from_partial_sums(dtype, with_bias, qk_norm):
     """Split-K partial sums of the qkv projection: summed with the bias and rounded once, then the
     same rotation and cache writes as from the rounded projection; q comes back as a new tensor."""
     model = reference_model(dtype)
     s = model.shape
+    norms = head_norms(model, qk_norm)
+    norms = (*norms, s.rms_norm_eps) if norms else None
     tokens, width = 23, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     partials = torch.randn(2, tokens, width, device=DEVICE)
     bias = torch.randn(width, device=DEVICE, dtype=dtype) if with_bias else None
@@ -183,9 +203,9 @@ def test_rope_and_store_from_partial_sums(dtype, with_bias):
     caches = [torch.zeros(2, 64, s.num_kv_heads, s.head_dim, device=DEVICE, dtype=dtype) for _ in range(2)]
     args = (model.cos, model.sin)
     want_q = kernels("rope").rope_and_store(qkv, positions, slots, *args, caches[0][0], caches[0][1], s.num_heads,
-                                            s.num_kv_heads, s.head_dim)
+                                            s.num_kv_heads, s.head_dim, qk_norm=norms)
     got_q = kernels("rope").rope_and_store(partials, positions, slots, *args, caches[1][0], caches[1][1], s.num_heads,
-                                           s.num_kv_heads, s.head_dim, bias=bias)
+                                           s.num_kv_heads, s.head_dim, bias=bias, qk_norm=norms)
     assert got_q.shape == (tokens, s.num_heads * s.head_dim) and got_q.dtype == dtype
     if dtype == torch.float32 or DEVICE.type == "cuda":  # (the interpreter rounds to bfloat16 its own way)
         assert torch.equal(got_q, want_q) and torch.equal(caches[1], caches[0])
@@ -193,21 +213,25 @@ def test_rope_and_store_from_partial_sums(dtype, with_bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_rounds_as_rope_and_store(dtype):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_rounds_as_rope_and_store(dtype, qk_norm):
     """The trainer's RoPE kernel (batch-invariant mode) gives the bits the engine's fused RoPE + cache
-    write gives, for q and for k."""
+    write gives, for q and for k (each head normalised first with QK-norm)."""
     model = reference_model(dtype)
     s = model.shape
+    norms = head_norms(model, qk_norm)
     tokens = 50
     qkv = torch.randn(tokens, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, device=DEVICE, dtype=dtype)
     positions = torch.randint(0, 200, (tokens,), device=DEVICE)
     cache = torch.zeros(2, tokens, s.num_kv_heads, s.head_dim, device=DEVICE, dtype=dtype)
     q, k, _ = (t.clone() for t in split_qkv(qkv, s))
     kernels("rope").rope_and_store(qkv, positions, torch.arange(tokens, device=DEVICE), model.cos, model.sin, cache[0],
-                                   cache[1], s.num_heads, s.num_kv_heads, s.head_dim)
+                                   cache[1], s.num_heads, s.num_kv_heads, s.head_dim,
+                                   qk_norm=(*norms, s.rms_norm_eps) if norms else None)
     cos, sin = model.cos[positions], model.sin[positions]
-    assert torch.equal(kernels("rope").rope_rounded(q, cos, sin), split_qkv(qkv, s)[0])
-    assert torch.equal(kernels("rope").rope_rounded(k, cos, sin), cache[0])
+    q_norm, k_norm = ((w, s.rms_norm_eps) for w in norms) if norms else (None, None)
+    assert torch.equal(kernels("rope").rope_rounded(q, cos, sin, q_norm), split_qkv(qkv, s)[0])
+    assert torch.equal(kernels("rope").rope_rounded(k, cos, sin, k_norm), cache[0])
 
 
 def test_silu_mul():
@@ -393,9 +417,9 @@ GROUPED = [p for p in PROMPTS + [list(range(3, 40)), list(range(7, 27))] for _ i
 
 
 @needs_cuda
-@pytest.mark.parametrize("tie", [False, True])
-def test_cuda_engine_matches_cpu_engine(tie):
-    model = tiny_model(seed=3, tie=tie).eval()
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_tied", "qwen3"])
+def test_cuda_engine_matches_cpu_engine(family):
+    model = family_model(family, seed=3)
     cpu = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=5, page_size=8)
     params = SamplingParams(max_new_tokens=20, temperature=1.0, top_k=1)
     cpu.load_weights(full_weights(model))
@@ -486,7 +510,8 @@ def test_cuda_engine_top_p_top_k_in_graphs():
 
 
 @needs_cuda
-def test_batch_invariant_engine_and_trainer_forward_agree_bit_for_bit():
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_batch_invariant_engine_and_trainer_forward_agree_bit_for_bit(family):
     """bf16 on the GPU: the engine in batch-invariant mode (CUDA graphs, decode batches that shrink
     as rows finish, contexts past one 512-token split) against the trainer's patched forward of the
     same sequences in one right-padded batch. The network's bits agree; what is left is the float32
@@ -495,7 +520,7 @@ def test_batch_invariant_engine_and_trainer_forward_agree_bit_for_bit():
 
     from rl.invariant import make_batch_invariant
 
-    hf = tiny_model(seed=3, layers=4).to(DEVICE, torch.bfloat16).eval()
+    hf = family_model(family, seed=3, layers=4).to(DEVICE, torch.bfloat16).eval()
     engine = NativeEngine(hf.config, DEVICE, torch.bfloat16, max_batch_size=16, seed=0, max_context_len=1024,
                           batch_invariant=True)
     engine.load_weights(full_weights(hf))

@@ -18,6 +18,9 @@ one program per token over all its heads, in one of two roundings, kept apart on
   32k-token micro-batch at the 0.5B shape; the memory floor is ~0.03 ms). The op `rl.rope.rope` calls it.
 
 The engine's tables are half tables (D/2 columns, c1 = c2); the trainer's op gets HF's full-width ones.
+With QK-norm weights (Qwen3) the rounded kernels first normalise each q and k head as
+`rl.kernels.rms_norm.rms_norm_reference` does (`_head_norm`), so the engine and the batch-invariant trainer
+run the same arithmetic there too.
 """
 
 from __future__ import annotations
@@ -41,10 +44,24 @@ def _rotate(x1, x2, c, s, DT: tl.constexpr):
 
 
 @triton.jit
+def _head_norm(x1, x2, w_ptr, i, eps, HEAD_DIM: tl.constexpr, DT: tl.constexpr):
+    """RMSNorm of each head (a row of the halves x1, x2, float32 values of DT) by its weight (HEAD_DIM,):
+    normalised in float32, rounded to DT, scaled by the weight and rounded again, as the reference rounds."""
+    half: tl.constexpr = HEAD_DIM // 2
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+    w1 = tl.load(w_ptr + i).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + half + i).to(tl.float32)[None, :]
+    y1 = ((x1 * rstd).to(DT).to(tl.float32) * w1).to(DT).to(tl.float32)
+    y2 = ((x2 * rstd).to(DT).to(tl.float32) * w2).to(DT).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr,
-                       row_stride, part_stride, q_out_stride,
+                       q_norm_ptr, k_norm_ptr, eps, row_stride, part_stride, q_out_stride,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       QK_NORM: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     dt: tl.constexpr = k_cache_ptr.dtype.element_ty
@@ -58,16 +75,22 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
     h = tl.arange(0, BLOCK_H)[:, None]
     col = h * HEAD_DIM + i[None, :]
     mask = h < NUM_HEADS
-    q1, q2 = _rotate(load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt),
-                     load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt), c, s, dt)
+    q1 = load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt)
+    q2 = load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt)
+    if QK_NORM:
+        q1, q2 = _head_norm(q1, q2, q_norm_ptr, i, eps, HEAD_DIM, dt)
+    q1, q2 = _rotate(q1, q2, c, s, dt)
     tl.store(q_out_ptr + tok * q_out_stride + col, q1, mask=mask)
     tl.store(q_out_ptr + tok * q_out_stride + col + half, q2, mask=mask)
 
     kh = tl.arange(0, BLOCK_KV)[:, None]
     mask = kh < NUM_KV_HEADS
     col = NUM_HEADS * HEAD_DIM + kh * HEAD_DIM + i[None, :]
-    k1, k2 = _rotate(load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt),
-                     load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt), c, s, dt)
+    k1 = load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt)
+    k2 = load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt)
+    if QK_NORM:
+        k1, k2 = _head_norm(k1, k2, k_norm_ptr, i, eps, HEAD_DIM, dt)
+    k1, k2 = _rotate(k1, k2, c, s, dt)
     if PARTS == 1:  # the rotated k stays in qkv too, where prefill's attention reads it
         tl.store(base + col, k1, mask=mask)
         tl.store(base + col + half, k2, mask=mask)
@@ -83,26 +106,29 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                   num_kv_heads: int, head_dim: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                   num_kv_heads: int, head_dim: int, bias: torch.Tensor | None = None,
+                   qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """Rotates q and k of `qkv` (T, (H + 2 KV) * D), writes k, v to their cache slots, returns the
     rotated q (T, H * D). `qkv` is rotated in place and q is a view of it; or `qkv` is (parts, T, W)
-    float32 split-K partial sums (`linear_split_k`), summed here with `bias`, and q is a new tensor."""
+    float32 split-K partial sums (`linear_split_k`), summed here with `bias`, and q is a new tensor.
+    `qk_norm` (q weight, k weight, eps) normalises each q and k head before the rotation."""
     parts = qkv.shape[0] if qkv.dim() == 3 else 1
     tokens = qkv.shape[-2]
     q = qkv[:, : num_heads * head_dim] if parts == 1 else qkv.new_empty(tokens, num_heads * head_dim,
                                                                          dtype=k_cache.dtype)
+    q_norm, k_norm, eps = qk_norm or (k_cache, k_cache, 0.0)
     _rope_store_kernel[(tokens,)](qkv, cos, sin, positions, slots, k_cache, v_cache, q, k_cache if bias is None else bias,
-                                  qkv.stride(-2), tokens * qkv.shape[-1], q.stride(0), NUM_HEADS=num_heads,
-                                  NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                                  q_norm, k_norm, eps, qkv.stride(-2), tokens * qkv.shape[-1], q.stride(0),
+                                  NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                                   BLOCK_H=triton.next_power_of_2(num_heads),
                                   BLOCK_KV=triton.next_power_of_2(num_kv_heads), PARTS=parts,
-                                  HAS_BIAS=bias is not None and parts > 1, num_warps=2)
+                                  HAS_BIAS=bias is not None and parts > 1, QK_NORM=qk_norm is not None, num_warps=2)
     return q
 
 
 @triton.jit
-def _rope_rounded_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+def _rope_rounded_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, norm_ptr, eps, HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     i = tl.arange(0, half)
@@ -111,19 +137,27 @@ def _rope_rounded_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS: tl.constexpr, 
     h = tl.arange(0, BLOCK_H)[:, None]
     mask = h < HEADS
     offs = tok * HEADS * HEAD_DIM + h * HEAD_DIM + i[None, :]
-    x1, x2 = _rotate(tl.load(x_ptr + offs, mask=mask).to(tl.float32),
-                     tl.load(x_ptr + offs + half, mask=mask).to(tl.float32), c, s, out_ptr.dtype.element_ty)
+    dt: tl.constexpr = out_ptr.dtype.element_ty
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        x1, x2 = _head_norm(x1, x2, norm_ptr, i, eps, HEAD_DIM, dt)
+    x1, x2 = _rotate(x1, x2, c, s, dt)
     tl.store(out_ptr + offs, x1, mask=mask)
     tl.store(out_ptr + offs + half, x2, mask=mask)
 
 
-def rope_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of x (T, heads, D) by the rows cos, sin (T, D/2), rounded as `rope_and_store` rounds."""
+def rope_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """RoPE of x (T, heads, D) by the rows cos, sin (T, D/2), rounded as `rope_and_store` rounds; with
+    `norm` (weight, eps) each head is RMS-normalised first, as `rope_and_store` does with `qk_norm`."""
     tokens, heads, head_dim = x.shape
     x = x.contiguous()
     out = torch.empty_like(x)
-    _rope_rounded_kernel[(tokens,)](x, cos.contiguous(), sin.contiguous(), out, HEADS=heads, HEAD_DIM=head_dim,
-                                    BLOCK_H=triton.next_power_of_2(heads), num_warps=2)
+    weight, eps = norm or (x, 0.0)
+    _rope_rounded_kernel[(tokens,)](x, cos.contiguous(), sin.contiguous(), out, weight, eps, HEADS=heads,
+                                    HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(heads),
+                                    QK_NORM=norm is not None, num_warps=2)
     return out
 
 

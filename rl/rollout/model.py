@@ -1,11 +1,12 @@
-"""The native engine's own forward pass for decoder-only Llama / Qwen2 models over a paged KV cache.
+"""The native engine's own forward pass for decoder-only Llama / Qwen2 / Qwen3 models over a paged KV cache.
 
 At the boundary the weights keep the HF state-dict names (`load_weights` receives exactly what
 the trainer pushes); inside they are stored fused, q/k/v rows in one matrix and gate/up in another,
 so a decoder block runs four GEMMs instead of seven. Tokens move as one flat (T, hidden) batch:
 prefill packs right-padded prompts and attends causally through SDPA (right padding needs no mask:
 a real token never looks past itself), decode feeds one token per sequence and reads each context
-through its block table. RoPE tables come from the HF model's own rotary class, so every
+through its block table. Qwen3's QK-norm (an RMSNorm over each q and k head) runs just before RoPE, inside
+the same kernel on CUDA. RoPE tables come from the HF model's own rotary class, so every
 rope_type/rope_scaling the config names is honoured exactly. Each op runs its torch reference from
 rl/kernels/ on the CPU and its Triton kernel from there on CUDA and in batch-invariant mode.
 """
@@ -27,7 +28,7 @@ from rl.kernels.rope import full_table, rope_reference, rope_tables
 from rl.kernels.silu import silu_mul_reference
 from rl.shape import ModelShape
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Decode steps on CUDA of at most this many rows run the qkv and MLP GEMMs in the layouts measured
 # fastest for them (DecoderModel.qkv_and_rope and .mlp; benchmarks/ARCHIVE.md, "Decode GEMM layouts").
 SMALL_BATCH_ROWS = 256
@@ -41,7 +42,8 @@ PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 
 
 class Shape(ModelShape):
-    """A model shape the native engine runs: Llama or Qwen2, SwiGLU with silu, no MLP bias, no sliding window."""
+    """A model shape the native engine runs: Llama, Qwen2 or Qwen3, SwiGLU with silu, no MLP bias, no sliding
+    window; anything else is refused with the reason (`check_native_architecture` turns it into one line)."""
 
     @classmethod
     def from_hf(cls, cfg) -> Shape:
@@ -52,7 +54,7 @@ class Shape(ModelShape):
             raise ValueError(f"{model_type}: hidden_act={cfg.hidden_act!r} is not supported (SwiGLU with silu only)")
         if getattr(cfg, "mlp_bias", False):
             raise ValueError(f"{model_type}: mlp_bias=True is not supported by the native engine")
-        if getattr(cfg, "use_sliding_window", False):
+        if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
             raise ValueError(f"{model_type}: sliding-window attention is not supported by the native engine")
         return super().from_hf(cfg)
 
@@ -72,6 +74,9 @@ def hf_name_map(s: Shape) -> dict[str, Slot]:
             names[f"{hf}self_attn.q_proj.{kind}"] = (f"{own}qkv.{kind}", 0, q)
             names[f"{hf}self_attn.k_proj.{kind}"] = (f"{own}qkv.{kind}", q, q + kv)
             names[f"{hf}self_attn.v_proj.{kind}"] = (f"{own}qkv.{kind}", q + kv, q + 2 * kv)
+        if s.qk_norm:
+            names[f"{hf}self_attn.q_norm.weight"] = (f"{own}q_norm", None, None)
+            names[f"{hf}self_attn.k_norm.weight"] = (f"{own}k_norm", None, None)
         names[f"{hf}self_attn.o_proj.weight"] = (f"{own}o.weight", None, None)
         if s.o_bias:
             names[f"{hf}self_attn.o_proj.bias"] = (f"{own}o.bias", None, None)
@@ -96,6 +101,8 @@ def internal_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
             shapes[f"layers.{i}.qkv.bias"] = (qkv,)
         if s.o_bias:
             shapes[f"layers.{i}.o.bias"] = (h,)
+        if s.qk_norm:
+            shapes |= {f"layers.{i}.q_norm": (s.head_dim,), f"layers.{i}.k_norm": (s.head_dim,)}
     return shapes
 
 
@@ -138,21 +145,23 @@ class DecoderModel:
         return rms_norm_reference(x, weight, self.shape.rms_norm_eps), x
 
     def rope_and_store(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor | None = None
-                       ) -> torch.Tensor:
-        """Rotates q and k of `qkv` in place, writes k and v to their cache slots and returns `qkv`; on
-        the fused path `qkv` may be split-K partial sums, summed with `bias`, and q alone comes back."""
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor | None = None,
+                       qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Rotates q and k of `qkv` in place (each head normalised first by the `qk_norm` weights), writes k
+        and v to their cache slots and returns `qkv`; on the fused path `qkv` may be split-K partial sums,
+        summed with `bias`, and q alone comes back."""
         s = self.shape
         if self.fused:
             from rl.kernels.rope_triton import rope_and_store
 
             q = rope_and_store(qkv, positions, slots, self.cos, self.sin, k_cache, v_cache, s.num_heads,
-                               s.num_kv_heads, s.head_dim, bias=bias)
+                               s.num_kv_heads, s.head_dim, bias=bias,
+                               qk_norm=(*qk_norm, s.rms_norm_eps) if qk_norm else None)
             return q if qkv.dim() == 3 else qkv
         q, k, v = split_qkv(qkv, s)
         cos, sin = (full_table(t[positions])[:, None, :] for t in (self.cos, self.sin))  # (T, 1, D)
-        for x in (q, k):  # in the activation dtype, as the HF forward rotates
-            x.copy_(rope_reference(x, cos, sin))
+        for x, norm in zip((q, k), qk_norm or (None, None)):  # in the activation dtype, as the HF forward rotates
+            x.copy_(rope_reference(x if norm is None else rms_norm_reference(x, norm, s.rms_norm_eps), cos, sin))
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
         return qkv
@@ -180,8 +189,9 @@ class DecoderModel:
         residual = None
         for i in range(self.shape.num_layers):
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.input_norm"])
+            qk_norm = (w[f"layers.{i}.q_norm"], w[f"layers.{i}.k_norm"]) if self.shape.qk_norm else None
             qkv = self.qkv_and_rope(h, w[f"layers.{i}.qkv.weight"], w.get(f"layers.{i}.qkv.bias"), positions, slots,
-                                    kv[0, i], kv[1, i], decode)
+                                    kv[0, i], kv[1, i], decode, qk_norm)
             x = self.linear(attend(i, qkv), w[f"layers.{i}.o.weight"], w.get(f"layers.{i}.o.bias"))
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.post_norm"])
             x = self.mlp(h, w[f"layers.{i}.gate_up"], w[f"layers.{i}.down"], decode)
@@ -192,7 +202,8 @@ class DecoderModel:
         return decode and self.device.type == "cuda" and not self.batch_invariant and h.shape[0] <= SMALL_BATCH_ROWS
 
     def qkv_and_rope(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
-                     slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: bool) -> torch.Tensor:
+                     slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: bool,
+                     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The qkv projection with RoPE applied and k, v written to the cache; returns the rotated q's
         columns first (qkv itself, or q alone). A decode step on CUDA splits the GEMM over its inner
         dimension into QKV_SPLITS float32 partial sums that the RoPE kernel adds up with the bias: at
@@ -201,8 +212,8 @@ class DecoderModel:
             from rl.kernels.linear_triton import linear_split_k
 
             parts = linear_split_k(h, weight, QKV_SPLITS)
-            return self.rope_and_store(parts, positions, slots, k_cache, v_cache, bias)
-        return self.rope_and_store(self.linear(h, weight, bias), positions, slots, k_cache, v_cache)
+            return self.rope_and_store(parts, positions, slots, k_cache, v_cache, bias, qk_norm)
+        return self.rope_and_store(self.linear(h, weight, bias), positions, slots, k_cache, v_cache, qk_norm=qk_norm)
 
     def mlp(self, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, decode: bool) -> torch.Tensor:
         """down(silu(gate) * up). A decode step on CUDA (at most SMALL_BATCH_ROWS rows) computes gate_up
