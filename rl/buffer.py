@@ -165,6 +165,8 @@ def sample_to_dict(sample: Sample) -> dict[str, Any]:
 def sample_from_dict(d: dict[str, Any]) -> Sample:
     """The sample that sample_to_dict wrote; ValueError when `d` is not one (a damaged or foreign file)."""
     names = {f.name for f in dataclasses.fields(Sample)}
+    if isinstance(d, dict) and "scores" not in d:  # saved before samples kept each reward function's score
+        d = {**d, "scores": {}}
     if not isinstance(d, dict) or d.keys() != names:
         raise ValueError(f"a sample with the keys {sorted(d)[:20] if isinstance(d, dict) else type(d).__name__}, "
                          f"expected {sorted(names)}")

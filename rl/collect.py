@@ -27,8 +27,9 @@ from rl.buffer import FINISHED, RolloutBuffer, due_in, is_finished, oldest_versi
 from rl.config import EnvConfig, RolloutConfig
 from rl.data import PromptDataset, Sample, Status
 from rl.episodes import EpisodeLoop, EpisodeTally, episode_reward_stats
+from rl.metrics import score_column
 from rl.parallel import print0
-from rl.reward import RewardInput, RewardPool
+from rl.reward import BUILT_IN_TERMS, RewardInput, RewardPool
 from rl.reward import metrics as reward_metrics
 from rl.reward import reduce_metrics as reduce_reward_metrics
 from rl.rollout import SamplingParams, derive_seed, generate_rollout
@@ -127,8 +128,10 @@ class Collector:
                                               self.ro.max_new_tokens, s.metadata, s.raw_prompt, s.columns,
                                               s.tokens[s.prompt_length:], s.group_index) for s in samples])
         values = result.rewards if term == "reward" else result.terms[term]
-        for sample, value, logged in zip(samples, values, result.extra, strict=True):
+        functions = [name for name in result.terms if name not in BUILT_IN_TERMS]  # reward.functions, group_fn
+        for i, (sample, value, logged) in enumerate(zip(samples, values, result.extra, strict=True)):
             sample.reward, sample.logged = value, logged
+            sample.scores = {name: result.terms[name][i] for name in functions}
         return reward_metrics(result)
 
     def rollout(self, dataset: PromptDataset, sampling: SamplingParams, weight_version: int, rollout_id: int,
@@ -361,22 +364,27 @@ def rollout_metrics(samples: list[Sample], n_samples_per_prompt: int) -> dict[st
 
 def dump_rollout(samples: list[Sample], mismatch: dict[int, float], path: Path) -> None:
     """The experience record of one rollout, a JSON line per sample; `mismatch`: Sample.index -> mean
-    |trainer - rollout logprob| over the sample's response tokens, before the update."""
+    |trainer - rollout logprob| over the sample's response tokens, before the update. Each reward function's
+    own score (before its weight; null where it passed) is a column named by the function, or
+    `reward/<name>` where the name is one of the record's own columns."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for s in samples:
-            f.write(json.dumps({"index": s.index, "group_index": s.group_index, "prompt": s.prompt,
-                                "response": s.response, "label": str(s.label),
-                                "reward": None if math.isnan(s.reward) else s.reward,  # NaN: no function scored it
-                                "advantage": s.advantage, "status": s.status.value,
-                                "response_length": s.response_length, "weight_version": s.weight_version,
-                                "token_versions": version_runs(s.token_versions),
-                                # an episode's turns: [[1, model tokens], [0, environment tokens], ...]
-                                "loss_mask": version_runs(s.loss_mask), "turns": s.turns,
-                                "tool_calls": s.tool_calls, "logged": s.logged,  # reward functions' log_extra
-                                "rollout_logprob_mean": sum(s.rollout_log_probs) / max(len(s.rollout_log_probs), 1),
-                                "logprob_abs_diff_mean": mismatch.get(s.index)})
-                    + "\n")
+            row = {"index": s.index, "group_index": s.group_index, "prompt": s.prompt, "response": s.response,
+                   "label": label_of(s), "reward": None if math.isnan(s.reward) else s.reward,  # NaN: nothing scored
+                   "advantage": s.advantage, "status": s.status.value, "response_length": s.response_length,
+                   "weight_version": s.weight_version, "token_versions": version_runs(s.token_versions),
+                   # an episode's turns: [[1, model tokens], [0, environment tokens], ...]
+                   "loss_mask": version_runs(s.loss_mask), "turns": s.turns,
+                   "tool_calls": s.tool_calls, "logged": s.logged,  # reward functions' log_extra
+                   "rollout_logprob_mean": sum(s.rollout_log_probs) / max(len(s.rollout_log_probs), 1),
+                   "logprob_abs_diff_mean": mismatch.get(s.index)}
+            f.write(json.dumps(row | {score_column(name, row): value for name, value in s.scores.items()}) + "\n")
+
+
+def label_of(sample: Sample) -> str | None:
+    """The label as the dumps write it: text, or null for a row without one."""
+    return None if sample.label is None else str(sample.label)
 
 
 def version_runs(versions: list[int]) -> list[list[int]]:
@@ -397,7 +405,7 @@ def dump_eval(passes: list[tuple[bool, list[Sample]]], path: Path) -> None:
     with path.open("w") as f:
         for greedy, samples in passes:
             for s in samples:
-                f.write(json.dumps({"prompt": s.prompt, "response": s.response, "label": str(s.label),
+                f.write(json.dumps({"prompt": s.prompt, "response": s.response, "label": label_of(s),
                                     "correct": s.reward, "greedy": greedy, "status": s.status.value,
                                     "response_length": s.response_length,
                                     "weight_version": s.weight_version}) + "\n")

@@ -71,6 +71,9 @@ class Sample:
     turns: int = 0  # model turns of a multi-turn episode (env.fn); 0: a single response
     tool_calls: int = 0  # the environment's turns appended to it (each answers a tool call)
     logged: dict[str, Any] = field(default_factory=dict)  # what reward functions gave it with log_extra
+    # Each reward function's own score (reward.functions, reward.group_fn), by name, before its weight; None where
+    # it passed on the sample
+    scores: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def prompt_length(self) -> int:

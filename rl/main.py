@@ -194,11 +194,13 @@ def check_rewards(run: Run, logger, rollout_id: int, rollout_stats: dict) -> Non
 
 def log_row(run: Run, logger, rollout_id: int, samples: list, result: TrainResult, record: StepRecord,
             stats: dict) -> None:
-    """The step's samples (every log.sample_interval rollouts), then its row after the health checks on it (also
-    when a check stops the run)."""
+    """The step's samples (every log.sample_interval rollouts: a JSONL file, and with wandb a completions table),
+    then its row after the health checks on it (also when a check stops the run)."""
     cfg = run.cfg
-    if cfg.log.sample_interval and rollout_id % cfg.log.sample_interval == 0 and run.dist.is_main:
-        dump_rollout(samples, result.mismatch, Path(cfg.log.output_dir) / "samples" / f"rollout_{rollout_id}.jsonl")
+    if cfg.log.sample_interval and rollout_id % cfg.log.sample_interval == 0:
+        if run.dist.is_main:
+            dump_rollout(samples, result.mismatch, Path(cfg.log.output_dir) / "samples" / f"rollout_{rollout_id}.jsonl")
+        logger.log_completions(rollout_id, samples)
     row = {"rollout_id": rollout_id, "weight_version": run.weight_version, **run.restart_stats,
            **rollout_metrics(samples, cfg.rollout.n_samples_per_prompt), **stats,
            "data/epoch": run.dataset.epoch, "data/prompts_filtered": run.dataset.num_filtered, **record.metrics()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import math
 import os
@@ -223,13 +224,52 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=metrics["rollout_id"])
 
+    def log_completions(self, rollout_id: int, samples: list) -> None:
+        """With wandb, a table of the rollout's first groups under "completions" (as TRL's log_completions)."""
+        if self.wandb_run is None:
+            return
+        import wandb
+
+        columns, rows = completions_table(samples, rollout_id, COMPLETIONS_ROWS)
+        self.wandb_run.log({"completions": wandb.Table(columns=columns, data=rows)}, step=rollout_id)
+
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
 
+COMPLETIONS_ROWS = 64  # of a wandb completions table: whole prompt groups up to this many samples (at least one)
+
+
+def completions_table(samples: list, rollout_id: int, max_rows: int) -> tuple[list[str], list[list[Any]]]:
+    """The columns and rows of a completions table: step, prompt, completion, each reward function's own score
+    (null where it passed), the reward (null where nothing scored it) and the advantage, over the first whole
+    groups of `samples` that fit in `max_rows`."""
+    shown: list = []
+    for _, group in itertools.groupby(samples, key=lambda s: s.group_index):
+        group = list(group)
+        if shown and len(shown) + len(group) > max_rows:
+            break
+        shown += group
+    functions = list(dict.fromkeys(name for s in shown for name in s.scores))
+    own = ["step", "prompt", "completion", "reward", "advantage"]
+    columns = [*own[:3], *(score_column(name, own) for name in functions), *own[3:]]
+    rows = [[rollout_id, s.prompt, s.response, *(s.scores.get(name) for name in functions),
+             finite_or_none(s.reward), s.advantage] for s in shown]
+    return columns, rows
+
+
+def score_column(name: str, taken) -> str:
+    """A reward function's column in a table of samples: its name, or reward/<name> where the table has that column
+    of its own (a function named `reward`)."""
+    return f"reward/{name}" if name in taken else name
+
+
 class NullLogger:
     def log(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def log_completions(self, rollout_id: int, samples: list) -> None:
         pass
 
     def close(self) -> None:

@@ -170,6 +170,11 @@ def function_names(cfg: RewardConfig) -> list[str]:
             for name, path in zip(short, paths)]
 
 
+def function_weights(cfg: RewardConfig) -> list[float]:
+    """The weight of each batched function and then the group hook, in function_names' order."""
+    return [*(cfg.function_weights or [1.0] * len(cfg.functions)), *([cfg.group_weight] if cfg.group_fn else [])]
+
+
 def call_user_fn(path: str, inp: RewardInput) -> float:
     fn = load_function(path)  # sys.modules makes this a dict lookup after the first call
     try:
@@ -551,7 +556,10 @@ def gather(outcomes: list[dict[str, float] | None], num_timeouts: int, cfg: Rewa
     functions = function_names(cfg)
     failed = {**dict.fromkeys(BUILT_IN_TERMS + ("reward",), 0.0), "functions": dict.fromkeys(functions, 0.0)}
     filled = [o if o is not None else failed for o in outcomes]
-    unscored = [i for i, o in enumerate(outcomes) if o is not None and all(o["functions"][f] is None for f in functions)]
+    # A function of weight 0 is logged (its reward/<name>_mean, as TRL logs it) but adds nothing: its value does not
+    # make a response scored that every weighted function passed on.
+    weighted = [f for f, w in zip(functions, function_weights(cfg)) if w] or functions
+    unscored = [i for i, o in enumerate(outcomes) if o is not None and all(o["functions"][f] is None for f in weighted)]
     # With no format or length term either, such a response has no score at all: NaN, left out of its group's
     # advantage statistics with advantage 0 (rl/algo.py), as TRL leaves it.
     no_score = set(unscored) if functions and not (cfg.format_weight or cfg.length_penalty_weight) else set()
