@@ -6,6 +6,9 @@ Draws, against `rollout_id` (or, with `--x minutes`, the minutes of steps before
 different speeds compared on wall-clock time), one figure per group:
   reward.png      training reward (after the filter, and over every scored sample) and held-out
                   eval accuracy / pass@k
+  rewards.png     each reward term's mean (reward/<name>_mean: every function of reward.functions and the
+                  group hook, as TRL's rewards/<name>/mean, and the built-in terms), a term of weight 0 marked
+                  "(weight 0)" in the legend from the run's config.json; and the functions' log_metric values
   length.png      mean response length and truncated fraction
   train.png       loss, grad norm, clip fraction, entropy
   time.png        seconds per step as bars stacked by phase, one panel per run
@@ -23,6 +26,7 @@ dir, or only into --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -33,6 +37,9 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display: runs on headless machines and in tests
 import matplotlib.pyplot as plt  # noqa: E402
+
+from rl.config import RewardConfig  # noqa: E402
+from rl.reward import function_names, function_weights  # noqa: E402
 
 # The phases of one step in the order they run, so the stack reads bottom-up like the loop.
 TIME_PHASES = ["rollout", "reward", "offload", "onload_train", "train", "onload_weights",
@@ -89,20 +96,23 @@ def with_minutes(rows: list[dict]) -> list[dict]:
     return out
 
 
-def line_panel(ax, runs: dict[str, list[dict]], keys: list[str], title: str, x: str = "rollout_id") -> bool:
-    """One line per (run, key) present; False when nothing was drawn."""
+def line_panel(ax, runs: dict[str, list[dict]], keys: list[str], title: str, x: str = "rollout_id",
+               unweighted: dict[str, set[str]] | None = None) -> bool:
+    """One line per (run, key) present, "(weight 0)" after the keys of `unweighted[run]`; False when nothing was
+    drawn."""
     drawn = False
     for name, rows in runs.items():
         for key in keys:
             if not has_values(rows, key):
                 continue
             xs, y = series(rows, key, x)
-            # Memory keys are found in the file, so even a lone one needs its phase in the legend.
-            one_fixed_key = len(keys) == 1 and not key.startswith("memory/")
+            # Memory and reward-term keys are found in the file, so even a lone one needs its name in the legend.
+            one_fixed_key = len(keys) == 1 and not key.startswith(("memory/", "reward/"))
             short = key.split("/", 1)[1]
             if sum(k.split("/", 1)[1] == short for k in keys) > 1:  # rollout/x beside eval/x: both named in full
                 short = key
-            label = name if one_fixed_key else f"{name}: {short}"
+            label = (name if one_fixed_key else f"{name}: {short}") + (
+                " (weight 0)" if key in (unweighted or {}).get(name, ()) else "")
             ax.plot(xs, y, marker="." if len(xs) < 50 else None, label=label)
             drawn = True
     if drawn:
@@ -115,14 +125,14 @@ def line_panel(ax, runs: dict[str, list[dict]], keys: list[str], title: str, x: 
 
 
 def line_figure(runs: dict[str, list[dict]], panels: list[tuple[str, list[str]]], path: Path,
-                x: str = "rollout_id") -> bool:
+                x: str = "rollout_id", unweighted: dict[str, set[str]] | None = None) -> bool:
     """A figure of one line panel per (title, keys) that some run has; written only if non-empty."""
     present = [(title, keys) for title, keys in panels if any(has_values(rows, k) for rows in runs.values() for k in keys)]
     if not present:
         return False
     fig, axes = plt.subplots(1, len(present), figsize=(4.5 * len(present), 3.5), squeeze=False)
     for ax, (title, keys) in zip(axes[0], present):
-        line_panel(ax, runs, keys, title, x)
+        line_panel(ax, runs, keys, title, x, unweighted)
     save(fig, path)
     return True
 
@@ -162,19 +172,24 @@ def plot_runs(run_dirs: list[Path], out_dirs: list[Path], x: str = "rollout_id")
 
     Raises PlotError naming the file when a run has no metrics rows, or an out dir that cannot be a folder.
     """
-    runs = {}
+    runs, unweighted = {}, {}
     for run_dir in run_dirs:
         path = run_dir / "metrics.jsonl"
         rows = read_plottable_rows(path) if path.is_file() else []
         if not rows:
             raise PlotError(f"rl.plot: no metrics rows in {path}")
         name = run_dir.resolve().name
-        runs[name if name not in runs else os.fspath(run_dir)] = with_minutes(sorted(rows, key=lambda r: r["rollout_id"]))
+        name = name if name not in runs else os.fspath(run_dir)
+        runs[name] = with_minutes(sorted(rows, key=lambda r: r["rollout_id"]))
+        unweighted[name] = unweighted_terms(run_dir / "config.json")
     evals = keys_of(runs, lambda k: k.startswith("eval/pass@"))
+    terms = keys_of(runs, lambda k: k.startswith("reward/") and k.endswith("_mean") and k.count("/") == 1)
     memory_phases = keys_of(runs, lambda k: k.startswith("memory/") and k.endswith(("_peak_gb", "_device_used_gb")))
     groups = {
         "reward.png": [("training reward", ["rollout/reward_mean", "rollout/reward_mean_all_scored"]),
                        ("eval accuracy", ["eval/accuracy", *evals])],
+        "rewards.png": [("reward per function (mean)", terms),
+                        ("log_metric", keys_of(runs, lambda k: k.startswith("reward/logged/")))],
         "length.png": [("response length (mean)", ["rollout/response_length_mean"]),
                        ("truncated fraction", ["rollout/truncated_frac"])],
         "train.png": [("loss", ["train/loss"]), ("grad norm", ["train/grad_norm"]),
@@ -191,11 +206,24 @@ def plot_runs(run_dirs: list[Path], out_dirs: list[Path], x: str = "rollout_id")
     for out_dir in out_dirs:
         make_folder(out_dir)
         for name, panels in groups.items():
-            if line_figure(runs, panels, out_dir / name, x):
+            if line_figure(runs, panels, out_dir / name, x, unweighted):
                 written.append(name)
         if time_figure(runs, out_dir / "time.png"):
             written.append("time.png")
     return sorted(set(written))
+
+
+def unweighted_terms(config_path: Path) -> set[str]:
+    """The reward/<term>_mean keys of the terms that the run's config weighs 0: logged, but adding nothing to its
+    reward. A run without a readable config.json marks none."""
+    try:
+        saved = json.loads(config_path.read_text())["reward"]
+        cfg = RewardConfig(**{f.name: saved[f.name] for f in dataclasses.fields(RewardConfig) if f.name in saved})
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    weights = {"correct": cfg.correct_weight, "format": cfg.format_weight, "length": cfg.length_penalty_weight,
+               **dict(zip(function_names(cfg), function_weights(cfg)))}
+    return {f"reward/{name}_mean" for name, weight in weights.items() if weight == 0}
 
 
 def make_folder(path: Path) -> None:
