@@ -9,9 +9,15 @@ resume, saves and the final export, rl/checkpointer.py); stop requests, restarts
 
 from __future__ import annotations
 
+import sys
+
+from rl.finished import exit_if_finished
+
+if __name__ == "__main__":  # a finished run says so before torch and transformers load (seconds of imports)
+    exit_if_finished(sys.argv[1:])
+
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
