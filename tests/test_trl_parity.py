@@ -269,7 +269,7 @@ function_weights = [1.0, 0.5, 0.5, 1.0, 0.1]
     assert all(0 <= r["reward/logged/mean_length"] for r in rows) and "reward/get_overlong_penalty_mean" in rows[0]
     samples = [json.loads(line) for line in (tmp_path / "run/samples/rollout_1.jsonl").read_text().splitlines()]
     assert len(samples) == 32 and all(s["logged"]["length"] == len(s["response"]) for s in samples)
-    assert all(s["label"] == "None" for s in samples)  # no answer column: no label
+    assert all(s["label"] is None for s in samples)  # no answer column: no label
 
 
 # ---------------------------------------------------------------------------- the TRL table, numerically
