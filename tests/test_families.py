@@ -91,3 +91,18 @@ def test_a_family_the_engine_does_not_run_is_one_line_naming_it_and_vllm():
         check_native_architecture("m", config)
     assert "\n" not in str(err.value)
     check_native_architecture("m", qwen3_config())  # a family it runs passes
+
+
+def test_a_lora_policy_of_the_family_pushes_its_merged_weights_into_the_engine():
+    from rl.config import LoraConfig
+    from rl.lora import apply_lora, init_adapters
+    from rl.weights import sync_weights
+    from tests.test_lora import engine_vs_trainer, randomize_b
+
+    model = random_model(qwen3_config())
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    init_adapters(model, 0)
+    randomize_b(model, 0)
+    engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=8, seed=0)
+    sync_weights(model, engine, torch.float32, bucket_mb=0.05)
+    assert engine_vs_trainer(engine, model) < 1e-4
