@@ -186,10 +186,17 @@ def _mlp_forward(self, x):
     return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
 
 
+def check_batch_invariant_family(shape: Shape) -> None:
+    """The patches below compute Llama / Qwen2 / Qwen3 blocks; Gemma 3's norms, GeGLU and windows they do not."""
+    if shape.sandwich_norms or shape.windows or shape.activation != "silu":
+        raise ValueError("model.batch_invariant covers Llama, Qwen2 and Qwen3 models; this Gemma 3 model runs "
+                         "without it (model.batch_invariant = false)")
+
+
 def make_batch_invariant(model: torch.nn.Module, max_positions: int) -> torch.nn.Module:
     """Patches a Llama / Qwen2 / Qwen3 `transformers` causal LM to compute its forward with the engine's
     batch-invariant kernels (see the module docstring); returns the same model."""
-    Shape.from_hf(model.config)  # the native engine's architecture checks: the two must compute alike
+    check_batch_invariant_family(Shape.from_hf(model.config))  # the engine's checks: the two must compute alike
     for module in model.modules():
         if all(hasattr(module, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
             module.forward = types.MethodType(_attention_forward, module)

@@ -2,9 +2,12 @@
 
 The memory plan (rl/memory.py), the FLOPs behind `perf/train_mfu` (rl/flops.py) and the native engine's
 tensors (rl/rollout/model.py) all read the model from here, so a new architecture changes one description.
-The layout is Llama / Qwen2 / Qwen3's: per block q, k, v (biases with Qwen2 or `attention_bias`) and o over
-grouped KV heads, Qwen3's RMSNorm of each q and k head (`qk_norm`), a gated MLP of three matrices and two
-RMSNorms; an embedding, a final norm and an lm_head (tied or not) around the blocks.
+The layout is Llama / Qwen2 / Qwen3 / Gemma 3's: per block q, k, v (biases with Qwen2 or `attention_bias`) and o
+over grouped KV heads, an RMSNorm of each q and k head (`qk_norm`: Qwen3, Gemma 3), a gated MLP of three matrices,
+and two RMSNorms (four with Gemma 3's `sandwich_norms` around attention and MLP); an embedding, a final norm and an
+lm_head (tied or not) around the blocks. The rest of Gemma 3's differences (the (1 + w) norm scale, the scaled
+embedding, GeGLU, sliding-window layers with their own RoPE base, the attention scale) change no parameter count
+and are read here too, so the engine reads one description.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-QK_NORM_MODEL_TYPES = ("qwen3",)
+QK_NORM_MODEL_TYPES = ("qwen3", "gemma3_text")
+GEMMA_MODEL_TYPES = ("gemma3_text",)
 
 
 @dataclass(frozen=True)
@@ -28,8 +32,19 @@ class ModelShape:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # q, k and v have biases (Qwen2, or Llama with attention_bias)
     o_bias: bool = False  # o_proj has one too (Llama with attention_bias)
-    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
     value_head: bool = False  # the critic: lm_head is (hidden -> 1), never tied
+    # Gemma 3: norms after attention and after the MLP too; norms scale by (1 + w) in float32, rounding once;
+    # the embedding times sqrt(hidden) (rounded to the activation dtype); GeGLU; attention scaled by
+    # query_pre_attn_scalar ** -0.5; per layer a sliding window (0: global) and the RoPE of its layer type.
+    sandwich_norms: bool = False
+    norm_plus_one: bool = False
+    embed_scale: float = 1.0
+    activation: str = "silu"  # or "gelu_tanh"
+    attn_scale: float = 0.0  # 0: head_dim ** -0.5
+    windows: tuple[int, ...] = ()  # per layer, 0 for global attention; () when every layer is global
+    rope_kinds: tuple[str, ...] = ()  # per layer, the HF layer type whose RoPE it uses; () for one RoPE
+    final_softcap: float = 0.0  # logits = cap * tanh(logits / cap) when > 0
 
     @classmethod
     def from_hf(cls, config, value_head: bool = False) -> ModelShape:
@@ -43,7 +58,17 @@ class ModelShape:
                    rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
                    tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
                    qkv_bias=getattr(c, "model_type", "") == "qwen2" or attention_bias, o_bias=attention_bias,
-                   qk_norm=getattr(c, "model_type", "") in QK_NORM_MODEL_TYPES, value_head=value_head)
+                   qk_norm=getattr(c, "model_type", "") in QK_NORM_MODEL_TYPES, value_head=value_head,
+                   **(gemma_fields(c) if getattr(c, "model_type", "") in GEMMA_MODEL_TYPES else {}))
+
+    @property
+    def scale(self) -> float:
+        """The attention's softmax scale."""
+        return self.attn_scale or self.head_dim ** -0.5
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in tokens (a token sees itself and the window - 1 before it), 0 if global."""
+        return self.windows[layer] if self.windows else 0
 
     @property
     def q_size(self) -> int:
@@ -66,10 +91,10 @@ class ModelShape:
 
     @property
     def block_params(self) -> int:
-        """One decoder block: its matmul weights, the attention biases, two norms (four with QK-norm)."""
+        """One decoder block: its matmul weights, the attention biases, its norms (two or four, and QK-norm's)."""
         biases = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
         qk_norms = 2 * self.head_dim if self.qk_norm else 0
-        return self.block_matmul_params + biases + 2 * self.hidden_size + qk_norms
+        return self.block_matmul_params + biases + (4 if self.sandwich_norms else 2) * self.hidden_size + qk_norms
 
     @property
     def root_params(self) -> int:
@@ -86,3 +111,12 @@ class ModelShape:
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """K and V of every layer for one token, at `itemsize` bytes an element."""
         return 2 * self.num_layers * self.kv_size * itemsize
+
+
+def gemma_fields(c) -> dict:
+    """The ModelShape fields that set a Gemma 3 text config apart."""
+    windows = tuple(c.sliding_window if t == "sliding_attention" else 0 for t in c.layer_types)
+    return dict(sandwich_norms=True, norm_plus_one=True, embed_scale=c.hidden_size ** 0.5,
+                activation="gelu_tanh" if c.hidden_activation == "gelu_pytorch_tanh" else c.hidden_activation,
+                attn_scale=c.query_pre_attn_scalar ** -0.5, windows=windows if any(windows) else (),
+                rope_kinds=tuple(c.layer_types), final_softcap=c.final_logit_softcapping or 0.0)

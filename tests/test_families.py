@@ -5,7 +5,7 @@ engine does not run refused at start-up with one line that names what is missing
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config
 
 from rl.checks import check_native_architecture
 from rl.config import ConfigError
@@ -32,7 +32,18 @@ def llama3_config() -> LlamaConfig:
                        rope_theta=50000.0, tie_word_embeddings=False)
 
 
-FAMILIES = {"qwen3": qwen3_config, "qwen3_tied": lambda: qwen3_config(tie=True), "llama3": llama3_config}
+def gemma3_config(layers: int = 3, softcap: float | None = None) -> Gemma3TextConfig:
+    # Sliding layers around a global one, a 16-token window the prompts cross, its own attention scale; the
+    # final soft-capping only some configs have (Gemma 2's; `softcap`).
+    types = ["sliding_attention" if i % 3 != 1 else "full_attention" for i in range(layers)]
+    return Gemma3TextConfig(vocab_size=256, hidden_size=128, intermediate_size=200, num_hidden_layers=layers,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=16,
+                            layer_types=types, max_position_embeddings=2048, query_pre_attn_scalar=24,
+                            final_logit_softcapping=softcap)
+
+
+FAMILIES = {"qwen3": qwen3_config, "qwen3_tied": lambda: qwen3_config(tie=True), "llama3": llama3_config,
+            "gemma3": gemma3_config, "gemma3_softcap": lambda: gemma3_config(softcap=5.0)}
 
 
 def random_model(config, seed: int = 0) -> torch.nn.Module:
@@ -74,6 +85,19 @@ def test_greedy_generation_is_the_transformers_generation_token_for_token(family
         assert out.token_ids == hf[0, len(prompt):].tolist()
 
 
+def test_a_turn_continued_from_kept_kv_scores_as_the_transformers_forward_of_the_whole(family):
+    """A second turn prefills only its new tokens over the first turn's kept KV (past Gemma's window too)."""
+    model, engine = family
+    keys = list(range(len(PROMPTS)))
+    first = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0), keep=keys)
+    turn_2 = [p + o.token_ids + [4, 4, 4] for p, o in zip(PROMPTS, first)]
+    second = engine.generate(turn_2, SamplingParams(max_new_tokens=8, temperature=0.7), keep=keys)
+    engine.release(keys)
+    for prompt, out in zip(turn_2, second):
+        assert out.reused_tokens == len(prompt) - 4
+        assert out.logprobs == pytest.approx(reference_logprobs(model, prompt, out.token_ids, 0.7), abs=1e-4)
+
+
 def test_the_shape_counts_every_parameter_of_the_family():
     for make in FAMILIES.values():
         model = random_model(make())
@@ -85,21 +109,30 @@ def test_a_family_the_engine_does_not_run_is_one_line_naming_it_and_vllm():
     config.layer_types = ["sliding_attention", "full_attention"]
     with pytest.raises(ConfigError, match=r"model.path 'm'.*sliding-window.*rollout.engine = 'vllm'"):
         check_native_architecture("m", config)
+    config = gemma3_config()
+    config.attn_logit_softcapping = 50.0
+    with pytest.raises(ConfigError, match=r"attn_logit_softcapping=50.0 is not supported.*rollout.engine = 'vllm'"):
+        check_native_architecture("m", config)
     config = qwen3_config()
     config.model_type = "gemma2"
     with pytest.raises(ConfigError, match=r"model_type.*gemma2.*rollout.engine = 'vllm'") as err:
         check_native_architecture("m", config)
     assert "\n" not in str(err.value)
     check_native_architecture("m", qwen3_config())  # a family it runs passes
+    check_native_architecture("m", qwen3_config(), batch_invariant=True)
+    check_native_architecture("m", gemma3_config())
+    with pytest.raises(ConfigError, match=r"model.path 'm': model.batch_invariant covers .* = false"):
+        check_native_architecture("m", gemma3_config(), batch_invariant=True)
 
 
-def test_a_lora_policy_of_the_family_pushes_its_merged_weights_into_the_engine():
+@pytest.mark.parametrize("make", [qwen3_config, gemma3_config], ids=["qwen3", "gemma3"])
+def test_a_lora_policy_of_the_family_pushes_its_merged_weights_into_the_engine(make):
     from rl.config import LoraConfig
     from rl.lora import apply_lora, init_adapters
     from rl.weights import sync_weights
     from tests.test_lora import engine_vs_trainer, randomize_b
 
-    model = random_model(qwen3_config())
+    model = random_model(make())
     apply_lora(model, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     init_adapters(model, 0)
     randomize_b(model, 0)

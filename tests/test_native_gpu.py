@@ -7,6 +7,7 @@ draws fewer rows; its `tl.dot` multiplies bfloat16 tiles wrongly (Triton 3.9), s
 of the kernels built on it run on a GPU only, as do the tests of the whole CUDA engine.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import sys
@@ -15,12 +16,14 @@ import pytest
 import torch
 
 from rl.kernels.attention import paged_attention_reference, paged_prefill_reference
+from rl.kernels.rms_norm import rms_norm_reference
+from rl.kernels.silu import gelu_mul_reference
 from rl.rollout import SamplingParams
 from rl.rollout.model import DecoderModel, split_qkv
 from rl.rollout.native import NativeEngine
 from rl.rollout.stop_text import StopText
 from tests.test_engine import PROMPTS, full_weights
-from tests.test_families import qwen3_config, random_model
+from tests.test_families import gemma3_config, qwen3_config, random_model
 from tests.tiny import tiny_config, tiny_model
 
 
@@ -101,9 +104,12 @@ def reference_model(dtype, **overrides) -> DecoderModel:
 
 
 def family_model(family: str, seed: int, layers: int = 2) -> torch.nn.Module:
-    """The tiny Qwen2 model (tied or not) or tests/test_families.py's tiny Qwen3 with QK-norm, float32."""
+    """The tiny Qwen2 model (tied or not) or tests/test_families.py's tiny Qwen3 (QK-norm) or Gemma 3 (sliding
+    windows, sandwich norms, GeGLU), float32."""
     if family == "qwen3":
         return random_model(qwen3_config(layers=layers), seed=seed)
+    if family == "gemma3":
+        return random_model(gemma3_config(layers=max(layers, 3)), seed=seed)
     return tiny_model(seed=seed, tie=family == "qwen2_tied", layers=layers).eval()
 
 
@@ -113,14 +119,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm(dtype, with_residual):
+@pytest.mark.parametrize("plus_one", [False, True])  # Gemma's (1 + w) scale
+def test_add_rms_norm(dtype, with_residual, plus_one):
     model = reference_model(dtype)
     x = torch.randn(37, 128, device=DEVICE, dtype=dtype)
     res = torch.randn(37, 128, device=DEVICE, dtype=dtype) if with_residual else None
     w = torch.randn(128, device=DEVICE, dtype=dtype)
-    want, want_res = model.add_rms_norm(x, res, w)
+    want = rms_norm_reference(x if res is None else x + res, w, model.shape.rms_norm_eps, plus_one)
+    want_res = x if res is None else x + res
     got, got_res = kernels("rms_norm").add_rms_norm(x, None if res is None else res.clone(), w,
-                                                    model.shape.rms_norm_eps)
+                                                    model.shape.rms_norm_eps, plus_one)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(got_res, want_res) < tol and rel_err(got, want) < tol
 
@@ -163,10 +171,12 @@ def head_norms(model: DecoderModel, qk_norm: bool) -> tuple[torch.Tensor, torch.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("qk_norm", [False, True, "plus_one"])  # none, Qwen3's, Gemma's
 def test_rope_and_store(dtype, qk_norm):
     model = reference_model(dtype)
-    norms = head_norms(model, qk_norm)
+    norms = head_norms(model, bool(qk_norm))
+    plus_one = qk_norm == "plus_one"
+    model.shape = dataclasses.replace(model.shape, norm_plus_one=plus_one)
     s = model.shape
     tokens, slots_total = 23, 64
     qkv = torch.randn(tokens, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, device=DEVICE, dtype=dtype)
@@ -178,7 +188,7 @@ def test_rope_and_store(dtype, qk_norm):
     model.rope_and_store(want_qkv, positions, slots, caches[0][0], caches[0][1], qk_norm=norms)
     kernels("rope").rope_and_store(got_qkv, positions, slots, model.cos, model.sin, caches[1][0], caches[1][1],
                                    s.num_heads, s.num_kv_heads, s.head_dim,
-                                   qk_norm=(*norms, s.rms_norm_eps) if norms else None)
+                                   qk_norm=(*norms, s.rms_norm_eps) if norms else None, plus_one=plus_one)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(got_qkv, want_qkv) < tol
     assert rel_err(caches[1], caches[0]) < tol
@@ -240,6 +250,10 @@ def test_silu_mul():
     assert rel_err(kernels("silu").silu_mul(gate_up), want) < 1e-2
     transposed = kernels("silu").silu_mul(gate_up.T.contiguous(), transposed=True)  # (2I, T) in, (I, T) out
     assert transposed.shape == (1500, 9) and torch.equal(transposed.T, kernels("silu").silu_mul(gate_up))
+    gelu = kernels("silu").silu_mul(gate_up, gelu=True)  # Gemma's GeGLU
+    assert rel_err(gelu, gelu_mul_reference(gate_up[:, :1500], gate_up[:, 1500:])) < 1e-2
+    assert rel_err(gelu, want) > 0.05  # not SiLU's
+    assert torch.equal(kernels("silu").silu_mul(gate_up.T.contiguous(), transposed=True, gelu=True).T, gelu)
 
 
 HEAD_SHAPES = [(14, 2, 64), (12, 2, 128), (4, 4, 64)]  # (heads, kv_heads, head_dim)
@@ -268,6 +282,28 @@ def test_decode_attention(dtype, heads, kv_heads, head_dim, num_splits, page, bl
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("window", [5, 40])
+def test_decode_attention_in_a_sliding_window(dtype, window):
+    """Each row sees its context's last `window` keys (contexts shorter and longer than it), across pages and
+    splits, with its own scale; in fixed splits too, where splits before the window weigh nothing."""
+    heads, kv_heads, head_dim, page = 4, 2, 64, 16
+    k_cache = torch.randn(40 * page, kv_heads, head_dim, device=DEVICE, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    context_lens = torch.tensor([1, 17, 64, 100, 150], dtype=torch.int32, device=DEVICE)
+    block_tables = torch.stack([torch.randperm(40, device=DEVICE)[:10] for _ in range(5)]).int()
+    q = torch.randn(5, heads, head_dim, device=DEVICE, dtype=dtype)
+    want = paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, page, 0.3, window)
+    attention = kernels("attention")
+    got = attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, page, 0.3, 3, block_n=32,
+                                     window=window)
+    fixed = attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, page, 0.3, 3, block_n=32,
+                                       split_tokens=64, window=window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(got, want) < tol and rel_err(fixed, want) < tol
+    assert rel_err(paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, page, 0.3), want) > 0.1
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
 def test_fixed_split_attention_does_not_depend_on_the_launch(dtype):
     """Fixed-length splits: a row's output is the same bits with any number of (empty) extra splits,
     in any batch, and matches the reference."""
@@ -292,8 +328,9 @@ def test_fixed_split_attention_does_not_depend_on_the_launch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim,page", [(14, 2, 64, 16), (4, 4, 32, 64)])
-def test_prefill_attention_over_cached_tokens(dtype, heads, kv_heads, head_dim, page):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page,window", [(14, 2, 64, 16, 0), (4, 4, 32, 64, 0),
+                                                                 (4, 2, 32, 16, 7), (4, 2, 32, 16, 30)])
+def test_prefill_attention_over_cached_tokens(dtype, heads, kv_heads, head_dim, page, window):
     """New tokens after cached ones (a continued sample, a kept turn) attend to their whole sequence through the
     block table, causally: starts inside and on page bounds, a fresh prompt (start 0), one new token, and pads;
     the pads' rows are left out."""
@@ -307,8 +344,8 @@ def test_prefill_attention_over_cached_tokens(dtype, heads, kv_heads, head_dim, 
     qkv = torch.randn(len(starts) * length, (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
     q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)  # strided like the engine's view
     got = kernels("attention").prefill_paged_attention(q, k_cache, v_cache, tables, starts_t, contexts, length, page,
-                                                       head_dim ** -0.5, block_m=16, block_n=16)
-    want = paged_prefill_reference(q, k_cache, v_cache, tables, starts_t, contexts, length, page)
+                                                       0.2, block_m=16, block_n=16, window=window)
+    want = paged_prefill_reference(q, k_cache, v_cache, tables, starts_t, contexts, length, page, 0.2, window)
     real = torch.cat([torch.arange(n * length, n * length + c) for n, c in enumerate(counts)]).to(DEVICE)
     assert got.isfinite().all()
     assert rel_err(got[real], want[real]) < (1e-5 if dtype == torch.float32 else 1e-2)
@@ -416,8 +453,27 @@ def test_advance_matches_torch_bookkeeping(with_text, unused_stops):
 GROUPED = [p for p in PROMPTS + [list(range(3, 40)), list(range(7, 27))] for _ in range(3)]  # samples adjacent
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_the_engines_kernels_run_each_family_as_its_torch_forward(family):
+    """The engine on its Triton kernels (batch-invariant mode: every op a kernel, on the CPU through the
+    interpreter) samples what its torch forward samples, with the same logprobs: QK-norm in the RoPE kernel,
+    Gemma's (1 + w) norms, GeGLU, windows and attention scale in prefill and decode."""
+    model = family_model(family, seed=4)
+    prompts = [list(range(1, 30)), [3, 4, 5]]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1)
+    outs = []
+    for invariant in (False, True):
+        engine = NativeEngine(model.config, DEVICE if invariant else torch.device("cpu"), torch.float32,
+                              max_batch_size=2, page_size=8, max_context_len=64, batch_invariant=invariant)
+        engine.load_weights(full_weights(model))
+        outs.append(engine.generate(prompts, params))
+    for want, got in zip(*outs):
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
 @needs_cuda
-@pytest.mark.parametrize("family", ["qwen2", "qwen2_tied", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_tied", "qwen3", "gemma3"])
 def test_cuda_engine_matches_cpu_engine(family):
     model = family_model(family, seed=3)
     cpu = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=5, page_size=8)

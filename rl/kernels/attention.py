@@ -28,23 +28,30 @@ def cached_slots(block_tables: torch.Tensor, lengths: torch.Tensor, page_size: i
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Decode attention in plain torch: q (B, H, D) over each sequence's first context_lens cached tokens."""
+                              block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int,
+                              scale: float | None = None, window: int = 0) -> torch.Tensor:
+    """Decode attention in plain torch: q (B, H, D) over each sequence's first context_lens cached tokens (its
+    last `window` of them with a sliding window), scaled by `scale` (head_dim ** -0.5 by default)."""
     batch, heads, dim = q.shape
     slots, valid = cached_slots(block_tables, context_lens, page_size)  # (B, T)
     group = heads // k_cache.shape[1]
     k = k_cache[slots].repeat_interleave(group, dim=2).transpose(1, 2)  # (B, H, T, D)
     v = v_cache[slots].repeat_interleave(group, dim=2).transpose(1, 2)
+    if window:
+        t = torch.arange(valid.shape[1], device=q.device)
+        valid = valid & (t[None, :] >= context_lens[:, None].long() - window)
     mask = valid[:, None, None, :]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=dim ** -0.5)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale or dim ** -0.5)
     return out.reshape(batch, heads * dim)
 
 
 def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                            starts: torch.Tensor, contexts: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+                            starts: torch.Tensor, contexts: torch.Tensor, length: int, page_size: int,
+                            scale: float | None = None, window: int = 0) -> torch.Tensor:
     """Prefill attention in plain torch over sequences that continue from cached tokens: q (N * length, H, D) of
     right-padded new tokens, the n-th sequence's first at position starts[n], its context ending at contexts[n];
-    every key and value, the new tokens' too, is read from the cache. Returns (N * length, H * D)."""
+    every key and value, the new tokens' too, is read from the cache; with a sliding `window` a token sees itself
+    and the window - 1 before it. Returns (N * length, H * D)."""
     rows, heads, dim = q.shape
     n = rows // length
     offsets = torch.arange(length, device=q.device)
@@ -52,9 +59,12 @@ def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     positions = torch.where(new, starts[:, None] + offsets, offsets)  # a pad sits at its offset
     slots, held = cached_slots(block_tables, contexts, page_size)  # (N, W)
     t = torch.arange(slots.shape[1], device=q.device)
-    mask = ((t[None, None, :] <= positions[:, :, None]) & held[:, None, :])[:, None]  # (N, 1, L, W)
+    seen = t[None, None, :] <= positions[:, :, None]
+    if window:
+        seen = seen & (t[None, None, :] > positions[:, :, None] - window)
+    mask = (seen & held[:, None, :])[:, None]  # (N, 1, L, W)
     group = heads // k_cache.shape[1]
     k, v = (cache[slots].transpose(1, 2).repeat_interleave(group, dim=1) for cache in (k_cache, v_cache))
     out = F.scaled_dot_product_attention(q.view(n, length, heads, dim).transpose(1, 2), k, v, attn_mask=mask,
-                                         scale=dim ** -0.5)
+                                         scale=scale or dim ** -0.5)
     return out.transpose(1, 2).reshape(rows, heads * dim)

@@ -6,6 +6,8 @@ design: stage 1 runs one program per (sequence, kv head, split of the context), 
 through the sequence's block table, and writes a partial output with its log-sum-exp; stage 2 merges the
 splits. All the query heads of a GQA group share one program, so each key/value byte is read once per
 sequence. Lengths come from device memory, so the launch has a fixed shape and can live inside a CUDA graph.
+With a sliding window (Gemma 3's local layers) a query sees only the last `window` keys up to itself: the loops
+start at the block holding the window's first key, so what the window masks is never read.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ def _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, smask, m, l, acc, sc
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (rows, block)
     s = tl.where(smask, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    # A row that has seen no key yet (a sliding window that starts in a later block) keeps m = -inf and adds 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache_ptr + offs, mask=tmask[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -62,7 +66,7 @@ def _split_result(m, l, acc):
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr,
-                         part_lse_ptr, scale_log2, q_row_stride, bt_row_stride, num_splits,
+                         part_lse_ptr, scale_log2, q_row_stride, bt_row_stride, num_splits, window,
                          GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          SPLIT_TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -79,9 +83,12 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
+    lo = 0
+    if window > 0:  # the first key the query (at the context's end) sees
+        lo = tl.maximum(tl.load(context_lens_ptr + seq) - window, 0)
+    for t0 in range(tl.maximum(start, lo // BLOCK_N * BLOCK_N), end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
-        tmask = t < end
+        tmask = (t < end) & (t >= lo)
         if PAGE % BLOCK_N == 0:  # the block lies inside one page (splits start on block bounds): one lookup
             page = tl.load(block_tables_ptr + seq * bt_row_stride + t0 // PAGE).to(tl.int64)
             first = (page * PAGE + t0 % PAGE) * NUM_KV_HEADS + kv_head
@@ -135,9 +142,10 @@ def merge_heads(num_heads: int, num_splits: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, page_size: int, scale: float, num_splits: int,
-                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2, split_tokens: int = 0
-                     ) -> torch.Tensor:
-    """q (B, H, D) with unit stride over heads and dims; caches (slots, KV, D); returns (B, H * D).
+                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2, split_tokens: int = 0,
+                     window: int = 0) -> torch.Tensor:
+    """q (B, H, D) with unit stride over heads and dims; caches (slots, KV, D); returns (B, H * D). A sliding
+    `window` > 0 lets each row see only its context's last `window` keys.
 
     `split_tokens` > 0 cuts every context into splits of that many tokens (a multiple of `block_n`;
     `num_splits` must cover the longest context): each row's result then depends on its own
@@ -149,7 +157,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_lse = q.new_empty(batch, num_heads, num_splits, dtype=torch.float32)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale * 1.4426950408889634,
-        q.stride(0), block_tables.stride(0), num_splits, GROUP=group, NUM_KV_HEADS=num_kv_heads,
+        q.stride(0), block_tables.stride(0), num_splits, window, GROUP=group, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, PAGE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         SPLIT_TOKENS=split_tokens, DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
     out = q.new_empty(batch, num_heads * head_dim)
@@ -162,8 +170,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, page_size: int, max_context: int, rows_per_call: int = 8192
-                        ) -> torch.Tensor:
+                        context_lens: torch.Tensor, page_size: int, max_context: int, rows_per_call: int = 8192,
+                        scale: float | None = None, window: int = 0) -> torch.Tensor:
     """Batch-invariant attention of query rows q (R, H, D), each over its own first context_lens
     cached tokens: the decode kernel with fixed-length splits, so a token's output is the same bits
     whether it is decoded in a batch of 256, prefilled with its prompt or recomputed by the trainer.
@@ -173,14 +181,14 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for r in range(0, q.shape[0], rows_per_call):
         out[r : r + rows_per_call] = decode_attention(
             q[r : r + rows_per_call], k_cache, v_cache, block_tables[r : r + rows_per_call],
-            context_lens[r : r + rows_per_call], page_size, q.shape[-1] ** -0.5, splits,
-            split_tokens=attention.INVARIANT_SPLIT_TOKENS)
+            context_lens[r : r + rows_per_call], page_size, scale or q.shape[-1] ** -0.5, splits,
+            split_tokens=attention.INVARIANT_SPLIT_TOKENS, window=window)
     return out
 
 
 @triton.jit
 def _prefill_paged_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, starts_ptr, contexts_ptr, out_ptr,
-                          scale_log2, q_row_stride, out_row_stride, bt_row_stride, length,
+                          scale_log2, q_row_stride, out_row_stride, bt_row_stride, length, window,
                           NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                           HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           DOT_PRECISION: tl.constexpr):
@@ -201,13 +209,20 @@ def _prefill_paged_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, sta
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     end = tl.minimum(start + (tl.program_id(0) + 1) * BLOCK_M, ctx)  # past the block's last row's last key
-    for t0 in range(0, end, BLOCK_N):
+    first = 0
+    if window > 0:  # the block's first row's first key: earlier keys are outside every row's window (pads included)
+        first_last = tl.minimum(start + tl.program_id(0) * BLOCK_M, ctx - 1)  # the block's first row's last key
+        first = tl.maximum(first_last - window + 1, 0) // BLOCK_N * BLOCK_N
+    for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
         page = tl.load(block_tables_ptr + seq * bt_row_stride + t // PAGE, mask=tmask, other=0).to(tl.int64)
         offs = ((page * PAGE + t % PAGE) * NUM_KV_HEADS + head // GROUP)[:, None] * HEAD_DIM + d[None, :]
-        m, l, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, t[None, :] <= last[:, None], m, l, acc,
-                                  scale_log2, DOT_PRECISION)
+        seen = t[None, :] <= last[:, None]
+        if window > 0:
+            seen = seen & (t[None, :] > last[:, None] - window)
+        m, l, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, seen, m, l, acc, scale_log2,
+                                  DOT_PRECISION)
     out = acc / l[:, None]  # every row sees key 0
     tl.store(out_ptr + rows[:, None] * out_row_stride + head * HEAD_DIM + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(j < length)[:, None])
@@ -215,15 +230,15 @@ def _prefill_paged_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, sta
 
 def prefill_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             starts: torch.Tensor, contexts: torch.Tensor, length: int, page_size: int, scale: float,
-                            block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2
-                            ) -> torch.Tensor:
+                            block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                            window: int = 0) -> torch.Tensor:
     """Attention of a prefill whose sequences may continue from tokens already in the cache.
 
     q (N * length, H, D), unit stride over heads and dims: `length` right-padded new tokens a sequence, the n-th's
     first at position starts[n]; their keys and values are in the caches (slots, KV, D) already, on the pages of
     block_tables (N, P), and sequence n's context ends at contexts[n] (starts[n] + its new tokens). Each new token
-    attends to its sequence's tokens up to itself. Returns (N * length, H * D); a pad's row is finite and
-    meaningless. Its torch reference is `rl.kernels.attention.paged_prefill_reference`.
+    attends to its sequence's tokens up to itself (the window - 1 before it and itself, with a sliding `window`).
+    Returns (N * length, H * D); a pad's row is finite and meaningless. Its torch reference is `rl.kernels.attention.paged_prefill_reference`.
 
     One query head a program: a tile of all the heads of a GQA group (each key read once for them, 16 tokens x 8
     heads) was slower on an H200 (benchmarks/RESULTS.md, "The decode step's fixed part, and prefill over cached
@@ -233,7 +248,7 @@ def prefill_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = q.new_empty(rows, num_heads * head_dim)
     _prefill_paged_kernel[(triton.cdiv(length, block_m), rows // length * num_heads)](
         q, k_cache, v_cache, block_tables, starts, contexts, out, scale * 1.4426950408889634, q.stride(0),
-        out.stride(0), block_tables.stride(0), length, NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads,
+        out.stride(0), block_tables.stride(0), length, window, NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
     return out

@@ -16,7 +16,7 @@ from rl.kernels.linear_triton import load_gemm_result
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, n_cols, part_stride,
-                         HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, PLUS_ONE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -28,22 +28,26 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, n_cols, part_strid
         tl.store(res_ptr + row * n_cols + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    y = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if PLUS_ONE:  # Gemma: (1 + w) in float32, one rounding
+        y = xf * rstd * (1.0 + w)
+    else:
+        y = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) * weight, x + residual); `residual` is updated in place.
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 plus_one: bool = False, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual); `residual` is updated in place. `plus_one`: Gemma's
+    scale (1 + weight), as `rms_norm_reference(..., plus_one=True)`.
 
     `x` may also be (parts, rows, cols) float32 partial sums of a GEMM split over its inner dimension
-    (see `linear_split_k`): they are summed in order and rounded to the residual's dtype first."""
+    (see `linear_split_k`): they are summed in order and rounded to the residual's dtype (or `dtype`) first."""
     parts = x.shape[0] if x.dim() == 3 else 1
     rows, cols = x.shape[-2:]
-    out = torch.empty(rows, cols, dtype=x.dtype if parts == 1 else residual.dtype, device=x.device)
+    out = torch.empty(rows, cols, dtype=x.dtype if parts == 1 else dtype or residual.dtype, device=x.device)
     _add_rms_norm_kernel[(rows,)](x, x if residual is None else residual, weight, out, eps, cols, rows * cols,
                                   HAS_RESIDUAL=residual is not None, PARTS=parts,
-                                  BLOCK=triton.next_power_of_2(cols), num_warps=4)
+                                  BLOCK=triton.next_power_of_2(cols), PLUS_ONE=plus_one, num_warps=4)
     return out, (x if residual is None else residual)
 

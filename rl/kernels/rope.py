@@ -28,12 +28,14 @@ def full_table(half: torch.Tensor) -> torch.Tensor:
     return torch.cat([half, half], dim=-1)
 
 
-def rope_tables(reference: torch.nn.Module, max_positions: int, device: torch.device, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(reference: torch.nn.Module, max_positions: int, device: torch.device, dtype: torch.dtype,
+                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin half tables (max_positions, D/2), computed in float32 by the HF rotary module of
     `reference` on the CPU (so every rope_type/rope_scaling the config names is honoured exactly) and
-    rounded to the activation dtype as the HF forward rounds them."""
+    rounded to the activation dtype as the HF forward rounds them; `layer_type` picks the RoPE of one kind
+    of layer in a model with several (Gemma 3's sliding and full attention)."""
     rotary = type(reference.model.rotary_emb)(config=reference.config)
-    cos, sin = rotary(torch.zeros(1), torch.arange(max_positions)[None])
+    extra = (layer_type,) if layer_type is not None else ()
+    cos, sin = rotary(torch.zeros(1), torch.arange(max_positions)[None], *extra)
     half = cos.shape[-1] // 2
     return cos[0, :, :half].to(device, dtype).contiguous(), sin[0, :, :half].to(device, dtype).contiguous()

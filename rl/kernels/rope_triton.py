@@ -44,13 +44,16 @@ def _rotate(x1, x2, c, s, DT: tl.constexpr):
 
 
 @triton.jit
-def _head_norm(x1, x2, w_ptr, i, eps, HEAD_DIM: tl.constexpr, DT: tl.constexpr):
+def _head_norm(x1, x2, w_ptr, i, eps, HEAD_DIM: tl.constexpr, DT: tl.constexpr, PLUS_ONE: tl.constexpr):
     """RMSNorm of each head (a row of the halves x1, x2, float32 values of DT) by its weight (HEAD_DIM,):
-    normalised in float32, rounded to DT, scaled by the weight and rounded again, as the reference rounds."""
+    normalised in float32, rounded to DT, scaled by the weight and rounded again, as the reference rounds
+    (with PLUS_ONE, Gemma's: scaled by 1 + weight in float32 and rounded once)."""
     half: tl.constexpr = HEAD_DIM // 2
     rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
     w1 = tl.load(w_ptr + i).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + half + i).to(tl.float32)[None, :]
+    if PLUS_ONE:
+        return (x1 * rstd * (1.0 + w1)).to(DT).to(tl.float32), (x2 * rstd * (1.0 + w2)).to(DT).to(tl.float32)
     y1 = ((x1 * rstd).to(DT).to(tl.float32) * w1).to(DT).to(tl.float32)
     y2 = ((x2 * rstd).to(DT).to(tl.float32) * w2).to(DT).to(tl.float32)
     return y1, y2
@@ -61,7 +64,7 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
                        q_norm_ptr, k_norm_ptr, eps, row_stride, part_stride, q_out_stride,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       QK_NORM: tl.constexpr):
+                       QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     dt: tl.constexpr = k_cache_ptr.dtype.element_ty
@@ -78,7 +81,7 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
     q1 = load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt)
     q2 = load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt)
     if QK_NORM:
-        q1, q2 = _head_norm(q1, q2, q_norm_ptr, i, eps, HEAD_DIM, dt)
+        q1, q2 = _head_norm(q1, q2, q_norm_ptr, i, eps, HEAD_DIM, dt, PLUS_ONE)
     q1, q2 = _rotate(q1, q2, c, s, dt)
     tl.store(q_out_ptr + tok * q_out_stride + col, q1, mask=mask)
     tl.store(q_out_ptr + tok * q_out_stride + col + half, q2, mask=mask)
@@ -89,7 +92,7 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
     k1 = load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt)
     k2 = load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt)
     if QK_NORM:
-        k1, k2 = _head_norm(k1, k2, k_norm_ptr, i, eps, HEAD_DIM, dt)
+        k1, k2 = _head_norm(k1, k2, k_norm_ptr, i, eps, HEAD_DIM, dt, PLUS_ONE)
     k1, k2 = _rotate(k1, k2, c, s, dt)
     if PARTS == 1:  # the rotated k stays in qkv too, where prefill's attention reads it
         tl.store(base + col, k1, mask=mask)
@@ -107,11 +110,13 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
                    num_kv_heads: int, head_dim: int, bias: torch.Tensor | None = None,
-                   qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                   qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, plus_one: bool = False
+                   ) -> torch.Tensor:
     """Rotates q and k of `qkv` (T, (H + 2 KV) * D), writes k, v to their cache slots, returns the
     rotated q (T, H * D). `qkv` is rotated in place and q is a view of it; or `qkv` is (parts, T, W)
     float32 split-K partial sums (`linear_split_k`), summed here with `bias`, and q is a new tensor.
-    `qk_norm` (q weight, k weight, eps) normalises each q and k head before the rotation."""
+    `qk_norm` (q weight, k weight, eps) normalises each q and k head before the rotation (by 1 + weight with
+    `plus_one`, Gemma's)."""
     parts = qkv.shape[0] if qkv.dim() == 3 else 1
     tokens = qkv.shape[-2]
     q = qkv[:, : num_heads * head_dim] if parts == 1 else qkv.new_empty(tokens, num_heads * head_dim,
@@ -122,7 +127,8 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
                                   NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                                   BLOCK_H=triton.next_power_of_2(num_heads),
                                   BLOCK_KV=triton.next_power_of_2(num_kv_heads), PARTS=parts,
-                                  HAS_BIAS=bias is not None and parts > 1, QK_NORM=qk_norm is not None, num_warps=2)
+                                  HAS_BIAS=bias is not None and parts > 1, QK_NORM=qk_norm is not None,
+                                  PLUS_ONE=plus_one, num_warps=2)
     return q
 
 
@@ -141,7 +147,7 @@ def _rope_rounded_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, norm_ptr, eps, HEADS:
     x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:
-        x1, x2 = _head_norm(x1, x2, norm_ptr, i, eps, HEAD_DIM, dt)
+        x1, x2 = _head_norm(x1, x2, norm_ptr, i, eps, HEAD_DIM, dt, False)
     x1, x2 = _rotate(x1, x2, c, s, dt)
     tl.store(out_ptr + offs, x1, mask=mask)
     tl.store(out_ptr + offs + half, x2, mask=mask)

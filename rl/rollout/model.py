@@ -1,4 +1,5 @@
-"""The native engine's own forward pass for decoder-only Llama / Qwen2 / Qwen3 models over a paged KV cache.
+"""The native engine's own forward pass for decoder-only Llama / Qwen2 / Qwen3 / Gemma 3 models over a paged KV
+cache.
 
 At the boundary the weights keep the HF state-dict names (`load_weights` receives exactly what
 the trainer pushes); inside they are stored fused, q/k/v rows in one matrix and gate/up in another,
@@ -6,7 +7,9 @@ so a decoder block runs four GEMMs instead of seven. Tokens move as one flat (T,
 prefill packs right-padded prompts and attends causally through SDPA (right padding needs no mask:
 a real token never looks past itself), decode feeds one token per sequence and reads each context
 through its block table. Qwen3's QK-norm (an RMSNorm over each q and k head) runs just before RoPE, inside
-the same kernel on CUDA. RoPE tables come from the HF model's own rotary class, so every
+the same kernel on CUDA. Gemma 3 adds norms after attention and after the MLP, scales its norms by (1 + w),
+its embedding by sqrt(hidden), runs GeGLU, and gives its sliding-window layers their own RoPE tables and
+a window that every attention path (SDPA's mask, the paged kernels' loops) applies. RoPE tables come from the HF model's own rotary class, so every
 rope_type/rope_scaling the config names is honoured exactly. Each op runs its torch reference from
 rl/kernels/ on the CPU and its Triton kernel from there on CUDA and in batch-invariant mode.
 """
@@ -25,10 +28,11 @@ from rl.kernels import attention
 from rl.kernels.attention import paged_attention_reference, paged_prefill_reference
 from rl.kernels.rms_norm import rms_norm_reference
 from rl.kernels.rope import full_table, rope_reference, rope_tables
-from rl.kernels.silu import silu_mul_reference
+from rl.kernels.silu import gelu_mul_reference, silu_mul_reference
 from rl.shape import ModelShape
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+ACTIVATIONS = {"llama": "silu", "qwen2": "silu", "qwen3": "silu", "gemma3_text": "gelu_pytorch_tanh"}
 # Decode steps on CUDA of at most this many rows run the qkv and MLP GEMMs in the layouts measured
 # fastest for them (DecoderModel.qkv_and_rope and .mlp; benchmarks/ARCHIVE.md, "Decode GEMM layouts").
 SMALL_BATCH_ROWS = 256
@@ -42,20 +46,27 @@ PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 
 
 class Shape(ModelShape):
-    """A model shape the native engine runs: Llama, Qwen2 or Qwen3, SwiGLU with silu, no MLP bias, no sliding
-    window; anything else is refused with the reason (`check_native_architecture` turns it into one line)."""
+    """A model shape the native engine runs: Llama, Qwen2 or Qwen3 (SwiGLU with silu, no MLP bias, no sliding
+    window) or Gemma 3 text; anything else is refused with the reason (`check_native_architecture` turns it
+    into one line)."""
 
     @classmethod
     def from_hf(cls, cfg) -> Shape:
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"the native engine supports model_type {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"{model_type}: hidden_act={cfg.hidden_act!r} is not supported (SwiGLU with silu only)")
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+        if act != ACTIVATIONS[model_type]:
+            raise ValueError(f"{model_type}: the activation {act!r} is not supported ({ACTIVATIONS[model_type]} only)")
         if getattr(cfg, "mlp_bias", False):
             raise ValueError(f"{model_type}: mlp_bias=True is not supported by the native engine")
-        if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        sliding = getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None)
+                                                                                        or ())
+        if sliding and model_type != "gemma3_text":
             raise ValueError(f"{model_type}: sliding-window attention is not supported by the native engine")
+        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if getattr(cfg, key, None):
+                raise ValueError(f"{model_type}: {key}={getattr(cfg, key)!r} is not supported by the native engine")
         return super().from_hf(cfg)
 
 
@@ -84,7 +95,12 @@ def hf_name_map(s: Shape) -> dict[str, Slot]:
         names[f"{hf}mlp.up_proj.weight"] = (f"{own}gate_up", inter, 2 * inter)
         names[f"{hf}mlp.down_proj.weight"] = (f"{own}down", None, None)
         names[f"{hf}input_layernorm.weight"] = (f"{own}input_norm", None, None)
-        names[f"{hf}post_attention_layernorm.weight"] = (f"{own}post_norm", None, None)
+        if s.sandwich_norms:  # Gemma: post_attention_layernorm normalises attention's output, the MLP's input
+            names[f"{hf}post_attention_layernorm.weight"] = (f"{own}attn_out_norm", None, None)
+            names[f"{hf}pre_feedforward_layernorm.weight"] = (f"{own}post_norm", None, None)
+            names[f"{hf}post_feedforward_layernorm.weight"] = (f"{own}mlp_out_norm", None, None)
+        else:
+            names[f"{hf}post_attention_layernorm.weight"] = (f"{own}post_norm", None, None)
     return names
 
 
@@ -103,6 +119,8 @@ def internal_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
             shapes[f"layers.{i}.o.bias"] = (h,)
         if s.qk_norm:
             shapes |= {f"layers.{i}.q_norm": (s.head_dim,), f"layers.{i}.k_norm": (s.head_dim,)}
+        if s.sandwich_norms:
+            shapes |= {f"layers.{i}.attn_out_norm": (h,), f"layers.{i}.mlp_out_norm": (h,)}
     return shapes
 
 
@@ -129,49 +147,60 @@ class DecoderModel:
         unknown = sorted(self.hf_shapes.keys() - self.name_map.keys())
         if unknown:
             raise ValueError(f"{hf_config.model_type}: parameters the native engine does not implement: {unknown[:4]}")
-        self.cos, self.sin = rope_tables(reference, max_positions, self.device, dtype)
+        # One pair of cos/sin tables per RoPE (Gemma 3: its sliding and its global layers'); self.cos and
+        # self.sin are the first layer's.
+        kinds = self.shape.rope_kinds or (None,) * self.shape.num_layers
+        tables = {kind: rope_tables(reference, max_positions, self.device, dtype, kind) for kind in set(kinds)}
+        self.layer_tables = [tables[kind] for kind in kinds]
+        self.cos, self.sin = self.layer_tables[0]
         self.weights: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ ops (Triton on CUDA, torch elsewhere)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.shape
         if self.fused:
             from rl.kernels.rms_norm_triton import add_rms_norm
 
-            return add_rms_norm(x, residual, weight, self.shape.rms_norm_eps)
+            return add_rms_norm(x, residual, weight, s.rms_norm_eps, s.norm_plus_one, self.dtype)
         if residual is not None:
             x = x + residual
-        return rms_norm_reference(x, weight, self.shape.rms_norm_eps), x
+        return rms_norm_reference(x, weight, s.rms_norm_eps, s.norm_plus_one), x
 
     def rope_and_store(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor | None = None,
-                       qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Rotates q and k of `qkv` in place (each head normalised first by the `qk_norm` weights), writes k
-        and v to their cache slots and returns `qkv`; on the fused path `qkv` may be split-K partial sums,
-        summed with `bias`, and q alone comes back."""
+                       qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None, layer: int = 0) -> torch.Tensor:
+        """Rotates q and k of `qkv` in place (each head normalised first by the `qk_norm` weights) with layer
+        `layer`'s RoPE, writes k and v to their cache slots and returns `qkv`; on the fused path `qkv` may be
+        split-K partial sums, summed with `bias`, and q alone comes back."""
         s = self.shape
+        cos, sin = self.layer_tables[layer]
         if self.fused:
             from rl.kernels.rope_triton import rope_and_store
 
-            q = rope_and_store(qkv, positions, slots, self.cos, self.sin, k_cache, v_cache, s.num_heads,
-                               s.num_kv_heads, s.head_dim, bias=bias,
-                               qk_norm=(*qk_norm, s.rms_norm_eps) if qk_norm else None)
+            q = rope_and_store(qkv, positions, slots, cos, sin, k_cache, v_cache, s.num_heads, s.num_kv_heads,
+                               s.head_dim, bias=bias, qk_norm=(*qk_norm, s.rms_norm_eps) if qk_norm else None,
+                               plus_one=s.norm_plus_one)
             return q if qkv.dim() == 3 else qkv
         q, k, v = split_qkv(qkv, s)
-        cos, sin = (full_table(t[positions])[:, None, :] for t in (self.cos, self.sin))  # (T, 1, D)
+        cos, sin = (full_table(t[positions])[:, None, :] for t in (cos, sin))  # (T, 1, D)
         for x, norm in zip((q, k), qk_norm or (None, None)):  # in the activation dtype, as the HF forward rotates
-            x.copy_(rope_reference(x if norm is None else rms_norm_reference(x, norm, s.rms_norm_eps), cos, sin))
+            if norm is not None:
+                x = x.copy_(rms_norm_reference(x, norm, s.rms_norm_eps, s.norm_plus_one))
+            x.copy_(rope_reference(x, cos, sin))
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
         return qkv
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gated activation: silu(gate) * up, or Gemma's gelu_tanh(gate) * up."""
+        gelu = self.shape.activation == "gelu_tanh"
         if self.fused:
             from rl.kernels.silu_triton import silu_mul
 
-            return silu_mul(gate_up)
-        return silu_mul_reference(*gate_up.chunk(2, dim=-1))
+            return silu_mul(gate_up, gelu=gelu)
+        return (gelu_mul_reference if gelu else silu_mul_reference)(*gate_up.chunk(2, dim=-1))
 
     # ------------------------------------------------------------------ forward
 
@@ -184,17 +213,23 @@ class DecoderModel:
         `attend(layer, qkv)` returns the attention output (T, heads * D) from the rotated `qkv` (whose
         first heads * D columns are q). With `decode`, x may come as float32 partial sums (see `mlp`).
         """
-        w = self.weights
+        w, s = self.weights, self.shape
         x = F.embedding(tokens, w["embed"])
+        if s.embed_scale != 1.0:  # Gemma: times sqrt(hidden), the factor rounded to the activation dtype as HF does
+            x = x * torch.tensor(s.embed_scale, dtype=x.dtype)
         residual = None
-        for i in range(self.shape.num_layers):
+        for i in range(s.num_layers):
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.input_norm"])
-            qk_norm = (w[f"layers.{i}.q_norm"], w[f"layers.{i}.k_norm"]) if self.shape.qk_norm else None
+            qk_norm = (w[f"layers.{i}.q_norm"], w[f"layers.{i}.k_norm"]) if s.qk_norm else None
             qkv = self.qkv_and_rope(h, w[f"layers.{i}.qkv.weight"], w.get(f"layers.{i}.qkv.bias"), positions, slots,
-                                    kv[0, i], kv[1, i], decode, qk_norm)
+                                    kv[0, i], kv[1, i], decode, qk_norm, i)
             x = self.linear(attend(i, qkv), w[f"layers.{i}.o.weight"], w.get(f"layers.{i}.o.bias"))
+            if s.sandwich_norms:
+                x, _ = self.add_rms_norm(x, None, w[f"layers.{i}.attn_out_norm"])
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.post_norm"])
             x = self.mlp(h, w[f"layers.{i}.gate_up"], w[f"layers.{i}.down"], decode)
+            if s.sandwich_norms:
+                x, _ = self.add_rms_norm(x, None, w[f"layers.{i}.mlp_out_norm"])
         return x, residual
 
     def decode_layouts(self, h: torch.Tensor, decode: bool) -> bool:
@@ -203,7 +238,7 @@ class DecoderModel:
 
     def qkv_and_rope(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: bool,
-                     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None, layer: int = 0) -> torch.Tensor:
         """The qkv projection with RoPE applied and k, v written to the cache; returns the rotated q's
         columns first (qkv itself, or q alone). A decode step on CUDA splits the GEMM over its inner
         dimension into QKV_SPLITS float32 partial sums that the RoPE kernel adds up with the bias: at
@@ -212,8 +247,9 @@ class DecoderModel:
             from rl.kernels.linear_triton import linear_split_k
 
             parts = linear_split_k(h, weight, QKV_SPLITS)
-            return self.rope_and_store(parts, positions, slots, k_cache, v_cache, bias, qk_norm)
-        return self.rope_and_store(self.linear(h, weight, bias), positions, slots, k_cache, v_cache, qk_norm=qk_norm)
+            return self.rope_and_store(parts, positions, slots, k_cache, v_cache, bias, qk_norm, layer)
+        return self.rope_and_store(self.linear(h, weight, bias), positions, slots, k_cache, v_cache, qk_norm=qk_norm,
+                                   layer=layer)
 
     def mlp(self, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, decode: bool) -> torch.Tensor:
         """down(silu(gate) * up). A decode step on CUDA (at most SMALL_BATCH_ROWS rows) computes gate_up
@@ -226,14 +262,16 @@ class DecoderModel:
         from rl.kernels.linear_triton import linear_split_k
         from rl.kernels.silu_triton import silu_mul
 
-        act = silu_mul(F.linear(gate_up, h), transposed=True).t()  # (I, T) seen as (T, I)
+        act = silu_mul(F.linear(gate_up, h), transposed=True, gelu=self.shape.activation == "gelu_tanh").t()  # (T, I)
         if DOWN_SPLITS == 1 or self.shape.intermediate_size % DOWN_SPLITS:
             return F.linear(act, down)
         return linear_split_k(act, down, DOWN_SPLITS)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h, _ = self.add_rms_norm(x, residual, self.weights["norm"])
-        return self.linear(h, self.weights.get("lm_head", self.weights["embed"]))  # (N, V) in the model dtype
+        logits = self.linear(h, self.weights.get("lm_head", self.weights["embed"]))  # (N, V) in the model dtype
+        cap = self.shape.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def prefill(self, tokens: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor,
                 kv: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -262,20 +300,25 @@ class DecoderModel:
                 from rl.kernels.attention_triton import invariant_attention
 
                 return invariant_attention(split_qkv(qkv, s)[0], kv[0, layer], kv[1, layer], rows, context_lens,
-                                           page_size, longest)
+                                           page_size, longest, scale=s.scale, window=s.window(layer))
             if continued:  # the cached part's keys and values are read back from the cache, the new ones' too
                 q = split_qkv(qkv, s)[0]
                 if self.fused:
                     from rl.kernels.attention_triton import prefill_paged_attention
 
                     return prefill_paged_attention(q, kv[0, layer], kv[1, layer], tables, starts, contexts, length,
-                                                   page_size, s.head_dim ** -0.5)
+                                                   page_size, s.scale, window=s.window(layer))
                 return paged_prefill_reference(q, kv[0, layer], kv[1, layer], tables, starts, contexts, length,
-                                               page_size)
+                                               page_size, s.scale, s.window(layer))
             q, k, v = (t.reshape(n, length, -1, s.head_dim).transpose(1, 2) for t in split_qkv(qkv, s))
             group = s.num_heads // s.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.head_dim ** -0.5)
+            if s.window(layer):  # causal within the window: a token sees itself and the window - 1 before it
+                i = torch.arange(length, device=q.device)
+                seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - s.window(layer))
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=s.scale)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.scale)
             return out.transpose(1, 2).reshape(n * length, s.num_heads * s.head_dim)
 
         with sdpa_kernel(PREFILL_ATTENTION):
@@ -295,9 +338,11 @@ class DecoderModel:
                 from rl.kernels.attention_triton import decode_attention
 
                 return decode_attention(
-                    q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size, s.head_dim ** -0.5,
-                    num_splits, split_tokens=attention.INVARIANT_SPLIT_TOKENS if self.batch_invariant else 0)
-            return paged_attention_reference(q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size)
+                    q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size, s.scale, num_splits,
+                    split_tokens=attention.INVARIANT_SPLIT_TOKENS if self.batch_invariant else 0,
+                    window=s.window(layer))
+            return paged_attention_reference(q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size,
+                                             s.scale, s.window(layer))
 
         return self.logits(*self.layers(tokens, positions, slots, kv, attend, decode=True))
 
