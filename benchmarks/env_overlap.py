@@ -71,7 +71,7 @@ def main() -> None:
             samples = [Sample(prompt="q", tokens=[40, 41, 42 + i // 8], raw_prompt="q", group_index=i // 8)
                        for i in range(64)]
             scored = collector.generate_and_score([samples[i : i + 8] for i in range(0, 64, 8)], params, 1, (0,), 60.0)
-            rows.append((scored.rollout_s, scored.env_s))
+            rows.append((scored.stats.rollout_s, scored.stats.env_s))
     print(f"| step s | workers | rollout s | env_s (waited after the turn) |\n|---|---|---|---|\n"
           f"| {STEP_S:g} | {args.workers} | {statistics.median(r for r, _ in rows[1:]):.2f} | "
           f"{statistics.median(e for _, e in rows[1:]):.2f} |")

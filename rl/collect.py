@@ -31,28 +31,16 @@ from rl.metrics import score_column
 from rl.parallel import print0
 from rl.reward import BUILT_IN_TERMS, RewardInput, RewardPool
 from rl.reward import metrics as reward_metrics
-from rl.reward import reduce_metrics as reduce_reward_metrics
 from rl.rollout import SamplingParams, derive_seed, generate_rollout
+from rl.rollout_stats import RolloutStats
 
 
 @dataclasses.dataclass
 class Scored:
-    """One generate -> score -> gather pass: every sample on every rank, each scoring rank's reward metrics,
-    and the slowest rank's generation and scoring seconds."""
+    """One generate -> score -> gather pass: every sample on every rank, and what every rank counted doing it."""
 
     samples: list[Sample]
-    reward_stats: list[dict[str, float]]
-    rollout_s: float
-    reward_s: float
-    env_s: float = 0.0  # of rollout_s, waiting on environments (the slowest rank's)
-    env_failures: int = 0  # environment steps that raised, hung or returned garbage (every rank's)
-    prompt_tokens: int = 0  # of the episodes' turns (every rank's), and those whose KV the engine reused
-    reused_tokens: int = 0
-    resumed_tokens: int = 0  # response tokens of continued samples, whose KV the engine computed again
-    decode_steps: int = 0  # the engines' decode steps (summed over engines) and the rows they ran, summed over steps
-    decode_row_steps: int = 0
-    context_tokens: int = 0  # the contexts the generated tokens were sampled over, summed (`attended`; no episodes)
-    prefill_tokens: int = 0  # the tokens the engines prefilled (an engine that counts them: the native one)
+    stats: RolloutStats
 
 
 class Collector:
@@ -91,7 +79,7 @@ class Collector:
         pending = [s for group in todo for s in group]
         # A partial rollout's continued samples (the only ones that start with a response): their KV is computed
         # again under the weights of now.
-        resumed = sum(s.response_length for s in pending)
+        prior = [s.response_length for s in pending]
         starts = [len(s.tokens) for s in pending]
         episodes = EpisodeTally()
         counters = dataclasses.replace(self.engine.stats)
@@ -100,28 +88,28 @@ class Collector:
         elif any(todo):
             generate_rollout(self.engine, todo, params, weight_version, self.tokenizer, progress=progress, until=until)
         parallel.step_barrier(self.dist, barrier_timeout_s, "the end of rollout generation")
-        rollout_s = parallel.all_reduce_max(time.perf_counter() - start)
+        rollout_s = time.perf_counter() - start
         did = self.engine.stats - counters
-        steps, row_steps, prefilled = did.decode_steps, did.decode_row_steps, did.prefill_tokens
-        context = 0 if self.env is not None else sum(attended(n, len(s.tokens) - n) for n, s in zip(starts, pending))
         start = time.perf_counter()
         # A call that may end early scores only its finished groups; the others are scored once they finish.
         done = [s for group in mine if until is None or is_finished(group) for s in group]
         if self.env is not None:  # the environments scored their episodes
-            stats = [episode_reward_stats(done, episodes)] if done else []
+            reward_stats = [episode_reward_stats(done, episodes)] if done else []
         else:
-            stats = [self.score(done, term)] if self.pool is not None and done else []
-        reward_stats = parallel.all_gather_objects(stats)
-        reward_s = time.perf_counter() - start
-        env_s, env_failures, prompt_tokens, reused_tokens, resumed, steps, row_steps, context, prefilled = zip(
-            *parallel.all_gather_objects([(episodes.env_s, episodes.errors + episodes.timeouts, episodes.prompt_tokens,
-                                           episodes.reused_tokens, resumed, steps, row_steps, context, prefilled)]))
-        # Engine order is group order when the shares are contiguous.
-        local = [s for group in mine for s in group]
-        tp = self.ro.tensor_parallel_size  # every rank of an engine holds its share and counts its steps
-        return Scored(parallel.gather_engine_outputs(local, tp), reward_stats, rollout_s, reward_s, max(env_s),
-                      sum(env_failures), sum(prompt_tokens), sum(reused_tokens), sum(resumed) // tp,
-                      sum(steps) // tp, sum(row_steps) // tp, sum(context) // tp, sum(prefilled) // tp)
+            reward_stats = [self.score(done, term)] if self.pool is not None and done else []
+        generated = sum(sum(s.loss_mask[n:]) for n, s in zip(prior, pending))  # the model's, not an environment's
+        context = 0 if self.env is not None else sum(attended(n, len(s.tokens) - n) for n, s in zip(starts, pending))
+        counted = RolloutStats(
+            reward_stats, rollout_s, reward_s=time.perf_counter() - start, env_s=episodes.env_s,
+            env_failures=episodes.errors + episodes.timeouts, prompt_tokens=episodes.prompt_tokens,
+            reused_tokens=episodes.reused_tokens, tokens=generated, resumed_tokens=sum(prior),
+            decode_steps=did.decode_steps, decode_row_steps=did.decode_row_steps, context_tokens=context,
+            prefill_tokens=did.prefill_tokens)
+        # Every rank of an engine holds its share and counts its steps; engine order is group order when the shares
+        # are contiguous.
+        tp = self.ro.tensor_parallel_size
+        stats = RolloutStats.across_ranks(parallel.all_gather_objects([counted]), tp)
+        return Scored(parallel.gather_engine_outputs([s for group in mine for s in group], tp), stats)
 
     def score(self, samples: list[Sample], term: str) -> dict[str, float]:
         result = self.pool.score([RewardInput(s.prompt, s.response, s.label, s.response_length,
@@ -145,7 +133,7 @@ class Collector:
         if self.buffer is not None:
             return self.rollout_buffered(dataset, sampling, weight_version, rollout_id, barrier_timeout_s)
         ro = self.ro
-        kept, dropped, tally = [], [], Tally()
+        kept, dropped, stats = [], [], RolloutStats()
         rounds = 0
         while len(kept) < ro.rollout_batch_size and rounds < ro.max_sampling_rounds:
             rounds += 1
@@ -153,11 +141,11 @@ class Collector:
             # The sampling stream depends only on (seed, rollout, round, engine): a resumed run redraws it.
             scored = self.generate_and_score(groups, sampling, weight_version, (ro.seed, rollout_id, rounds),
                                              barrier_timeout_s, progress=self.progress)
-            tally.add(scored, sum(sum(s.loss_mask) for s in scored.samples), finished=[])
+            stats += scored.stats
             for group in split_by_group(scored.samples):
                 (kept if keep_group(group, ro.dynamic_filter) else dropped).append(group)
-        tally.scored = [s for group in kept + dropped for s in group]  # the order the reward mean sums in
-        return self.batch(kept, dropped, rounds, tally)
+        scored = [s for group in kept + dropped for s in group]  # the order the reward mean sums in
+        return self.batch(kept, dropped, rounds, scored, stats)
 
     def rollout_buffered(self, dataset: PromptDataset, sampling: SamplingParams, weight_version: int,
                          rollout_id: int, barrier_timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
@@ -171,7 +159,7 @@ class Collector:
         buffer.consume(stale)
         if stale:
             print0(f"rollout: dropped {len(stale)} group(s) past rollout.max_staleness={ro.max_staleness}")
-        dropped, tally = [], Tally()
+        dropped, scored, stats = [], [], RolloutStats()
         rounds = 0
         while rounds < ro.max_sampling_rounds:
             ready = len(buffer.finished())
@@ -182,11 +170,11 @@ class Collector:
             if ro.partial_rollout or ready < ro.rollout_batch_size:
                 count = min(buffer.room(), ro.over_sampling_batch_size - len(buffer.groups))
                 buffer.admit(dataset.next_groups(max(count, 0), ro.n_samples_per_prompt))
-            before = {s.index: s.response_length for g in buffer.unfinished() for s in g}
-            scored = self.continue_groups(max(ro.rollout_batch_size - ready, 0), sampling, weight_version,
+            round_ = self.continue_groups(max(ro.rollout_batch_size - ready, 0), sampling, weight_version,
                                           (ro.seed, rollout_id, rounds), barrier_timeout_s)
-            finished = [g for g in split_by_group(scored.samples) if is_finished(g)]
-            tally.add(scored, sum(s.response_length - before[s.index] for s in scored.samples), finished)
+            finished = [g for g in split_by_group(round_.samples) if is_finished(g)]
+            scored += [s for g in finished for s in g]
+            stats += round_.stats
             filtered = [g for g in finished if not keep_group(g, ro.dynamic_filter)]
             buffer.consume(filtered)
             dropped += filtered
@@ -194,12 +182,11 @@ class Collector:
         ready = sorted(buffer.finished(), key=lambda g: (oldest_version(g), g[0].group_index))
         kept = ready[: ro.rollout_batch_size]
         buffer.consume(kept)
-        samples, stats = self.batch(kept, dropped, rounds, tally)
+        samples, metrics = self.batch(kept, dropped, rounds, scored, stats)
         trained = [weight_version - min(s.token_versions, default=weight_version) for s in samples]
-        return samples, {**stats, "rollout/staleness_mean": sum(trained) / len(trained),
+        return samples, {**metrics, "rollout/staleness_mean": sum(trained) / len(trained),
                          "rollout/staleness_max": float(max(trained)),
                          "rollout/partial_frac": sum(len(set(s.token_versions)) > 1 for s in samples) / len(samples),
-                         "rollout/resumed_tokens": float(tally.resumed_tokens),
                          "rollout/carried_over": float(len(buffer.groups)), "rollout/dropped_stale": float(len(stale)),
                          "rollout/dropped_stale_frac": len(stale) / (len(stale) + len(kept) + len(dropped))}
 
@@ -223,77 +210,27 @@ class Collector:
         self.buffer.update(split_by_group(scored.samples))
         return scored
 
-    def batch(self, kept: list[list[Sample]], dropped: list[list[Sample]], rounds: int,
-              tally: Tally) -> tuple[list[Sample], dict[str, float]]:
+    def batch(self, kept: list[list[Sample]], dropped: list[list[Sample]], rounds: int, scored: list[Sample],
+              stats: RolloutStats) -> tuple[list[Sample], dict[str, float]]:
         """The rollout's `rollout_batch_size` groups, topped up with filtered groups (zero advantage) when too
-        few passed, and the rollout's metrics."""
+        few passed, and the rollout's metrics; `scored`: the samples its rounds scored."""
         ro = self.ro
         topped_up = max(ro.rollout_batch_size - len(kept), 0)
         if topped_up:  # out of rounds: top up with filtered groups, which train as zeros
             print0(f"rollout: only {len(kept)}/{ro.rollout_batch_size} groups passed rollout.dynamic_filter "
                    f"in {rounds} rounds; topping up with {topped_up} filtered groups (zero advantage)")
         samples = [s for group in (kept + dropped[:topped_up])[: ro.rollout_batch_size] for s in group]
-        scored = tally.scored
-        stats = {**reduce_reward_metrics(tally.reward_stats), "rollout/sampling_rounds": rounds,
-                 "rollout/filtered_group_frac": len(dropped) / max(len(kept) + len(dropped), 1),
-                 "rollout/topped_up_groups": topped_up, "rollout/num_scored": len(scored),
-                 "perf/rollout_s": tally.rollout_s, "perf/reward_s": tally.reward_s}
-        if scored:  # a rollout that trains on groups scored before has no reward or speed of its own
+        metrics = {"rollout/sampling_rounds": rounds,
+                   "rollout/filtered_group_frac": len(dropped) / max(len(kept) + len(dropped), 1),
+                   "rollout/topped_up_groups": topped_up, "rollout/num_scored": len(scored),
+                   **stats.metrics(self.num_engines, episodes=self.env is not None, buffered=self.buffer is not None)}
+        if scored:  # a rollout that trains on groups scored before has no reward of its own
             rewards = [s.reward for s in scored if not math.isnan(s.reward)]  # NaN: every reward function passed
-            stats["rollout/reward_mean_all_scored"] = sum(rewards) / len(rewards) if rewards else math.nan
-        if tally.tokens:
-            stats["perf/rollout_tokens_per_s"] = tally.tokens / max(tally.rollout_s, 1e-9)
+            metrics["rollout/reward_mean_all_scored"] = sum(rewards) / len(rewards) if rewards else math.nan
         if self.env is not None:
-            stats |= {"rollout/turns_mean": sum(s.turns for s in samples) / len(samples),
-                      "rollout/tool_calls_mean": sum(s.tool_calls for s in samples) / len(samples),
-                      "rollout/tool_errors": float(tally.env_failures), "perf/env_s": tally.env_s}
-        if tally.decode_steps:  # the long tail in numbers: decode steps an engine ran, and the rows a step ran
-            stats["rollout/decode_steps"] = tally.decode_steps / self.num_engines
-            stats["rollout/decode_rows_mean"] = tally.decode_row_steps / tally.decode_steps
-        if tally.context_tokens:  # what a token's attention read: long contexts cost bandwidth a decode step
-            stats["rollout/context_mean"] = tally.context_tokens / tally.tokens
-        if tally.prefill_tokens:  # prompts, continued samples' responses so far, environments' appended tokens
-            stats["rollout/prefill_tokens"] = float(tally.prefill_tokens)
-        if tally.prompt_tokens:  # an engine that counts them (the native one)
-            stats["rollout/prefill_tokens_reused_frac"] = tally.reused_tokens / tally.prompt_tokens
-        return samples, stats
-
-
-@dataclasses.dataclass
-class Tally:
-    """What a rollout's rounds add up to: the samples scored, reward metrics, seconds and tokens generated."""
-
-    scored: list[Sample] = dataclasses.field(default_factory=list)
-    reward_stats: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    rollout_s: float = 0.0
-    reward_s: float = 0.0
-    tokens: int = 0
-    env_s: float = 0.0
-    env_failures: int = 0
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    resumed_tokens: int = 0
-    decode_steps: int = 0
-    decode_row_steps: int = 0
-    context_tokens: int = 0
-    prefill_tokens: int = 0
-
-    def add(self, scored: Scored, tokens: int, finished: list[list[Sample]]) -> None:
-        """One round; `finished`: the groups it scored."""
-        self.scored += [s for g in finished for s in g]
-        self.reward_stats += scored.reward_stats
-        self.rollout_s += scored.rollout_s
-        self.reward_s += scored.reward_s
-        self.tokens += tokens
-        self.env_s += scored.env_s
-        self.env_failures += scored.env_failures
-        self.prompt_tokens += scored.prompt_tokens
-        self.reused_tokens += scored.reused_tokens
-        self.resumed_tokens += scored.resumed_tokens
-        self.decode_steps += scored.decode_steps
-        self.decode_row_steps += scored.decode_row_steps
-        self.context_tokens += scored.context_tokens
-        self.prefill_tokens += scored.prefill_tokens
+            metrics |= {"rollout/turns_mean": sum(s.turns for s in samples) / len(samples),
+                        "rollout/tool_calls_mean": sum(s.tool_calls for s in samples) / len(samples)}
+        return samples, metrics
 
 
 def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: int, max_staleness: int,

@@ -67,6 +67,6 @@ def evaluate(collector: Collector, prompts: list[Prompt], ev: EvalConfig, sampli
         dump_eval([(greedy_pass, scored.samples) for greedy_pass, scored in passes], dump_to)
     # Only an engine's first rank scores: the reward metrics hold each engine's count once.
     stats["eval/reward_errors"] = sum(m["reward/num_errors"] + m["reward/num_timeouts"]
-                                      for _, scored in passes for m in scored.reward_stats)
+                                      for _, scored in passes for m in scored.stats.reward_stats)
     stats["perf/eval_s"] = time.perf_counter() - start
     return stats

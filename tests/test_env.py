@@ -78,7 +78,7 @@ def test_trained_sequence_is_the_engine_and_environment_tokens(env_fn, appended,
     # the engine continued the very tokens it sampled, its prior counting only the model's own
     assert engine.handed[1] == ([[40, 41, 42] + TURN_1 + appended], [len(TURN_1)])
     assert (s.reward, s.turns, s.tool_calls, s.status) == (2.0, 2, 1, Status.COMPLETED)
-    assert scored.env_failures == 0 and scored.reward_stats[0]["reward/correct_mean"] == 2.0
+    assert scored.stats.env_failures == 0 and scored.stats.reward_stats[0]["reward/correct_mean"] == 2.0
     dump_rollout(scored.samples, {}, tmp_path / "rollout_0.jsonl")
     line = json.loads((tmp_path / "rollout_0.jsonl").read_text())
     assert line["loss_mask"] == [[1, len(TURN_1)], [0, len(appended)], [1, len(TURN_2)]]
@@ -114,7 +114,7 @@ def test_a_turn_goes_to_its_environment_while_the_others_generate():
             scored = collector.generate_and_score([samples], SamplingParams(max_new_tokens=8, seed=0), 1, (0,), 60.0)
     first, *rest = [s.reward for s in scored.samples]
     assert first < engine.returned[-1] < min(rest)
-    assert scored.env_failures == 0
+    assert scored.stats.env_failures == 0
 
 
 class FullPrefill(StandInEngine):
@@ -161,8 +161,8 @@ def test_episodes_continue_from_kept_kv_exactly(top_k):
     prefilled = 3 * len(kept.samples)  # the first turns'
     appended = len(TOKENIZER.encode(" 1 + 1 =", add_special_tokens=False))
     prefilled += (sum(s.turns for s in kept.samples) - len(kept.samples)) * (1 + appended)
-    assert kept.reused_tokens == kept.prompt_tokens - prefilled
-    assert full.reused_tokens == 0 and full.prompt_tokens == kept.prompt_tokens
+    assert kept.stats.reused_tokens == kept.stats.prompt_tokens - prefilled
+    assert full.stats.reused_tokens == 0 and full.stats.prompt_tokens == kept.stats.prompt_tokens
 
 
 def test_environment_tokens_carry_no_loss_and_no_gradient():
@@ -193,8 +193,8 @@ def test_a_failing_environment_costs_its_episode_and_a_count():
         assert (s.reward, s.turns, s.tool_calls, sum(s.loss_mask) == s.response_length) == (0.0, 1, 0, True), label
     fine = by_label["fine"]
     assert (fine.reward, fine.turns, fine.tool_calls, fine.status) == (1.0, 2, 1, Status.TRUNCATED)
-    assert scored.env_failures == 5
-    stats = scored.reward_stats[0]
+    assert scored.stats.env_failures == 5
+    stats = scored.stats.reward_stats[0]
     assert (stats["reward/num_errors"], stats["reward/num_timeouts"]) == (4.0, 1.0)
 
 
@@ -257,7 +257,7 @@ def test_python_tool_episode_in_the_reward_workers():
     (s,) = scored.samples
     appended = TOKENIZER.encode(python_tool.chat_tool_response("42"), add_special_tokens=False)
     assert s.tokens == [40, 41, 42] + call + appended + answer
-    assert (s.reward, s.turns, s.tool_calls, s.status, scored.env_failures) == (1.0, 2, 1, Status.COMPLETED, 0)
+    assert (s.reward, s.turns, s.tool_calls, s.status, scored.stats.env_failures) == (1.0, 2, 1, Status.COMPLETED, 0)
     # Qwen2.5's rendering of a tool message: the call's turn closed, the response as a user turn, the next turn open
     assert python_tool.chat_tool_response("42") == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n"
                                                     "</tool_response><|im_end|>\n<|im_start|>assistant\n")
