@@ -19,7 +19,7 @@ def check_model_and_tokenizer(model_cfg: ModelConfig, rollout_cfg: RolloutConfig
     """All start-up checks; returns the EOS and stop ids to sample with (each one the model can produce)."""
     text_config = hf_config.get_text_config()
     if rollout_cfg.engine == "native":
-        check_native_architecture(model_cfg.path, text_config, model_cfg.batch_invariant)
+        check_native_architecture(model_cfg.path, text_config)
     check_vocab(model_cfg, text_config.vocab_size, len(tokenizer))
     check_positions(rollout_cfg.max_context_len, model_cfg.path, getattr(text_config, "max_position_embeddings", None))
     eos_ids = usable_eos_ids(model_cfg, rollout_cfg.stop_token_ids, tokenizer.eos_token_id, text_config.vocab_size)
@@ -30,22 +30,15 @@ def check_model_and_tokenizer(model_cfg: ModelConfig, rollout_cfg: RolloutConfig
     return eos_ids
 
 
-def check_native_architecture(model_path: str, text_config, batch_invariant: bool = False) -> None:
-    """The native engine computes this model's forward (its own, not the HF one), in batch-invariant mode if
-    asked, or one line says why not."""
-    from rl.invariant import check_batch_invariant_family
+def check_native_architecture(model_path: str, text_config) -> None:
+    """The native engine computes this model's forward (its own, not the HF one), or one line says why not."""
     from rl.rollout.model import Shape
 
     try:
-        shape = Shape.from_hf(text_config)
+        Shape.from_hf(text_config)
     except ValueError as e:
         raise ConfigError(f"model.path {model_path!r}: {e}; rollout.engine = 'vllm' serves it "
                           f"(docs/engines.md, model families)") from None
-    if batch_invariant:
-        try:
-            check_batch_invariant_family(shape)
-        except ValueError as e:
-            raise ConfigError(f"model.path {model_path!r}: {e}") from None
 
 
 def _tokenizer_key(model_cfg: ModelConfig) -> str:

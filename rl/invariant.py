@@ -18,7 +18,7 @@ So the rollout logprobs and the trainer's logprobs of the same tokens agree to t
 network (the final log-softmax differs only in float32 summation order). Backward passes use plain
 torch: each custom op differentiates its torch reference from rl/kernels/ (or SDPA for attention).
 
-`make_batch_invariant(model, max_positions)` patches a `transformers` Llama / Qwen2 / Qwen3 causal LM in
+`make_batch_invariant(model, max_positions)` patches a `transformers` Llama / Qwen2 / Qwen3 / Gemma 3 causal LM in
 place (before FSDP2 wraps it) and returns it; the patched forward imports the Triton kernels as it
 first runs (Triton is needed only once the mode is on). It assumes what `rl.train.collate` builds: one
 sequence per row, right-padded, positions 0, 1, 2, ... Padded positions compute garbage that the
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from rl.kernels.attention import INVARIANT_PAGE
 from rl.kernels.rms_norm import rms_norm_reference
 from rl.kernels.rope import full_table, rope_reference, rope_tables
-from rl.kernels.silu import silu_mul_reference
+from rl.kernels.silu import gelu_mul_reference, silu_mul_reference
 from rl.rollout.model import Shape
 
 
@@ -70,45 +70,51 @@ def _recompute_grads(ctx, fn, grad: torch.Tensor) -> tuple[torch.Tensor | None, 
 
 
 class _RMSNorm(torch.autograd.Function):
+    """RMSNorm by weight, or by (1 + weight) with `plus_one` (Gemma's)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool):
         from rl.kernels.rms_norm_triton import add_rms_norm
 
         ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        out, _ = add_rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), None, weight, eps)
+        ctx.eps, ctx.plus_one = eps, plus_one
+        out, _ = add_rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), None, weight, eps, plus_one)
         return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return *_recompute_grads(ctx, lambda x, w: rms_norm_reference(x, w, ctx.eps), grad), None
+        return *_recompute_grads(ctx, lambda x, w: rms_norm_reference(x, w, ctx.eps, ctx.plus_one), grad), None, None
 
 
 class _SiluMul(torch.autograd.Function):
+    """silu(gate) * up, or Gemma's gelu_tanh(gate) * up with `gelu`."""
+
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor):
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, gelu: bool):
         from rl.kernels.silu_triton import silu_mul
 
         ctx.save_for_backward(gate, up)
+        ctx.gelu = gelu
         gate_up = torch.cat([gate, up], dim=-1).reshape(-1, 2 * gate.shape[-1])
-        return silu_mul(gate_up).view(gate.shape)
+        return silu_mul(gate_up, gelu=gelu).view(gate.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _recompute_grads(ctx, silu_mul_reference, grad)
+        return *_recompute_grads(ctx, gelu_mul_reference if ctx.gelu else silu_mul_reference, grad), None
 
 
 class _Rope(torch.autograd.Function):
     """x (T, heads, D) rotated by cos, sin (T, D/2) with the engine's RoPE arithmetic; with a QK-norm weight
-    (Qwen3) each head is RMS-normalised first, in the same kernel, as the engine does it."""
+    (Qwen3, Gemma 3 with `plus_one`) each head is RMS-normalised first, in the same kernel, as the engine does it."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float):
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                plus_one: bool):
         from rl.kernels.rope_triton import rope_rounded
 
         ctx.save_for_backward(cos, sin, x if weight is not None else None, weight)
-        ctx.eps = eps
-        return rope_rounded(x, cos, sin, None if weight is None else (weight, eps))
+        ctx.eps, ctx.plus_one = eps, plus_one
+        return rope_rounded(x, cos, sin, None if weight is None else (weight, eps), plus_one)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -117,26 +123,35 @@ class _Rope(torch.autograd.Function):
         # The rotation's transpose (rotate back by the same angle), in float32.
         grad = rope_reference(grad.float(), cos, sin, inverse=True).to(grad.dtype)
         if weight is None:
-            return grad, None, None, None, None
+            return grad, None, None, None, None, None
         with torch.enable_grad():
             x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            grad_x, grad_w = torch.autograd.grad(rms_norm_reference(x, weight, ctx.eps), (x, weight), grad)
-        return grad_x, None, None, grad_w, None
+            normed = rms_norm_reference(x, weight, ctx.eps, ctx.plus_one)
+            grad_x, grad_w = torch.autograd.grad(normed, (x, weight), grad)
+        return grad_x, None, None, grad_w, None, None
+
+
+def _norm_of(module: torch.nn.Module) -> tuple[float, bool]:
+    """An HF RMSNorm's (eps, plus_one): Gemma's keep `eps` and scale by (1 + weight), the others `variance_epsilon`."""
+    gemma = type(module).__name__.startswith("Gemma")
+    return (module.eps if gemma else module.variance_epsilon), gemma
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
-    return _Rope.apply(x, cos, sin, None if norm is None else norm.weight, getattr(norm, "variance_epsilon", 0.0))
+    if norm is None:
+        return _Rope.apply(x, cos, sin, None, 0.0, False)
+    return _Rope.apply(x, cos, sin, norm.weight, *_norm_of(norm))
 
 
 class _Attention(torch.autograd.Function):
     """Causal GQA attention, q (B, T, H, D), k and v (B, T, KV, D) -> (B, T, H, D)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int):
         from rl.kernels.attention_triton import invariant_attention
 
         ctx.save_for_backward(q, k, v)
-        ctx.scale = scale
+        ctx.scale, ctx.window = scale, window
         b, t, h, d = q.shape
         kv_heads, pages = k.shape[2], -(-t // INVARIANT_PAGE)
         pad = pages * INVARIANT_PAGE - t
@@ -145,33 +160,39 @@ class _Attention(torch.autograd.Function):
         v_cache = F.pad(v, (0, 0, 0, 0, 0, pad)).reshape(b * pages * INVARIANT_PAGE, kv_heads, d)
         tables = torch.arange(b * pages, dtype=torch.int32, device=q.device).view(b, pages).repeat_interleave(t, 0)
         context_lens = torch.arange(1, t + 1, dtype=torch.int32, device=q.device).repeat(b)
-        out = invariant_attention(q.reshape(b * t, h, d), k_cache, v_cache, tables, context_lens, INVARIANT_PAGE, t)
+        out = invariant_attention(q.reshape(b * t, h, d), k_cache, v_cache, tables, context_lens, INVARIANT_PAGE, t,
+                                  scale=scale, window=window)
         return out.view(b, t, h, d)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         def attend(q, k, v):
             q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=ctx.scale, enable_gqa=True)
+            if ctx.window:  # causal within the window
+                i = torch.arange(q.shape[2], device=q.device)
+                seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - ctx.window)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=ctx.scale, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=ctx.scale, enable_gqa=True)
             return out.transpose(1, 2)
 
-        return *_recompute_grads(ctx, attend, grad), None
+        return *_recompute_grads(ctx, attend, grad), None, None
 
 
 def _attention_forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
-    """The HF attention block with the engine's RoPE and attention (causal: right padding needs no mask)."""
+    """The HF attention block with the engine's RoPE and attention (causal: right padding needs no mask), at the
+    module's own scale and sliding window (Gemma 3's local layers)."""
     if self.training and getattr(self, "attention_dropout", 0.0):
         raise ValueError("batch-invariant attention has no dropout; set the model's attention_dropout to 0")
     b, t = hidden_states.shape[:2]
     d = self.head_dim
-    if abs(self.scaling - d ** -0.5) > 1e-12:
-        raise ValueError(f"batch-invariant attention uses the scale head_dim ** -0.5, the model asks for {self.scaling}")
     cos, sin = (x.expand(b, t, d // 2).reshape(b * t, d // 2) for x in position_embeddings)
-    q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)  # Qwen3's QK-norm
+    q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)  # QK-norm (Qwen3, Gemma 3)
     q = _rope(self.q_proj(hidden_states).view(b * t, -1, d), cos, sin, q_norm).view(b, t, -1, d)
     k = _rope(self.k_proj(hidden_states).view(b * t, -1, d), cos, sin, k_norm).view(b, t, -1, d)
     v = self.v_proj(hidden_states).view(b, t, -1, d)
-    return self.o_proj(_Attention.apply(q, k, v, self.scaling).reshape(b, t, -1)), None
+    window = getattr(self, "sliding_window", None) or 0
+    return self.o_proj(_Attention.apply(q, k, v, self.scaling, window).reshape(b, t, -1)), None
 
 
 def _linear_forward(self, x):
@@ -179,24 +200,18 @@ def _linear_forward(self, x):
 
 
 def _rms_norm_forward(self, x):
-    return _RMSNorm.apply(x, self.weight, self.variance_epsilon)
+    return _RMSNorm.apply(x, self.weight, *_norm_of(self))
 
 
 def _mlp_forward(self, x):
-    return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
-
-
-def check_batch_invariant_family(shape: Shape) -> None:
-    """The patches below compute Llama / Qwen2 / Qwen3 blocks; Gemma 3's norms, GeGLU and windows they do not."""
-    if shape.sandwich_norms or shape.windows or shape.activation != "silu":
-        raise ValueError("model.batch_invariant covers Llama, Qwen2 and Qwen3 models; this Gemma 3 model runs "
-                         "without it (model.batch_invariant = false)")
+    gelu = getattr(getattr(self, "config", None), "hidden_activation", None) == "gelu_pytorch_tanh"  # Gemma's GeGLU
+    return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x), gelu))
 
 
 def make_batch_invariant(model: torch.nn.Module, max_positions: int) -> torch.nn.Module:
-    """Patches a Llama / Qwen2 / Qwen3 `transformers` causal LM to compute its forward with the engine's
+    """Patches a Llama / Qwen2 / Qwen3 / Gemma 3 `transformers` causal LM to compute its forward with the engine's
     batch-invariant kernels (see the module docstring); returns the same model."""
-    check_batch_invariant_family(Shape.from_hf(model.config))  # the engine's checks: the two must compute alike
+    shape = Shape.from_hf(model.config)  # the native engine's architecture checks: the two must compute alike
     for module in model.modules():
         if all(hasattr(module, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
             module.forward = types.MethodType(_attention_forward, module)
@@ -207,13 +222,15 @@ def make_batch_invariant(model: torch.nn.Module, max_positions: int) -> torch.nn
         elif all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")):
             module.forward = types.MethodType(_mlp_forward, module)
     # Plain attributes, not buffers: buffers would travel with the weights the trainer pushes.
+    # One pair of tables per RoPE (Gemma 3 asks for its sliding and its global layers' by layer type).
     rotary = model.model.rotary_emb
-    rotary.invariant_tables = rope_tables(model, max_positions, torch.device("cpu"), torch.float32)
+    rotary.invariant_tables = {kind: rope_tables(model, max_positions, torch.device("cpu"), torch.float32, kind)
+                               for kind in set(shape.rope_kinds) or {None}}
 
-    def rotary_forward(self, x, position_ids):
-        cos, sin = self.invariant_tables
+    def rotary_forward(self, x, position_ids, layer_type=None):
+        cos, sin = self.invariant_tables[layer_type]
         if cos.device != x.device:  # the model moved (FSDP2, offload): follow it once
-            self.invariant_tables = cos, sin = cos.to(x.device), sin.to(x.device)
+            self.invariant_tables[layer_type] = cos, sin = cos.to(x.device), sin.to(x.device)
         if int(position_ids.max()) >= cos.shape[0]:
             raise ValueError(f"position {int(position_ids.max())} is past the batch-invariant RoPE tables "
                              f"({cos.shape[0]} positions, rollout.max_context_len)")

@@ -1,6 +1,7 @@
 """Batch-invariant mode end to end through Triton's interpreter on the CPU (float32), started by
 tests/test_invariant.py as `TRITON_INTERPRET=1 python tests/invariant_checks.py OUT.json [FAMILY]` (the tiny
-Qwen2 model, or `qwen3` for tests/test_families.py's tiny Qwen3 with QK-norm).
+Qwen2 model, or `qwen3` / `gemma3` for tests/test_families.py's tiny Qwen3 (QK-norm) and Gemma 3 (windows,
+sandwich norms, GeGLU)).
 
 The native engine (batch_invariant=True) generates; the trainer's forward of the same sequences,
 patched by `make_batch_invariant`, scores them through `rl.train.token_logprobs` in one
@@ -24,7 +25,7 @@ from rl.rollout import SamplingParams  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
 from rl.train import collate, token_logprobs  # noqa: E402
 from tests.test_engine import full_weights  # noqa: E402
-from tests.test_families import qwen3_config, random_model  # noqa: E402
+from tests.test_families import gemma3_config, qwen3_config, random_model  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
 rl.kernels.attention.INVARIANT_SPLIT_TOKENS = 64
@@ -44,11 +45,12 @@ def trainer_logprobs(model, seqs, prompt_lens, responses, logprobs):
 
 
 def main(out: str, family: str = "qwen2") -> None:
-    hf = random_model(qwen3_config(), seed=1) if family == "qwen3" else tiny_model(seed=1).eval()
+    configs = {"qwen3": qwen3_config, "gemma3": gemma3_config}
+    hf = random_model(configs[family](), seed=1) if family in configs else tiny_model(seed=1).eval()
     engine = NativeEngine(hf.config, torch.device("cpu"), torch.float32, max_batch_size=8, seed=0,
                           max_context_len=MAX_CONTEXT, batch_invariant=True)
     engine.load_weights(full_weights(hf))
-    seqs = list(PROMPTS) if family == "qwen2" else [p[:24] for p in PROMPTS]  # the splits are qwen2's to cross
+    seqs = list(PROMPTS) if family == "qwen2" else [p[:12] for p in PROMPTS]  # the splits are qwen2's to cross
     outs = engine.generate(seqs, SamplingParams(max_new_tokens=8, temperature=1.0), keep=list(range(len(seqs))))
     responses = [list(o.token_ids) for o in outs]
     engine_lp = [torch.tensor(o.logprobs) for o in outs]

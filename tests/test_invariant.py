@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
 def test_engine_and_trainer_forward_agree_in_batch_invariant_mode(tmp_path, family):
     out = tmp_path / "invariant.json"
     subprocess.run([sys.executable, str(ROOT / "tests" / "invariant_checks.py"), str(out), family], check=True, cwd=ROOT,

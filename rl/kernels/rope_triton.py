@@ -134,7 +134,7 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
 
 @triton.jit
 def _rope_rounded_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, norm_ptr, eps, HEADS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     i = tl.arange(0, half)
@@ -147,14 +147,14 @@ def _rope_rounded_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, norm_ptr, eps, HEADS:
     x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:
-        x1, x2 = _head_norm(x1, x2, norm_ptr, i, eps, HEAD_DIM, dt, False)
+        x1, x2 = _head_norm(x1, x2, norm_ptr, i, eps, HEAD_DIM, dt, PLUS_ONE)
     x1, x2 = _rotate(x1, x2, c, s, dt)
     tl.store(out_ptr + offs, x1, mask=mask)
     tl.store(out_ptr + offs + half, x2, mask=mask)
 
 
 def rope_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                 norm: tuple[torch.Tensor, float] | None = None, plus_one: bool = False) -> torch.Tensor:
     """RoPE of x (T, heads, D) by the rows cos, sin (T, D/2), rounded as `rope_and_store` rounds; with
     `norm` (weight, eps) each head is RMS-normalised first, as `rope_and_store` does with `qk_norm`."""
     tokens, heads, head_dim = x.shape
@@ -163,7 +163,7 @@ def rope_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     weight, eps = norm or (x, 0.0)
     _rope_rounded_kernel[(tokens,)](x, cos.contiguous(), sin.contiguous(), out, weight, eps, HEADS=heads,
                                     HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(heads),
-                                    QK_NORM=norm is not None, num_warps=2)
+                                    QK_NORM=norm is not None, PLUS_ONE=plus_one, num_warps=2)
     return out
 
 
