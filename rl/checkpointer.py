@@ -29,6 +29,7 @@ from rl.export import export_adapter, export_policy
 from rl.learner import Learner
 from rl.metrics import keep_rows_before, read_metric_rows
 from rl.parallel import print0
+from rl.safe_load import error_line
 
 
 class RunCheckpointer:
@@ -58,7 +59,7 @@ class RunCheckpointer:
         saved = {name: checkpoint.read_part(path, state, name) for name in self.parts}
         for name, part in self.parts.items():
             if part is not None and saved[name] is not None:
-                part.load_state_dict(saved[name])
+                restore_part(path, name, part, saved[name])
         self.check_buffer(path, saved.get("rollout_buffer"))
         if unknown := [name for name, value in state.parts.items() if name not in (*schedules, *self.parts) and value]:
             print0(f"checkpoint: {path} holds {', '.join(unknown)}, which this run does not have: not restored")
@@ -147,6 +148,20 @@ class RunCheckpointer:
         checkpoint.wait_for_removals()
         if self.lock is not None:
             self.lock.close()
+
+
+def restore_part(path: Path, name: str, part: checkpoint.Stateful, saved: dict) -> None:
+    """`part` as checkpoint `path` saved it; a state of another shape (a hand-edited or foreign trainer state) stops
+    the resume with one line naming the file and the part, not a traceback."""
+    try:
+        part.load_state_dict(saved)
+    except ConfigError:  # the state is fine, the run does not fit it (another data.seed): said by the part
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        file = checkpoint.FILE_PARTS.get(name, "trainer_state.json")
+        raise ConfigError(f"checkpoint {path}: {file} holds a {name} state this run cannot restore ({error_line(e)}): "
+                          f"resume from an earlier checkpoint (--checkpoint.resume=<its folder>) or start afresh in "
+                          f"another log.output_dir") from None
 
 
 def claim_output_dir(cfg: Config, dist: parallel.Dist, restarted: bool):
