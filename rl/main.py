@@ -127,10 +127,9 @@ def start_up(cfg: Config, dist: parallel.Dist, stop: launch.StopRequests) -> Run
     health = checkpointer.parts["health"] = Health(
         cfg.train.max_bad_steps, cfg.reward.max_failed_steps, learner.policy.config.vocab_size,
         cfg.rollout.max_staleness, cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt)
-    buffer = None  # the synchronous loop: each rollout generates and trains its own groups
-    if cfg.rollout.partial_rollout or cfg.rollout.max_staleness:
-        buffer = RolloutBuffer(cfg.rollout.rollout_batch_size, cfg.rollout.max_staleness)
-    checkpointer.parts["rollout_buffer"] = buffer
+    in_flight = cfg.rollout.partial_rollout or cfg.rollout.max_staleness  # else each rollout trains its own groups
+    buffer = checkpointer.parts["rollout_buffer"] = (
+        RolloutBuffer(cfg.rollout.rollout_batch_size, cfg.rollout.max_staleness) if in_flight else None)
     start, weight_version = checkpointer.resume()
     with stop_on_oom("engine start-up", cfg, dist.device):
         engine = build_engine(cfg.rollout, cfg.model.path, learner.policy.config, dist.device, dist.rank,
