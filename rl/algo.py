@@ -18,13 +18,34 @@ A NaN reward marks a response that every reward function passed on (returned Non
 out of its group's (and the batch's) statistics and its advantage is 0, so it neither moves the baseline nor
 the policy. GAE counts it as reward 0 (its advantage comes from the critic, not from a group).
 `gae` and `value_loss` are the per-token estimator and the critic's loss of PPO with a value model.
+
+Each variant kind is one table, name -> (its pure function, one line on it): ADVANTAGE_ESTIMATORS, POLICY_LOSSES,
+LOSS_AGGREGATIONS, KL_ESTIMATORS, TIS_LEVELS and TIS_MODES. The config's validation, `--help` and the docs read
+the names and lines from them (rl/config.py), so a new variant is its function and one row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
-from rl.config import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, AlgoConfig, TrainConfig
+from rl.config import AlgoConfig, TrainConfig
+
+
+class Variant(NamedTuple):
+    """A row of a variant table: the function that computes it, and one line for --help and docs/."""
+    fn: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+    doc: str
+
+
+class Estimator(NamedTuple):
+    """A row of ADVANTAGE_ESTIMATORS: `fn` maps (rewards, group_index, scored, std_normalization, weights, eps)
+    to per-sample advantages; None for gae, which is per token from the critic (`gae`)."""
+    fn: Callable[..., torch.Tensor] | None
+    doc: str
+    group_baseline: bool  # a baseline from the sample's group: needs >= 2 samples per prompt
 
 # ---------------------------------------------------------------------------- advantages
 
@@ -33,25 +54,67 @@ def advantages(estimator: str, rewards: torch.Tensor, group_index: torch.Tensor,
                token_counts: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """rewards (N,), NaN where unscored; group_index (N,), token_counts (N,) trained tokens per sample ->
     advantages (N,), 0 where unscored."""
+    row = ADVANTAGE_ESTIMATORS.get(estimator)
+    if row is None or row.fn is None:
+        raise ValueError(f"advantages: no per-sample estimator {estimator!r} (gae is per token: rl.algo.gae)")
     rewards = rewards.double()
     scored = ~torch.isnan(rewards)  # (N,)
-    if estimator in ("grpo", "dr_grpo"):
-        out = _group_centred(rewards, group_index, std_normalization and estimator == "grpo", eps, scored)
-    elif estimator == "rloo":
-        sizes = _group_sizes(group_index, scored)
-        # r - mean of the others = (G r - sum) / (G - 1) = G / (G - 1) x (r - mean); a group of one keeps 0
-        scale = torch.where(sizes > 1, sizes / (sizes - 1).clamp(min=1), torch.zeros_like(sizes))
-        out = _group_centred(rewards, group_index, False, eps, scored) * scale
-    elif estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
-        weights = torch.ones_like(rewards) if token_counts is None else token_counts.double()
-        if estimator == "reinforce_plus_plus_baseline":
-            rewards = _group_centred(rewards, group_index, False, eps, scored)
-        out = torch.zeros_like(rewards)
-        if scored.any():
-            out[scored] = whiten(rewards[scored], weights[scored])
-    else:
-        raise ValueError(f"advantages: no per-sample estimator {estimator!r} (gae is per token: rl.algo.gae)")
+    weights = torch.ones_like(rewards) if token_counts is None else token_counts.double()
+    out = row.fn(rewards, group_index, scored, std_normalization, weights, eps)
     return torch.where(scored, out, torch.zeros_like(out)).float()
+
+
+def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scored: torch.Tensor, std_normalization: bool,
+                    weights: torch.Tensor, eps: float) -> torch.Tensor:
+    """(N,): reward less its group mean, over the group's unbiased std + eps when `std_normalization`."""
+    return _group_centred(rewards, group_index, std_normalization, eps, scored)
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scored: torch.Tensor,
+                       std_normalization: bool, weights: torch.Tensor, eps: float) -> torch.Tensor:
+    """(N,): reward less its group mean, never over the std (Dr. GRPO)."""
+    return _group_centred(rewards, group_index, False, eps, scored)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scored: torch.Tensor, std_normalization: bool,
+                    weights: torch.Tensor, eps: float) -> torch.Tensor:
+    """(N,): reward less the mean of the other samples of its group."""
+    sizes = _group_sizes(group_index, scored)
+    # r - mean of the others = (G r - sum) / (G - 1) = G / (G - 1) x (r - mean); a group of one keeps 0
+    scale = torch.where(sizes > 1, sizes / (sizes - 1).clamp(min=1), torch.zeros_like(sizes))
+    return _group_centred(rewards, group_index, False, eps, scored) * scale
+
+
+def reinforce_plus_plus_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scored: torch.Tensor,
+                                   std_normalization: bool, weights: torch.Tensor, eps: float) -> torch.Tensor:
+    """(N,): the scored rewards whitened over the batch, each counted `weights` times (REINFORCE++)."""
+    out = torch.zeros_like(rewards)
+    if scored.any():
+        out[scored] = whiten(rewards[scored], weights[scored])
+    return out
+
+
+def reinforce_plus_plus_baseline_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scored: torch.Tensor,
+                                            std_normalization: bool, weights: torch.Tensor, eps: float
+                                            ) -> torch.Tensor:
+    """(N,): the group mean subtracted, then whitened over the batch."""
+    centred = _group_centred(rewards, group_index, False, eps, scored)
+    return reinforce_plus_plus_advantages(centred, group_index, scored, std_normalization, weights, eps)
+
+
+ADVANTAGE_ESTIMATORS = {
+    "grpo": Estimator(grpo_advantages, "reward minus its group mean, over the unbiased group std + 1e-6 "
+                                       "(algo.grpo_std_normalization = false: centred only)", True),
+    "dr_grpo": Estimator(dr_grpo_advantages, "reward minus its group mean, no std (Dr. GRPO)", True),
+    "rloo": Estimator(rloo_advantages, "reward minus the mean of the other samples of its group", True),
+    "reinforce_plus_plus": Estimator(reinforce_plus_plus_advantages,
+                                     "reward whitened over the global batch, every trained token counted "
+                                     "(REINFORCE++)", False),
+    "reinforce_plus_plus_baseline": Estimator(reinforce_plus_plus_baseline_advantages,
+                                              "group mean subtracted, then whitened over the batch", True),
+    "gae": Estimator(None, "PPO with a critic ([critic]): per-token GAE (algo.gamma, algo.lam) from a value model, "
+                           "whitened over the batch", False),
+}
 
 
 def _group_sizes(group_index: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -121,28 +184,43 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 def policy_loss(kind: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, eps_clip: float, eps_clip_high: float, eps_clip_c: float | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss and clip indicator, both (B, T), for `algo.policy_loss`:
-
-    - ppo (the clipped policy loss): max(-r A, -clip(r, 1 - eps_clip, 1 + eps_clip_high) A) with r the token
-      ratio; with `eps_clip_c` (dual clip, > 1) a negative-advantage token's loss is capped at
-      -eps_clip_c A, so a huge ratio cannot push it without bound.
-    - gspo: the same clip on the sequence ratio s = exp(mean over the sequence's tokens of log r)
-      (a geometric mean), applied to every token as sg(s) r / sg(r): the gradient of token t is
-      s A grad log p_t, and the sequence's tokens share one clip decision.
-    - cispo: -sg(clip(r, 1 - eps_clip, 1 + eps_clip_high)) A log p: the importance weight is clipped
-      but every token keeps its gradient (no token is dropped the way PPO's clip drops it).
-    A token is "clipped" when its gradient is cut (ppo, gspo) or its weight capped (cispo).
-    """
-    log_ratio = logprobs - old_logprobs
-    if kind == "cispo":
-        ratio = torch.exp(log_ratio.detach())
-        weight = ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
-        return -weight * advantages * logprobs, (weight != ratio).float()
-    if kind == "gspo":
-        seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-        log_ratio = seq.detach() + logprobs - logprobs.detach()
-    elif kind != "ppo":
+    """Per-token loss and clip indicator, both (B, T), by `algo.policy_loss` (POLICY_LOSSES). A token is
+    "clipped" when its gradient is cut (ppo, gspo) or its weight capped (cispo)."""
+    if kind not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {kind!r} (one of {', '.join(POLICY_LOSSES)})")
+    return POLICY_LOSSES[kind].fn(logprobs, old_logprobs, advantages, mask, eps_clip, eps_clip_high, eps_clip_c)
+
+
+def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+             eps_clip: float, eps_clip_high: float, eps_clip_c: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipped policy loss, (B, T): max(-r A, -clip(r, 1 - eps_clip, 1 + eps_clip_high) A) with r the token
+    ratio; with `eps_clip_c` (dual clip, > 1) a negative-advantage token's loss is capped at -eps_clip_c A, so
+    a huge ratio cannot push it without bound."""
+    return _clipped(logprobs - old_logprobs, advantages, eps_clip, eps_clip_high, eps_clip_c)
+
+
+def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              eps_clip: float, eps_clip_high: float, eps_clip_c: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clip on the sequence ratio s = exp(mean over the sequence's tokens of log r) (a geometric mean),
+    applied to every token as sg(s) r / sg(r): the gradient of token t is s A grad log p_t, and the sequence's
+    tokens share one clip decision."""
+    log_ratio = logprobs - old_logprobs
+    seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+    return _clipped(seq.detach() + logprobs - logprobs.detach(), advantages, eps_clip, eps_clip_high, eps_clip_c)
+
+
+def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+               eps_clip: float, eps_clip_high: float, eps_clip_c: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-sg(clip(r, 1 - eps_clip, 1 + eps_clip_high)) A log p: the importance weight is clipped but every token
+    keeps its gradient (no token is dropped the way PPO's clip drops it)."""
+    ratio = torch.exp((logprobs - old_logprobs).detach())
+    weight = ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
+    return -weight * advantages * logprobs, (weight != ratio).float()
+
+
+def _clipped(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_clip: float, eps_clip_high: float,
+             eps_clip_c: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped loss and cut indicator of a per-token log ratio, (B, T) each."""
     ratio = torch.exp(log_ratio)
     unclipped = -ratio * advantages
     clipped = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
@@ -155,27 +233,54 @@ def policy_loss(kind: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, a
     return loss, cut.float()
 
 
+POLICY_LOSSES = {
+    "ppo": Variant(ppo_loss, "token-level clip max(-r A, -clip(r, 1 - eps_clip, 1 + eps_clip_high) A); "
+                             "algo.eps_clip_c (> 1) adds the dual clip"),
+    "gspo": Variant(gspo_loss, "the clip on the sequence ratio exp(mean log r), one decision per sequence; "
+                               "use tiny clips (3e-4 / 4e-4)"),
+    "cispo": Variant(cispo_loss, "-sg(clip(r, 1 - eps_clip, 1 + eps_clip_high)) A log p: the weight is capped, "
+                                 "no token loses its gradient"),
+}
+
+
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: float, global_seqs: float,
               norm: float) -> torch.Tensor:
-    """This micro-batch's share of a global-batch loss, so that the shares of all micro-batches and ranks
-    sum to the loss of the whole batch (`algo.loss_agg`):
-
-    - token_mean: sum over every token of the batch / its number of tokens (long answers weigh more).
-    - seq_mean_token_mean: each sequence's token mean, averaged over the batch's sequences.
-    - seq_mean_token_sum_norm: each sequence's token sum / `norm` (a constant, Dr. GRPO's max
-      response length), averaged over the sequences: no length bias in either direction.
-    `global_tokens` / `global_seqs` count the batch's trained tokens / sequences with at least one.
-    """
-    if mode == "token_mean":
-        return (values * mask).sum() / max(global_tokens, 1)
-    per_seq = (values * mask).sum(-1)
-    if mode == "seq_mean_token_mean":
-        per_seq = per_seq / mask.sum(-1).clamp(min=1)
-    elif mode == "seq_mean_token_sum_norm":
-        per_seq = per_seq / norm
-    else:
+    """This micro-batch's share of a global-batch loss by `algo.loss_agg` (LOSS_AGGREGATIONS), so that the
+    shares of all micro-batches and ranks sum to the loss of the whole batch. `global_tokens` / `global_seqs`
+    count the batch's trained tokens / sequences with at least one."""
+    if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {mode!r} (one of {', '.join(LOSS_AGGREGATIONS)})")
+    return LOSS_AGGREGATIONS[mode].fn(values, mask, global_tokens, global_seqs, norm)
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor, global_tokens: float, global_seqs: float, norm: float
+               ) -> torch.Tensor:
+    """Sum over every token of the batch / its number of tokens (long answers weigh more)."""
+    return (values * mask).sum() / max(global_tokens, 1)
+
+
+def seq_mean_token_mean(values: torch.Tensor, mask: torch.Tensor, global_tokens: float, global_seqs: float,
+                        norm: float) -> torch.Tensor:
+    """Each sequence's token mean, averaged over the batch's sequences."""
+    per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
     return per_seq.sum() / max(global_seqs, 1)
+
+
+def seq_mean_token_sum_norm(values: torch.Tensor, mask: torch.Tensor, global_tokens: float, global_seqs: float,
+                            norm: float) -> torch.Tensor:
+    """Each sequence's token sum / `norm` (a constant, Dr. GRPO's max response length), averaged over the
+    sequences: no length bias in either direction."""
+    per_seq = (values * mask).sum(-1) / norm  # (B,)
+    return per_seq.sum() / max(global_seqs, 1)
+
+
+LOSS_AGGREGATIONS = {
+    "token_mean": Variant(token_mean, "sum over all trained tokens of the global batch / their number"),
+    "seq_mean_token_mean": Variant(seq_mean_token_mean, "each sequence's token mean, averaged over sequences"),
+    "seq_mean_token_sum_norm": Variant(seq_mean_token_sum_norm,
+                                       "each sequence's token sum / algo.loss_agg_norm, averaged over sequences "
+                                       "(Dr. GRPO)"),
+}
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -186,21 +291,38 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def kl_penalty(kind: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token estimators of KL(pi || ref) from tokens sampled from pi, d = log pi - log ref:
+    """Per-token estimate of KL(pi || ref) from tokens sampled from pi, by `algo.kl_estimator` (KL_ESTIMATORS)."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r} (one of {', '.join(KL_ESTIMATORS)})")
+    return KL_ESTIMATORS[kind].fn(logprobs - ref_logprobs)
 
-    k1 = d (unbiased, any sign); k2 = d^2 / 2 (its gradient is the true KL's gradient);
-    k3 = exp(-d) + d - 1 (unbiased, >= 0); low_var_kl = k3 clamped to [-10, 10] (a token whose
-    reference probability collapsed cannot dominate the batch).
-    """
-    d = logprobs - ref_logprobs
-    if kind == "k1":
-        return d
-    if kind == "k2":
-        return 0.5 * d * d
-    if kind in ("k3", "low_var_kl"):
-        k3 = torch.exp(-d) + d - 1
-        return k3.clamp(-10, 10) if kind == "low_var_kl" else k3
-    raise ValueError(f"unknown KL estimator {kind!r} (one of {', '.join(KL_ESTIMATORS)})")
+
+def kl_k1(d: torch.Tensor) -> torch.Tensor:
+    """d = log pi - log ref: unbiased, any sign."""
+    return d
+
+
+def kl_k2(d: torch.Tensor) -> torch.Tensor:
+    """d^2 / 2: its gradient is the true KL's gradient."""
+    return 0.5 * d * d
+
+
+def kl_k3(d: torch.Tensor) -> torch.Tensor:
+    """exp(-d) + d - 1: unbiased, >= 0."""
+    return torch.exp(-d) + d - 1
+
+
+def kl_low_var(d: torch.Tensor) -> torch.Tensor:
+    """k3 clamped to [-10, 10]: a token whose reference probability collapsed cannot dominate the batch."""
+    return kl_k3(d).clamp(-10, 10)
+
+
+KL_ESTIMATORS = {
+    "k1": Variant(kl_k1, "log pi - log ref (unbiased, any sign)"),
+    "k2": Variant(kl_k2, "(log pi - log ref)^2 / 2 (its gradient is the true KL's)"),
+    "k3": Variant(kl_k3, "exp(-k1) + k1 - 1 (unbiased, >= 0)"),
+    "low_var_kl": Variant(kl_low_var, "k3 clamped to [-10, 10]"),
+}
 
 
 def approx_kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -213,22 +335,45 @@ def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask
     """Importance weights for tokens the engine sampled under other weights than the trainer's old policy:
     the engine-trainer mismatch, and with partial rollouts or max_staleness the older weight versions too.
     The decoupled PPO objective: the ratio is taken against the trainer's old policy (the weights at the
-    step's start), and each token's loss is weighted by w = pi_old / pi_engine (level "token"), or each
-    sequence's by the product over its tokens (level "sequence"). Mode "truncate" caps w at `cap`; mode
-    "mask" keeps w up to `cap` and gives 0 above it (the token or sequence leaves the loss). Returns
+    step's start), and each token's loss is weighted by w = pi_old / pi_engine, per token or per sequence
+    (`level`, TIS_LEVELS); `mode` (TIS_MODES) says what becomes of a w above `cap`. Returns
     (weights, indicator of w > cap), both (B, T), no gradient."""
-    log_w = ((old_logprobs - rollout_logprobs) * mask).detach()
-    if level == "sequence":
-        log_w = log_w.sum(-1, keepdim=True).expand_as(mask)
-    elif level != "token":
-        raise ValueError(f"unknown TIS level {level!r} (token or sequence)")
+    if level not in TIS_LEVELS:
+        raise ValueError(f"unknown TIS level {level!r} ({' or '.join(TIS_LEVELS)})")
+    if mode not in TIS_MODES:
+        raise ValueError(f"unknown TIS mode {mode!r} ({' or '.join(TIS_MODES)})")
+    log_w = TIS_LEVELS[level].fn(((old_logprobs - rollout_logprobs) * mask).detach(), mask)
     w = torch.exp(log_w)
     over = w > cap
-    if mode == "truncate":
-        return w.clamp(max=cap), over.float()
-    if mode == "mask":
-        return w.masked_fill(over, 0.0), over.float()
-    raise ValueError(f"unknown TIS mode {mode!r} (truncate or mask)")
+    return TIS_MODES[mode].fn(w, over, cap), over.float()
+
+
+def token_log_weights(log_w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T): each token's own log pi_old / pi_engine."""
+    return log_w
+
+
+def sequence_log_weights(log_w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T): the sequence's summed log ratio (the product of its token ratios) on each of its tokens."""
+    return log_w.sum(-1, keepdim=True).expand_as(mask)
+
+
+def truncate_weights(w: torch.Tensor, over: torch.Tensor, cap: float) -> torch.Tensor:
+    return w.clamp(max=cap)
+
+
+def mask_weights(w: torch.Tensor, over: torch.Tensor, cap: float) -> torch.Tensor:
+    return w.masked_fill(over, 0.0)
+
+
+TIS_LEVELS = {
+    "token": Variant(token_log_weights, "each token's loss weighted by its own w = pi_old / pi_engine"),
+    "sequence": Variant(sequence_log_weights, "each sequence's tokens weighted by the product of its token ratios"),
+}
+TIS_MODES = {
+    "truncate": Variant(truncate_weights, "weight min(w, tis_cap)"),
+    "mask": Variant(mask_weights, "weight w where w <= tis_cap, else the token (or sequence) is left out"),
+}
 
 
 def needs_old_logprobs(train: TrainConfig, algo: AlgoConfig) -> bool:

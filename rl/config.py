@@ -104,9 +104,21 @@ MOVED_KEYS = {**{f"rollout.{k}": f"rollout.vllm.{k}" for k in ("gpu_memory_utili
               **{f"rollout.{k}": f"rollout.native.{k}" for k in ("kv_cache_tokens", "cuda_graphs", "steps_per_poll")}}
 
 
+# The names of rollout.engine and rollout.dynamic_filter and one line on each; the code they pick is
+# rl/rollout/__init__.py's engine and rl/collect.py's keep_group. choices() gathers every key's table.
+ROLLOUT_ENGINES = {
+    "native": "rl's own PyTorch engine: paged KV cache, continuous batching, CUDA-graph decode, one rank per engine",
+    "vllm": "vLLM in the trainer's processes (rollout.vllm), rollout.tensor_parallel_size ranks per engine",
+}
+DYNAMIC_FILTERS = {
+    "": "keeps every group",
+    "nonzero_std": "drops groups whose rewards are all equal, and samples more prompts in their place",
+}
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = "native"  # native | vllm
+    engine: str = "native"  # the engine that generates the rollouts (docs/engines.md)
     rollout_batch_size: int = 32  # prompts per rollout step
     n_samples_per_prompt: int = 8
     # Prompts drawn per sampling round; defaults to rollout_batch_size. With partial rollouts or max_staleness: the
@@ -115,7 +127,7 @@ class RolloutConfig:
     # first). Default with partial rollouts: rollout_batch_size * (1 + max_staleness / 2), rounded up, so a typical
     # sample is about half the bound old and only the slowest reach it; without: (max_staleness + 1) * that.
     over_sampling_batch_size: int | None = None
-    dynamic_filter: str = ""  # "" keeps every group; "nonzero_std" drops groups whose rewards are all equal
+    dynamic_filter: str = ""  # which prompt groups a rollout keeps for training
     max_sampling_rounds: int = 8  # bound on refill rounds when the filter drops groups
     # Partial rollouts: a rollout ends once rollout_batch_size groups are finished instead of waiting for its
     # longest sample; unfinished samples carry over and continue under the next weights (needs max_staleness >= 1).
@@ -183,25 +195,23 @@ class EnvConfig:
 @dataclass(frozen=True)
 class AlgoConfig:
     """The RL algorithm; docs/algorithms.md maps each key to TRL's and verl's names, rl/algo.py has the maths."""
-    # grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae (PPO with a critic: [critic])
-    advantage_estimator: str = "grpo"
+    advantage_estimator: str = "grpo"  # each sample's advantage from the rewards
     grpo_std_normalization: bool = True
     gamma: float = 1.0  # gae: discount
     lam: float = 1.0  # gae: lambda
-    policy_loss: str = "ppo"  # ppo | gspo | cispo
+    policy_loss: str = "ppo"  # the per-token policy gradient loss
     eps_clip: float = 0.2
     eps_clip_high: float | None = None  # defaults to eps_clip
     eps_clip_c: float | None = None  # ppo dual clip (> 1): caps a negative-advantage token's loss at -eps_clip_c * A
-    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    loss_agg: str = "token_mean"  # how the per-token losses become the batch's loss
     loss_agg_norm: float | None = None  # seq_mean_token_sum_norm's constant; defaults to rollout.max_new_tokens
     entropy_coef: float = 0.0  # > 0: entropy bonus, loss - entropy_coef * entropy (aggregated like the loss)
     kl_coef: float = 0.0  # > 0: KL to the reference model (model.ref_path, else the initial policy)
-    kl_estimator: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl
+    kl_estimator: str = "low_var_kl"  # the per-token estimate of KL(policy || reference)
     kl_in_reward: bool = False  # subtract kl_coef * the response's KL from its reward instead of adding it to the loss
     tis_cap: float = 0.0  # > 0: truncated importance sampling, loss * min(pi_old / pi_engine, tis_cap)
-    tis_level: str = "token"  # token | sequence
-    # truncate: weight min(w, tis_cap); mask: weight w where w <= tis_cap, else the token (or sequence) is left out
-    tis_mode: str = "truncate"
+    tis_level: str = "token"  # what one importance weight w covers
+    tis_mode: str = "truncate"  # what becomes of a weight above tis_cap
     use_rollout_logprobs: bool = False  # old logprobs from the engine instead of a trainer forward
 
 
@@ -517,31 +527,41 @@ def key_rows(name: str, cls: type) -> list[tuple[str, str, str, str]]:
 
 
 def table_help(name: str, cls: type) -> list[str]:
-    """The help lines of one table's keys, then of the tables inside it ([rollout.vllm])."""
-    out, table = [], None
+    """The help lines of one table's keys, then of the tables inside it ([rollout.vllm]); a key that picks a
+    variant lists its names, each with its line."""
+    out, table, variants = [], None, choices()
     for table_name, key, default, kind, doc in key_rows(name, cls):
         if table_name != table:
             out.append(f"\n[{table_name}]")
             table = table_name
         out.append(f"  {key} = {default}  ({kind})")
-        if doc:  # never broken at a hyphen, so a docs/ path stays whole
-            out.append(textwrap.fill(doc, width=110, initial_indent=" " * 6, subsequent_indent=" " * 6,
+        lines = [doc] if doc else []
+        lines += [f"{json.dumps(choice)}: {line}" for choice, line in variants.get(key, {}).items()]
+        for line in lines:  # never broken at a hyphen, so a docs/ path stays whole
+            out.append(textwrap.fill(line, width=110, initial_indent=" " * 6, subsequent_indent=" " * 8,
                                      break_on_hyphens=False))
     return out
 
 
 def help_markdown() -> str:
-    """The key tables of docs/configuration.md: help_text's keys, defaults, types and comments as Markdown."""
-    out, hints = [], typing.get_type_hints(Config)
+    """The key tables of docs/configuration.md: help_text's keys, defaults, types and comments as Markdown; a key
+    that picks a variant lists its names, each with its line."""
+    out, hints, variants = [], typing.get_type_hints(Config), choices()
     for section in dataclasses.fields(Config):
         table = None
         for table_name, key, default, kind, doc in key_rows(section.name, hints[section.name]):
             if table_name != table:
                 out += [f"\n### [{table_name}]\n", "| key | default | type | what it does |", "|---|---|---|---|"]
                 table = table_name
-            cell = doc.replace("|", "\\|").replace("*", "\\*").replace("<", "&lt;").replace(">", "&gt;")
+            cell = _markdown(doc) + "".join(f"<br>`{json.dumps(choice)}`: {_markdown(line)}"
+                                            for choice, line in variants.get(key, {}).items())
             out.append(f"| `{key}` | `{default}` | {kind.replace('|', ' or ')} | {cell} |")
     return "\n".join(out) + "\n"
+
+
+def _markdown(text: str) -> str:
+    """`text` safe in a Markdown table cell."""
+    return text.replace("|", "\\|").replace("*", "\\*").replace("<", "&lt;").replace(">", "&gt;")
 
 
 KEY_TABLES = "<!-- Everything below is written by `python -m rl.config docs/configuration.md` from rl/config.py. -->\n"
@@ -640,7 +660,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
 
 def validate_engine(model: ModelConfig, ro: RolloutConfig) -> None:
-    _require(ro.engine in ("native", "vllm"), f"rollout.engine must be 'native' or 'vllm', got {ro.engine!r}")
+    _one_of("rollout.engine", ro.engine)
     _require(not (model.batch_invariant and model.compile),
              "model.compile and model.batch_invariant: the batch-invariant forward runs its own kernels; turn one off")
     _require(not model.batch_invariant or ro.engine == "native",
@@ -674,8 +694,7 @@ def validate_rollout(ro: RolloutConfig, data: DataConfig) -> None:
     for key in ("rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "max_batch_size"):
         _require(getattr(ro, key) >= 1, f"rollout.{key} must be >= 1, got {getattr(ro, key)}")
     _require(ro.over_sampling_batch_size >= 1, "rollout.over_sampling_batch_size must be >= 1")
-    _require(ro.dynamic_filter in ("", "nonzero_std"),
-             f"rollout.dynamic_filter must be '' or 'nonzero_std', got {ro.dynamic_filter!r}")
+    _one_of("rollout.dynamic_filter", ro.dynamic_filter)
     _require(ro.max_sampling_rounds >= 1, "rollout.max_sampling_rounds must be >= 1")
     _require(ro.temperature > 0, f"rollout.temperature must be > 0, got {ro.temperature}")
     _require(0 < ro.top_p <= 1, f"rollout.top_p must be in (0, 1], got {ro.top_p}")
@@ -845,25 +864,33 @@ def validate_layout(ro: RolloutConfig, tr: TrainConfig, world_size: int) -> None
              f"train.global_batch_size ({tr.global_batch_size}) must be divisible by the data-parallel size ({world_size})")
 
 
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")  # a group baseline: >= 2 samples
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+def choices() -> dict[str, dict[str, str]]:
+    """Each key that picks a variant -> its names and one line on each, read from the tables that hold the
+    variants (rl/algo.py's for the maths), so validation, --help and the docs list exactly those."""
+    from rl import algo  # imports torch: only here, so that the reward workers import this module without it
+
+    tables = {"algo.advantage_estimator": algo.ADVANTAGE_ESTIMATORS, "algo.policy_loss": algo.POLICY_LOSSES,
+              "algo.loss_agg": algo.LOSS_AGGREGATIONS, "algo.kl_estimator": algo.KL_ESTIMATORS,
+              "algo.tis_level": algo.TIS_LEVELS, "algo.tis_mode": algo.TIS_MODES}
+    return {"rollout.engine": ROLLOUT_ENGINES, "rollout.dynamic_filter": DYNAMIC_FILTERS,
+            **{key: {name: row.doc for name, row in table.items()} for key, table in tables.items()}}
 
 
-def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    _require(value in allowed, f"{key} must be one of {', '.join(allowed)}; got {value!r}")
+def _one_of(key: str, value: str) -> None:
+    names = choices()[key]
+    _require(value in names, f"{key} must be one of {', '.join(name or repr(name) for name in names)}; got {value!r}")
 
 
 def validate_algo(algo: AlgoConfig, model: ModelConfig, ro: RolloutConfig) -> None:
-    _one_of("algo.advantage_estimator", algo.advantage_estimator, ADVANTAGE_ESTIMATORS)
-    _one_of("algo.policy_loss", algo.policy_loss, POLICY_LOSSES)
-    _one_of("algo.loss_agg", algo.loss_agg, LOSS_AGGREGATIONS)
-    _one_of("algo.kl_estimator", algo.kl_estimator, KL_ESTIMATORS)
-    _one_of("algo.tis_level", algo.tis_level, ("token", "sequence"))
-    _one_of("algo.tis_mode", algo.tis_mode, ("truncate", "mask"))
-    _require(ro.n_samples_per_prompt >= 2 or algo.advantage_estimator not in GROUP_ESTIMATORS,
+    from rl.algo import ADVANTAGE_ESTIMATORS  # imports torch (see choices)
+
+    _one_of("algo.advantage_estimator", algo.advantage_estimator)
+    _one_of("algo.policy_loss", algo.policy_loss)
+    _one_of("algo.loss_agg", algo.loss_agg)
+    _one_of("algo.kl_estimator", algo.kl_estimator)
+    _one_of("algo.tis_level", algo.tis_level)
+    _one_of("algo.tis_mode", algo.tis_mode)
+    _require(ro.n_samples_per_prompt >= 2 or not ADVANTAGE_ESTIMATORS[algo.advantage_estimator].group_baseline,
              f"rollout.n_samples_per_prompt={ro.n_samples_per_prompt} with algo.advantage_estimator="
              f"{algo.advantage_estimator!r}: a group baseline needs >= 2 samples per prompt (with 1, every "
              f"advantage is 0 and nothing trains)")
