@@ -264,3 +264,15 @@ def test_chunked_entropy_gradient_matches_autograd():
     (want,) = torch.autograd.grad((-(logp.exp() * logp).sum(-1) * w_h).sum(), logits)
     (got,) = torch.autograd.grad((got_h * w_h).sum(), logits)
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_an_unknown_variant_is_refused_with_its_tables_names():
+    t = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=r"unknown policy loss 'dapo' \(one of ppo, gspo, cispo\)"):
+        policy_loss("dapo", t, t, t, torch.ones_like(t), 0.2, 0.2)
+    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4' \(one of k1, k2, k3, low_var_kl\)"):
+        kl_penalty("k4", t, t)
+    with pytest.raises(ValueError, match=r"unknown TIS level 'row' \(token or sequence\)"):
+        tis_weights(t, t, torch.ones_like(t), 2.0, "row")
+    with pytest.raises(ValueError, match="gae is per token"):
+        advantages("gae", torch.ones(2), torch.zeros(2, dtype=torch.long))

@@ -179,6 +179,26 @@ def test_help_lists_every_key_of_every_section_with_its_default_and_comment():
                                       ["--config", "x.toml"])] == ["", "eval", "eval", "", None]
 
 
+def test_a_variant_key_is_checked_and_explained_from_its_table():
+    """Validation and --help list what the variant tables hold (rl/algo.py's and rl/config.py's), row for row."""
+    from rl.config import choices, help_text
+
+    with pytest.raises(ConfigError, match=r"^rollout.engine must be one of native, vllm; got 'sglang'$"):
+        make(rollout={"engine": "sglang"})
+    with pytest.raises(ConfigError, match=r"^rollout.dynamic_filter must be one of '', nonzero_std; got 'std'$"):
+        make(rollout={"dynamic_filter": "std"})
+    with pytest.raises(ConfigError, match=r"^algo.loss_agg must be one of token_mean, seq_mean_token_mean, "
+                                          r"seq_mean_token_sum_norm; got 'seq_sum'$"):
+        make(algo={"loss_agg": "seq_sum"})
+    text = " ".join(help_text().split())
+    for key, table in choices().items():
+        section, name_of_key = key.split(".")
+        for name, line in table.items():
+            assert f'"{name}": {" ".join(line.split())}' in text, f"{key} = {name!r}"
+            if key != "rollout.engine":  # vllm is checked for being installed
+                assert getattr(getattr(make(**{section: {name_of_key: name}}), section), name_of_key) == name
+
+
 def test_help_on_the_command_line_exits_0():
     proc = subprocess.run([sys.executable, "-m", "rl.main", "--help=train"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -75,3 +75,33 @@ def test_the_configuration_page_is_help_text_as_it_is_today():
         "docs/configuration.md differs from rl/config.py: run python -m rl.config docs/configuration.md"
     for key in re.findall(r"^  (\S+) = ", config.help_text(), flags=re.M):
         assert f"| `{key}` |" in page
+
+
+def variant_rows(text: str) -> dict[str, list[str]]:
+    """Each `| `key` | `value` | ... |` row group of the page's tables whose key picks a variant -> the cells after
+    its key, one per row: the row of the key and the `| | `value` | ... |` rows that continue it."""
+    groups, key = {}, None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if cells and re.fullmatch(r"`[\w.]+`", cells[0]) and cells[0].strip("`") in config.choices():
+            key = cells[0].strip("`")
+            groups.setdefault(key, []).append(" | ".join(cells[1:]))
+        elif cells and cells[0] == "" and key:
+            groups[key].append(" | ".join(cells[1:]))
+        else:
+            key = None
+    return groups
+
+
+def named_variants(rows: list[str]) -> set[str]:
+    """The names a row group lists: its value column, row by row; a single row names them in its text (`k1` = ...)."""
+    if len(rows) > 1:
+        return {row.split(" | ")[0].strip("`") for row in rows}
+    return set(re.findall(r"`([a-z0-9_]+)`", rows[0]))
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *PAGES], ids=lambda p: p.name)
+def test_a_docs_table_of_a_variant_kind_names_exactly_its_table(path):
+    text = path.read_text().split(config.KEY_TABLES)[0]  # the generated key tables read the tables themselves
+    for key, rows in variant_rows(text).items():
+        assert named_variants(rows) == set(config.choices()[key]), f"{path.name}: {key}"
