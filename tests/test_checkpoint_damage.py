@@ -40,8 +40,10 @@ def trained(inputs, tmp_path_factory) -> Path:
 
 
 def copy_of(trained: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """The trained run's folder before its export: a run with its policy in final/ has nothing left to load, and a
+    relaunch of it stops before reading a checkpoint (rl/finished.py)."""
     out = tmp_path / "run"
-    shutil.copytree(trained, out)
+    shutil.copytree(trained, out, ignore=lambda folder, names: ["final"] if Path(folder) == trained else [])
     return out, out / "checkpoints"
 
 
