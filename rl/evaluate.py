@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 from rl.collect import Collector, dump_eval
-from rl.config import DataConfig, EvalConfig
-from rl.data import EVAL_KEYS, Prompt, Status, expand_groups, load_prompts
+from rl.config import Config, ConfigError, DataConfig, EvalConfig
+from rl.data import EVAL_KEYS, Prompt, PromptDataset, Status, expand_groups, load_prompts
+from rl.parallel import print0
 from rl.rollout import SamplingParams
 
 
@@ -70,3 +71,15 @@ def evaluate(collector: Collector, prompts: list[Prompt], ev: EvalConfig, sampli
                                       for _, scored in passes for m in scored.stats.reward_stats)
     stats["perf/eval_s"] = time.perf_counter() - start
     return stats
+
+
+def held_out_prompts(cfg: Config, tokenizer, dataset: PromptDataset) -> list:
+    """The run's eval prompts less those that are also training prompts; none left is a ConfigError."""
+    prompts, overlapping = load_eval_prompts(cfg.eval, cfg.data, tokenizer, dataset.prompts)
+    if not prompts:
+        raise ConfigError(f"eval.source={cfg.eval.source!r}: every eval prompt also appears among the training "
+                          f"prompts; choose another eval.source or eval.seed (a generated task draws item i from "
+                          f"seed + i: eval.seed={cfg.eval.seed} must be clear of data.seed={cfg.data.seed} .. "
+                          f"+ data.num_examples={cfg.data.num_examples}), or a task with more distinct prompts")
+    print0(f"eval: {len(prompts)} held-out prompts ({overlapping} dropped: also training prompts)")
+    return prompts

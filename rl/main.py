@@ -29,7 +29,7 @@ from rl.checks import check_model_and_tokenizer
 from rl.collect import Collector, dump_rollout, rollout_metrics
 from rl.config import Config, ConfigError, check_paths, dump, load_config, resolve
 from rl.data import PromptDataset
-from rl.evaluate import evaluate, load_eval_prompts
+from rl.evaluate import evaluate, held_out_prompts
 from rl.health import Health, RunStopped
 from rl.learner import Learner, TrainResult, assign_advantages
 from rl.memory import check_disk_space, check_memory_plan, choose_allocator, stop_on_oom
@@ -231,17 +231,6 @@ def barrier_timeout(run: Run, rollout_id: int) -> float:
     """How long ranks wait for each other after generating: the start-up bound through a process's first
     rollout (loading, compiling), `train.collective_timeout_s` after it."""
     return run.cfg.train.collective_timeout_s if rollout_id > run.start else STARTUP_TIMEOUT_S
-
-
-def held_out_prompts(cfg: Config, tokenizer, dataset: PromptDataset) -> list:
-    prompts, overlapping = load_eval_prompts(cfg.eval, cfg.data, tokenizer, dataset.prompts)
-    if not prompts:
-        raise ConfigError(f"eval.source={cfg.eval.source!r}: every eval prompt also appears among the training "
-                          f"prompts; choose another eval.source or eval.seed (a generated task draws item i from "
-                          f"seed + i: eval.seed={cfg.eval.seed} must be clear of data.seed={cfg.data.seed} .. "
-                          f"+ data.num_examples={cfg.data.num_examples}), or a task with more distinct prompts")
-    print0(f"eval: {len(prompts)} held-out prompts ({overlapping} dropped: also training prompts)")
-    return prompts
 
 
 def stop_requested(stop: launch.StopRequests) -> bool:

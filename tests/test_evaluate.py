@@ -126,3 +126,15 @@ def test_eval_and_sample_dumps_in_the_loop(tmp_path):
     for name in profiles:
         text = (out / "profile" / name).read_text()
         assert text.startswith("wall ") and "largest host time:" in text and "aten::" in text
+
+
+def test_an_eval_source_that_is_all_training_prompts_is_one_line_naming_it(tmp_path):
+    from rl.config import load_config, resolve
+    from rl.evaluate import held_out_prompts
+
+    rows = write_arithmetic_jsonl(tmp_path / "train.jsonl")
+    cfg = resolve(load_config([f"--model.path={tmp_path}", f"--data.source={rows}", f"--eval.source={rows}",
+                               "--data.prompt_key=question"]))
+    dataset = PromptDataset.from_config(cfg.data, tiny_tokenizer())
+    with pytest.raises(ConfigError, match=rf"^eval.source='{rows}': every eval prompt also appears among the training"):
+        held_out_prompts(cfg, tiny_tokenizer(), dataset)
