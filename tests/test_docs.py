@@ -1,5 +1,5 @@
 """The docs hold together: README stays a page, every docs/ page is reachable from it, every relative link and
-#anchor in README.md and docs/*.md lands on a file and a heading, the docs pages that `--help` names exist, and
+#anchor in README.md, docs/*.md and the benchmark results pages lands on a file and a heading, the docs pages that `--help` names exist, and
 docs/configuration.md's key tables are what rl/config.py says today."""
 
 import re
@@ -11,6 +11,7 @@ from rl import config
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "docs").glob("*.md"))
+RESULTS = [ROOT / "benchmarks/RESULTS.md", ROOT / "benchmarks/ARCHIVE.md"]  # where the docs' measured numbers live
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -50,7 +51,7 @@ def test_the_readme_fits_a_page_and_keeps_the_commands_ci_runs():
     assert "```bash\nbash launch.sh --install configs/quickstart.toml\n```" in readme
 
 
-@pytest.mark.parametrize("path", [ROOT / "README.md", *PAGES], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [ROOT / "README.md", *PAGES, *RESULTS], ids=lambda p: p.name)
 def test_relative_links_land_on_files_and_headings(path):
     assert not broken_links(path)
 
