@@ -83,9 +83,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    lo = 0
-    if window > 0:  # the first key the query (at the context's end) sees
-        lo = tl.maximum(tl.load(context_lens_ptr + seq) - window, 0)
+    # The first key the query (at the context's end) sees: 0 without a window.
+    lo = tl.where(window > 0, tl.maximum(tl.load(context_lens_ptr + seq) - window, 0), 0)
     for t0 in range(tl.maximum(start, lo // BLOCK_N * BLOCK_N), end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = (t < end) & (t >= lo)
@@ -209,10 +208,9 @@ def _prefill_paged_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, sta
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     end = tl.minimum(start + (tl.program_id(0) + 1) * BLOCK_M, ctx)  # past the block's last row's last key
-    first = 0
-    if window > 0:  # the block's first row's first key: earlier keys are outside every row's window (pads included)
-        first_last = tl.minimum(start + tl.program_id(0) * BLOCK_M, ctx - 1)  # the block's first row's last key
-        first = tl.maximum(first_last - window + 1, 0) // BLOCK_N * BLOCK_N
+    # With a window, the block's first row's first key: earlier keys are outside every row's window (pads included).
+    first_last = tl.minimum(start + tl.program_id(0) * BLOCK_M, ctx - 1)  # the block's first row's last key
+    first = tl.where(window > 0, tl.maximum(first_last - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
