@@ -436,8 +436,9 @@ def set_override(raw: dict[str, Any], path: list[str], value: Any) -> None:
     table[path[-1]] = value
 
 
-def load_config(args: list[str]) -> Config:
-    """Builds the resolved Config from argv (a TOML file plus --section.key=value overrides)."""
+def load_config(args: list[str], checked: bool = True) -> Config:
+    """Builds the resolved Config from argv (a TOML file plus --section.key=value overrides); `checked=False`
+    leaves out the validation (which imports torch for the variant tables), for a look at a few keys."""
     config_path, overrides = parse_overrides(args)
     raw: dict[str, Any] = {}
     if config_path is not None:
@@ -450,10 +451,10 @@ def load_config(args: list[str]) -> Config:
             raise ConfigError(f"{path}: invalid TOML: {e}") from e
     for path, value in overrides:
         set_override(raw, path, value)
-    return config_from_dict(raw)
+    return config_from_dict(raw, checked)
 
 
-def config_from_dict(raw: dict[str, Any]) -> Config:
+def config_from_dict(raw: dict[str, Any], checked: bool = True) -> Config:
     sections = {f.name: f.type for f in dataclasses.fields(Config)}
     hints = typing.get_type_hints(Config)
     built = {}
@@ -463,7 +464,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         if not isinstance(values, dict):
             raise ConfigError(f"'{name}' must be a table of keys")
         built[name] = _build_section(name, hints[name], values)
-    return resolve(Config(**without_unread_answer(built, raw)))
+    return resolve(Config(**without_unread_answer(built, raw)), checked=checked)
 
 
 def without_unread_answer(built: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
@@ -587,8 +588,9 @@ def help_request(args: list[str]) -> str | None:
 # ---------------------------------------------------------------------------- derived values
 
 
-def resolve(cfg: Config, world_size: int | None = None) -> Config:
-    """Fills the derived values (None keys) and checks combinations; `world_size` adds the DP checks."""
+def resolve(cfg: Config, world_size: int | None = None, checked: bool = True) -> Config:
+    """Fills the derived values (None keys) and checks combinations (unless `checked` is False); `world_size` adds
+    the DP checks."""
     ro, tr, algo = cfg.rollout, cfg.train, cfg.algo
     if ro.over_sampling_batch_size is None:
         groups, bound = ro.rollout_batch_size, max(ro.max_staleness, 0)
@@ -608,7 +610,8 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     if tr.global_batch_size is None:
         tr = dataclasses.replace(tr, global_batch_size=derived)
     cfg = dataclasses.replace(cfg, rollout=ro, train=tr, algo=algo)
-    validate(cfg, world_size)
+    if checked:
+        validate(cfg, world_size)
     return cfg
 
 
