@@ -10,9 +10,9 @@ a token does not depend on what else is in the batch:
 - attention is the engine's decode kernel with fixed 512-token splits, run with one row per token
   over the sequence's own keys (`invariant_attention`), in the engine's prefill, its decode steps
   and here alike;
-- RMSNorm, SiLU * up and RoPE (with Qwen3's QK-norm in front of it) are the engine's Triton kernels (rl/kernels/) with its rounded cos/sin
-  tables (HF's torch RoPE differs from the engine's by one bf16 ulp in places on the GPU), and residual
-  adds are plain bf16 adds (the engine's fused add rounds the same way).
+- RMSNorm, SiLU * up and RoPE (with QK-norm in front of it) are the engine's Triton kernels (rl/kernels/) with
+  its rounded cos/sin tables (HF's torch RoPE differs from the engine's by one bf16 ulp in places on the GPU),
+  and residual adds are plain bf16 adds (the engine's fused add rounds the same way).
 
 So the rollout logprobs and the trainer's logprobs of the same tokens agree to the last bit of the
 network (the final log-softmax differs only in float32 summation order). Backward passes use plain
@@ -32,7 +32,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from rl.kernels.attention import INVARIANT_PAGE
+from rl.kernels.attention import INVARIANT_PAGE, causal_attention
 from rl.kernels.rms_norm import rms_norm_reference
 from rl.kernels.rope import full_table, rope_reference, rope_tables
 from rl.kernels.silu import gelu_mul_reference, silu_mul_reference
@@ -168,13 +168,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         def attend(q, k, v):
             q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-            if ctx.window:  # causal within the window
-                i = torch.arange(q.shape[2], device=q.device)
-                seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - ctx.window)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=ctx.scale, enable_gqa=True)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=ctx.scale, enable_gqa=True)
-            return out.transpose(1, 2)
+            return causal_attention(q, k, v, ctx.scale, ctx.window, enable_gqa=True).transpose(1, 2)
 
         return *_recompute_grads(ctx, attend, grad), None, None
 

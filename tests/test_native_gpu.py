@@ -186,7 +186,7 @@ def test_rope_and_store(dtype, qk_norm):
     caches = [cache, cache.clone()]
     want_qkv, got_qkv = qkv.clone(), qkv.clone()
     model.rope_and_store(want_qkv, positions, slots, caches[0][0], caches[0][1], qk_norm=norms)
-    kernels("rope").rope_and_store(got_qkv, positions, slots, model.cos, model.sin, caches[1][0], caches[1][1],
+    kernels("rope").rope_and_store(got_qkv, positions, slots, *model.layer_tables[0], caches[1][0], caches[1][1],
                                    s.num_heads, s.num_kv_heads, s.head_dim,
                                    qk_norm=(*norms, s.rms_norm_eps) if norms else None, plus_one=plus_one)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -211,7 +211,7 @@ def test_rope_and_store_from_partial_sums(dtype, with_bias, qk_norm):
     positions = torch.randint(0, 200, (tokens,), device=DEVICE)
     slots = torch.randperm(64, device=DEVICE)[:tokens]
     caches = [torch.zeros(2, 64, s.num_kv_heads, s.head_dim, device=DEVICE, dtype=dtype) for _ in range(2)]
-    args = (model.cos, model.sin)
+    args = model.layer_tables[0]
     want_q = kernels("rope").rope_and_store(qkv, positions, slots, *args, caches[0][0], caches[0][1], s.num_heads,
                                             s.num_kv_heads, s.head_dim, qk_norm=norms)
     got_q = kernels("rope").rope_and_store(partials, positions, slots, *args, caches[1][0], caches[1][1], s.num_heads,
@@ -235,10 +235,10 @@ def test_rope_rounds_as_rope_and_store(dtype, qk_norm):
     positions = torch.randint(0, 200, (tokens,), device=DEVICE)
     cache = torch.zeros(2, tokens, s.num_kv_heads, s.head_dim, device=DEVICE, dtype=dtype)
     q, k, _ = (t.clone() for t in split_qkv(qkv, s))
-    kernels("rope").rope_and_store(qkv, positions, torch.arange(tokens, device=DEVICE), model.cos, model.sin, cache[0],
-                                   cache[1], s.num_heads, s.num_kv_heads, s.head_dim,
+    kernels("rope").rope_and_store(qkv, positions, torch.arange(tokens, device=DEVICE), *model.layer_tables[0],
+                                   cache[0], cache[1], s.num_heads, s.num_kv_heads, s.head_dim,
                                    qk_norm=(*norms, s.rms_norm_eps) if norms else None)
-    cos, sin = model.cos[positions], model.sin[positions]
+    cos, sin = (t[positions] for t in model.layer_tables[0])
     q_norm, k_norm = ((w, s.rms_norm_eps) for w in norms) if norms else (None, None)
     assert torch.equal(kernels("rope").rope_rounded(q, cos, sin, q_norm), split_qkv(qkv, s)[0])
     assert torch.equal(kernels("rope").rope_rounded(k, cos, sin, k_norm), cache[0])

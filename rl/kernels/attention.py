@@ -27,6 +27,17 @@ def cached_slots(block_tables: torch.Tensor, lengths: torch.Tensor, page_size: i
     return torch.where(held, block_tables[:, t // page_size].long() * page_size + t % page_size, 0), held
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+                     enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA of q, k, v (B, H, T, D), each token over itself and the tokens before it (only the window - 1 before
+    it with a sliding `window`)."""
+    if not window:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    i = torch.arange(q.shape[2], device=q.device)
+    seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=scale, enable_gqa=enable_gqa)
+
+
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int,
                               scale: float | None = None, window: int = 0) -> torch.Tensor:

@@ -236,7 +236,8 @@ def prefill_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     first at position starts[n]; their keys and values are in the caches (slots, KV, D) already, on the pages of
     block_tables (N, P), and sequence n's context ends at contexts[n] (starts[n] + its new tokens). Each new token
     attends to its sequence's tokens up to itself (the window - 1 before it and itself, with a sliding `window`).
-    Returns (N * length, H * D); a pad's row is finite and meaningless. Its torch reference is `rl.kernels.attention.paged_prefill_reference`.
+    Returns (N * length, H * D); a pad's row is finite and meaningless. Its torch reference is
+    `rl.kernels.attention.paged_prefill_reference`.
 
     One query head a program: a tile of all the heads of a GQA group (each key read once for them, 16 tokens x 8
     heads) was slower on an H200 (benchmarks/RESULTS.md, "The decode step's fixed part, and prefill over cached

@@ -9,9 +9,10 @@ a real token never looks past itself), decode feeds one token per sequence and r
 through its block table. Qwen3's QK-norm (an RMSNorm over each q and k head) runs just before RoPE, inside
 the same kernel on CUDA. Gemma 3 adds norms after attention and after the MLP, scales its norms by (1 + w),
 its embedding by sqrt(hidden), runs GeGLU, and gives its sliding-window layers their own RoPE tables and
-a window that every attention path (SDPA's mask, the paged kernels' loops) applies. RoPE tables come from the HF model's own rotary class, so every
-rope_type/rope_scaling the config names is honoured exactly. Each op runs its torch reference from
-rl/kernels/ on the CPU and its Triton kernel from there on CUDA and in batch-invariant mode.
+a window that every attention path (SDPA's mask, the paged kernels' loops) applies. RoPE tables come from the
+HF model's own rotary class, so every rope_type/rope_scaling the config names is honoured exactly. Each op runs
+its torch reference from rl/kernels/ on the CPU and its Triton kernel from there on CUDA and in batch-invariant
+mode.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM
 
 from rl.kernels import attention
-from rl.kernels.attention import paged_attention_reference, paged_prefill_reference
+from rl.kernels.attention import causal_attention, paged_attention_reference, paged_prefill_reference
 from rl.kernels.rms_norm import rms_norm_reference
 from rl.kernels.rope import full_table, rope_reference, rope_tables
 from rl.kernels.silu import gelu_mul_reference, silu_mul_reference
@@ -147,12 +148,10 @@ class DecoderModel:
         unknown = sorted(self.hf_shapes.keys() - self.name_map.keys())
         if unknown:
             raise ValueError(f"{hf_config.model_type}: parameters the native engine does not implement: {unknown[:4]}")
-        # One pair of cos/sin tables per RoPE (Gemma 3: its sliding and its global layers'); self.cos and
-        # self.sin are the first layer's.
+        # Each layer's cos/sin tables, one pair per RoPE (Gemma 3: its sliding and its global layers').
         kinds = self.shape.rope_kinds or (None,) * self.shape.num_layers
         tables = {kind: rope_tables(reference, max_positions, self.device, dtype, kind) for kind in set(kinds)}
         self.layer_tables = [tables[kind] for kind in kinds]
-        self.cos, self.sin = self.layer_tables[0]
         self.weights: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ ops (Triton on CUDA, torch elsewhere)
@@ -313,12 +312,7 @@ class DecoderModel:
             q, k, v = (t.reshape(n, length, -1, s.head_dim).transpose(1, 2) for t in split_qkv(qkv, s))
             group = s.num_heads // s.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            if s.window(layer):  # causal within the window: a token sees itself and the window - 1 before it
-                i = torch.arange(length, device=q.device)
-                seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - s.window(layer))
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=s.scale)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.scale)
+            out = causal_attention(q, k, v, s.scale, s.window(layer))
             return out.transpose(1, 2).reshape(n * length, s.num_heads * s.head_dim)
 
         with sdpa_kernel(PREFILL_ATTENTION):
