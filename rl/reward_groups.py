@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rl.config import RewardConfig
-from rl.reward import RewardInput, TrainerState, combine_terms, function_names, load_function, real_number
+from rl.reward import (RewardInput, TrainerState, combine_terms, function_names, function_weights, load_function,
+                       real_number)
 
 
 def completion_of(inp: RewardInput) -> Any:
@@ -152,7 +153,7 @@ def score_group(inputs: list[RewardInput], cfg: RewardConfig, state: TrainerStat
     """The terms of each response of one group: their weighted sum as "correct", the format and length terms,
     the total under "reward", under "functions" each function's value (None where it passed), under "extra" what
     log_extra gave it, and on the first response under "logged" the call's log_metric values."""
-    weights = [*(cfg.function_weights or [1.0] * len(cfg.functions)), *([cfg.group_weight] if cfg.group_fn else [])]
+    weights = function_weights(cfg)
     names = function_names(cfg)
     log = CallLog(len(inputs))
     per_function = call_functions(inputs, cfg, state or TrainerState(), log)
