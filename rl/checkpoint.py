@@ -46,7 +46,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -67,15 +66,14 @@ from rl.buffer import sample_from_dict
 from rl.config import ConfigError, RunStopped
 from rl.lora import adapted_layers
 from rl.parallel import print0
+from rl.run_folder import checkpoint_root, complete_checkpoints, rollout_of  # noqa: F401 (rl.checkpoint's names too)
 from rl.safe_load import (DamagedCheckpoint, SafeLoadPlanner, SafeReader, error_line, read_metadata, read_rng,
                           rng_file, rng_state, rng_to_json, set_rng_state)
 
-CHECKPOINTS = "checkpoints"
 BUFFER_FILE = "rollout_buffer.json"
 OLD_BUFFER_FILE = "rollout_buffer.pkl"  # written before the JSON form: never unpickled
 WRITER_THREADS = 8
 Models = dict[str, tuple[torch.nn.Module, Any]]  # name -> (model, its optimizer): the checkpoint's tensors
-_NAME = re.compile(r"rollout_(\d+)")
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
             "added_tokens.json")
@@ -112,26 +110,6 @@ class TrainerState:
         saved = {name: self.parts[name] is not None if name in FILE_PARTS else self.parts[name] for name in self.parts}
         return {"rollout_id": self.rollout_id, "weight_version": self.weight_version, "config": self.config,
                 "world_size": self.world_size, **saved}
-
-
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / CHECKPOINTS
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Finished checkpoints under `output_dir`, oldest first (temporary folders are not listed)."""
-    root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.fullmatch(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
-
-
-def rollout_of(path: Path) -> int:
-    m = _NAME.fullmatch(path.name)
-    if m is None:
-        raise ValueError(f"{path}: not a checkpoint folder (expected rollout_<N>)")
-    return int(m.group(1))
 
 
 # ---------------------------------------------------------------------------- save

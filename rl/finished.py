@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 from rl.config import Config, load_config
-
-CHECKPOINT_NAME = re.compile(r"rollout_(\d+)")  # as rl/checkpoint.py names them, under <output_dir>/checkpoints
+from rl.run_folder import complete_checkpoints, rollout_of
 
 
 def finished_line(cfg: Config) -> str | None:
@@ -34,18 +32,15 @@ def finished_line(cfg: Config) -> str | None:
 
 def newest_checkpoint(out: Path, model_path: str) -> int | None:
     """The rollout of the newest checkpoint, when its trainer state reads and names this model; else None."""
-    root = out / "checkpoints"
-    found = [int(m.group(1)) for p in root.iterdir() if (m := CHECKPOINT_NAME.fullmatch(p.name)) and p.is_dir()
-             ] if root.is_dir() else []
-    if not found:
+    complete = complete_checkpoints(out)
+    if not complete:
         return None
-    newest = max(found)
     try:
-        state = json.loads((root / f"rollout_{newest}" / "trainer_state.json").read_text())
+        state = json.loads((complete[-1] / "trainer_state.json").read_text())
         written_for = state["config"]["model"]["path"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return newest if os.path.realpath(written_for) == os.path.realpath(model_path) else None
+    return rollout_of(complete[-1]) if os.path.realpath(written_for) == os.path.realpath(model_path) else None
 
 
 def exit_if_finished(argv: list[str]) -> None:
