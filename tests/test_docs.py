@@ -1,6 +1,6 @@
 """The docs hold together: README stays a page, every docs/ page is reachable from it, every relative link and
-#anchor in README.md, docs/*.md and the benchmark results pages lands on a file and a heading, the docs pages that `--help` names exist, and
-docs/configuration.md's key tables are what rl/config.py says today."""
+#anchor in README.md, docs/*.md and the benchmark results pages lands on a file and a heading, the docs pages that
+`--help` names exist, and docs/configuration.md's key tables are what rl/config.py says today."""
 
 import re
 from pathlib import Path

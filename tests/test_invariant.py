@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
 def test_engine_and_trainer_forward_agree_in_batch_invariant_mode(tmp_path, family):
     out = tmp_path / "invariant.json"
-    subprocess.run([sys.executable, str(ROOT / "tests" / "invariant_checks.py"), str(out), family], check=True, cwd=ROOT,
+    script = str(ROOT / "tests" / "invariant_checks.py")
+    subprocess.run([sys.executable, script, str(out), family], check=True, cwd=ROOT,
                    env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=900)
     r = json.loads(out.read_text())
     assert r["tokens"] == 32

@@ -248,7 +248,8 @@ def test_a_run_dumps_and_tables_each_functions_score(tmp_path):
     assert len(dumped) == 32
     assert all(s["longer_is_better"] == s["response_length"] and s["record"] == s["response_length"] for s in dumped)
     assert all(s["reward"] == s["longer_is_better"] for s in dumped)  # record weighs 0
-    [logged] = [json.loads(line) for line in (tmp_path / "wandb.jsonl").read_text().splitlines() if '"tables": {"' in line]
+    lines = (tmp_path / "wandb.jsonl").read_text().splitlines()
+    [logged] = [json.loads(line) for line in lines if '"tables": {"' in line]
     table = logged["tables"]["completions"]
     assert logged["step"] == 0
     assert table["columns"] == ["step", "prompt", "completion", "longer_is_better", "record", "reward", "advantage"]
