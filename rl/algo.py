@@ -70,6 +70,15 @@ def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scored: to
     return _group_centred(rewards, group_index, std_normalization, eps, scored)
 
 
+def grpo_batch_std_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scored: torch.Tensor,
+                              std_normalization: bool, weights: torch.Tensor, eps: float) -> torch.Tensor:
+    """(N,): reward less its group mean, over the unbiased std of every scored reward of the rollout + eps (TRL's
+    scale_rewards = "batch": one scale for the batch, so a group of near-equal rewards is not blown up)."""
+    centred = _group_centred(rewards, group_index, False, eps, scored)
+    std = rewards[scored].std() if int(scored.sum()) > 1 else torch.zeros((), dtype=rewards.dtype)
+    return centred / (std + eps)
+
+
 def dr_grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scored: torch.Tensor,
                        std_normalization: bool, weights: torch.Tensor, eps: float) -> torch.Tensor:
     """(N,): reward less its group mean, never over the std (Dr. GRPO)."""
@@ -105,6 +114,9 @@ def reinforce_plus_plus_baseline_advantages(rewards: torch.Tensor, group_index: 
 ADVANTAGE_ESTIMATORS = {
     "grpo": Estimator(grpo_advantages, "reward minus its group mean, over the unbiased group std + 1e-6 "
                                        "(algo.grpo_std_normalization = false: centred only)", True),
+    "grpo_batch_std": Estimator(grpo_batch_std_advantages, "reward minus its group mean, over the unbiased std of "
+                                                           "the rollout's rewards + 1e-6 (TRL's scale_rewards = "
+                                                           "'batch')", True),
     "dr_grpo": Estimator(dr_grpo_advantages, "reward minus its group mean, no std (Dr. GRPO)", True),
     "rloo": Estimator(rloo_advantages, "reward minus the mean of the other samples of its group", True),
     "reinforce_plus_plus": Estimator(reinforce_plus_plus_advantages,
@@ -384,7 +396,8 @@ def needs_old_logprobs(train: TrainConfig, algo: AlgoConfig) -> bool:
     KL folded into the reward needs the old logprobs before the advantages exist."""
     if algo.use_rollout_logprobs:
         return False
-    return train.num_steps_per_rollout > 1 or (algo.kl_coef > 0 and algo.kl_in_reward)
+    several = train.num_steps_per_rollout * train.num_iterations > 1
+    return several or (algo.kl_coef > 0 and algo.kl_in_reward)
 
 
 def can_reuse_old_logprobs(train: TrainConfig, algo: AlgoConfig) -> bool:

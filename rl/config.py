@@ -213,6 +213,9 @@ class AlgoConfig:
     tis_level: str = "token"  # what one importance weight w covers
     tis_mode: str = "truncate"  # what becomes of a weight above tis_cap
     use_rollout_logprobs: bool = False  # old logprobs from the engine instead of a trainer forward
+    # a response that hit its token limit (rollout.max_new_tokens, env.max_tokens) leaves the loss: no tokens, no
+    # gradient; its reward still counts in its group's baseline (TRL's mask_truncated_completions)
+    mask_truncated: bool = False
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,9 @@ class CriticConfig:
 class TrainConfig:
     num_rollout: int = 100
     num_steps_per_rollout: int = 1
+    # passes over each rollout's mini-batches (TRL's num_iterations, PPO's epochs): num_steps_per_rollout x this
+    # optimizer steps a rollout; > 1 takes a forward pass for the old logprobs first
+    num_iterations: int = 1
     global_batch_size: int | None = None  # derived: rollout_batch_size * n_samples // num_steps
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
     # > 0: cut micro-batches by padded tokens (rows x longest row) instead of by micro_batch_size;
@@ -729,6 +735,7 @@ def validate_train(tr: TrainConfig, ro: RolloutConfig) -> None:
     _require(tr.global_batch_size * tr.num_steps_per_rollout == samples,
              f"train.global_batch_size ({tr.global_batch_size}) * num_steps_per_rollout must equal "
              f"rollout_batch_size * n_samples_per_prompt ({samples})")
+    _require(tr.num_iterations >= 1, f"train.num_iterations must be >= 1, got {tr.num_iterations}")
     _require(tr.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
     _require(tr.micro_batch_tokens >= 0, "train.micro_batch_tokens must be >= 0 (0: cut by micro_batch_size)")
     _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")

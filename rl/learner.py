@@ -31,8 +31,8 @@ from rl.parallel import print0
 from rl.policy import HostOffloader, build_optimizer, build_policy
 from rl.reference import BaseOfPolicy, Reference
 from rl.rollout import engine_dtype
-from rl.train import (MicroBatch, build_schedule, kl_rows, logprobs_by_sample, response_kl_sums, skippable_samples,
-                      train_metrics, train_on_rollout)
+from rl.train import (MicroBatch, build_schedule, kl_rows, logprobs_by_sample, mask_truncated, response_kl_sums,
+                      skippable_samples, train_metrics, train_on_rollout)
 from rl.weights import sync_weights
 
 
@@ -114,6 +114,7 @@ class Learner:
                 self.offloader.onload(dist.device)
         with record.timed("perf/train_s"), profiled(profile), graphs_compiled(record.times,
                                                                                "perf/train_graphs_compiled"):
+            masked = mask_truncated(samples) if cfg.algo.mask_truncated else 0
             skip = skippable_samples(samples, cfg.algo)
             steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank, dist.world_size,
                                                                     dist.device, cfg.rollout.max_context_len, skip)
@@ -129,18 +130,24 @@ class Learner:
                                      cfg.train, cfg.algo, cfg.rollout.temperature, step_seqs, old, ref)
             if self.critic:
                 with record.timed("perf/critic_s"):
+                    passes = cfg.train.num_iterations
                     extra |= critic_metrics(parallel.all_gather_objects(
-                        [self.critic.update(steps, step_tokens, values, returns, dist.world_size)]), len(steps))
+                        [self.critic.update(steps * passes, step_tokens * passes, values, returns, dist.world_size)]),
+                        len(steps) * passes)
                     self.critic.offload()
             per_rank = parallel.all_gather_objects([local])
-            stats = train_metrics(per_rank, len(steps), cfg.algo) | extra
+            num_steps = len(steps) * cfg.train.num_iterations
+            stats = train_metrics(per_rank, num_steps, cfg.algo) | extra
+        stats["train/optimizer_steps"] = num_steps
         stats["train/padding_micro_batches"] = padding
         stats["train/skipped_zero_adv_samples"] = len(skip)
         stats |= train_throughput(self.policy.config, [s for s in samples if s.index not in skip], record.times, dist,
                                   extra_forward=bool(old) or needs_old_logprobs(cfg.train, cfg.algo))
         record.memory_after("train")
         mismatch = {i: m for part in per_rank for i, m in part["sample_mismatch"].items()}
-        return TrainResult(stats, len(steps), mismatch)
+        if cfg.algo.mask_truncated:
+            stats["train/masked_truncated_samples"] = masked
+        return TrainResult(stats, num_steps, mismatch)
 
     def reference_pass(self, samples: list[Sample], micro_batches: list[MicroBatch], record: StepRecord):
         """The reference's logprobs (algo.kl_coef > 0) and, with algo.kl_in_reward, the policy's old logprobs, the

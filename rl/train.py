@@ -26,7 +26,7 @@ from rl import parallel
 from rl.algo import (aggregate, approx_kl_k3, can_reuse_old_logprobs, kl_penalty, masked_sum, needs_old_logprobs,
                      policy_loss, tis_weights)
 from rl.config import AlgoConfig, TrainConfig
-from rl.data import Sample
+from rl.data import Sample, Status
 from rl.packing import Documents, cut_packed, documents, packed_forward, packed_width, unpack
 
 # ---------------------------------------------------------------------------- batches and logprobs
@@ -254,13 +254,25 @@ def cut_share(shares: list[list[Sample]], rank: int, train: TrainConfig, device:
 
 
 def skippable_samples(samples: list[Sample], algo: AlgoConfig) -> frozenset[int]:
-    """Sample.index of the samples that add nothing to the loss or its gradient: a zero advantage on every
-    trained token (a GRPO-family group whose rewards are all equal) makes every policy loss, and the importance
-    weights times it, exactly 0. Terms that do not go through the advantage keep every sample: the entropy bonus,
-    the KL in the loss, and KL folded into the reward or GAE, whose advantages are only known in the train phase."""
+    """Sample.index of the samples that add nothing to the loss or its gradient: no trained token (a response
+    masked by algo.mask_truncated), or a zero advantage on every trained token (a GRPO-family group whose rewards
+    are all equal), which makes every policy loss, and the importance weights times it, exactly 0. Terms that do
+    not go through the advantage keep the latter: the entropy bonus, the KL in the loss, and KL folded into the
+    reward or GAE, whose advantages are only known in the train phase."""
+    untrained = frozenset(s.index for s in samples if not any(s.loss_mask))
     if algo.entropy_coef > 0 or algo.kl_coef > 0 or algo.advantage_estimator == "gae":
-        return frozenset()
-    return frozenset(s.index for s in samples if s.advantage == 0.0)
+        return untrained
+    return untrained | frozenset(s.index for s in samples if s.advantage == 0.0)
+
+
+def mask_truncated(samples: list[Sample]) -> int:
+    """algo.mask_truncated: every response that hit its token limit (Status.TRUNCATED) gets an all-zero loss mask,
+    so it adds no token, sequence or gradient to the loss (TRL's mask_truncated_completions); its reward has counted
+    in its group's baseline already. Returns how many were masked."""
+    hit = [s for s in samples if s.status == Status.TRUNCATED]
+    for s in hit:
+        s.loss_mask = [0] * len(s.loss_mask)
+    return len(hit)
 
 
 def cut_micro_batches(samples: list[Sample], size: int, token_budget: int, width=lambda n: n
@@ -388,7 +400,8 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
                      dp_size: int, train: TrainConfig, algo: AlgoConfig, temperature: float, step_seqs: list[int],
                      old: dict[int, torch.Tensor] | None = None,
                      ref: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
-    """Runs one optimizer step per entry of `steps` (this rank's micro-batches of each global batch).
+    """Runs one optimizer step per entry of `steps` (this rank's micro-batches of each global batch), the whole
+    list train.num_iterations times.
 
     `step_tokens[k]` / `step_seqs[k]` are the loss tokens / sequences with loss tokens of global batch k
     summed over all ranks (the loss aggregation's denominators). `old`: the policy's logprobs before the
@@ -428,8 +441,9 @@ def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]],
         sums["loss_sum"] += mb_loss.detach()
         return mb_loss
 
-    grad_norms, skipped_flags = optimizer_steps(model, optimizer, scheduler, steps,
-                                                list(zip(step_tokens, step_seqs, strict=True)), dp_size,
+    passes = train.num_iterations  # the same mini-batches again, in the same order (TRL's num_iterations)
+    grad_norms, skipped_flags = optimizer_steps(model, optimizer, scheduler, steps * passes,
+                                                list(zip(step_tokens, step_seqs, strict=True)) * passes, dp_size,
                                                 train.clip_grad, loss)
     out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all the sums
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)

@@ -199,3 +199,19 @@ def test_batch_invariant_on_cpu_needs_the_interpreter(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(AssertionError, match="model.batch_invariant runs the native engine's Triton kernels"):
         run_loop(tmp_path, 1, "--model.batch_invariant=true")
+
+
+def test_main_loop_trls_batch_scale_masked_truncation_and_iterations(tmp_path):
+    """TRL's scale_rewards="batch", mask_truncated_completions and num_iterations=2 through the loop: the trained
+    tokens are among the responses that ended, counted once a pass."""
+    rows = run_loop(tmp_path, 2, "--train.num_rollout=2", "--train.num_iterations=2", "--algo.mask_truncated=true",
+                    "--algo.advantage_estimator=grpo_batch_std", "--reward.user_fn=tests.reward_fns:digit_fraction")
+    assert [r["weight_version"] for r in rows] == [2, 3]
+    for row in rows:
+        samples = row["rollout/num_samples"]
+        masked = row["train/masked_truncated_samples"]
+        assert masked == round(row["rollout/truncated_frac"] * samples) and 0 < masked < samples
+        ended_tokens = row["rollout/response_length_mean"] * samples - 8 * masked  # max_new_tokens = 8
+        assert 0 < row["train/tokens"] <= 2 * ended_tokens + 1e-6  # zero-advantage samples run no pass
+        assert row["train/optimizer_steps"] == 2
+        assert row["train/grad_norm"] > 0
