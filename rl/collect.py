@@ -5,10 +5,13 @@ Every rank holds the same list of groups. Each engine (a tensor-parallel group o
 without TP) generates a contiguous share of whole groups, so the n samples of a prompt stay on one engine
 and can share its prefix cache; the engine's first rank scores them in the reward pool (its TP peers hold
 the same samples), and the scored samples are gathered so that every rank ends with all of them, in group
-order. A training rollout adds rounds on top (the dynamic-sampling filter and its over-sampling refill).
+order.
 
-With an environment (`env.fn`, rl/env.py) generation is the turn loop of rl/episodes.py, and the environments
-score their episodes.
+Two choices are made once, when the Collector is built. The generator: one response a sample, scored in the reward
+pool (`SingleTurn`), or with an environment (`env.fn`, rl/env.py) the turn loop of rl/episodes.py, whose
+environments score their episodes (`Episodes`). The schedule: synchronous rounds with the dynamic-sampling filter
+and its over-sampling refill (`Rounds`), or with partial rollouts or max_staleness the rollout buffer's, which keeps
+groups in flight between rollouts within the staleness bound (`Buffered`).
 """
 
 from __future__ import annotations
@@ -43,13 +46,63 @@ class Scored:
     stats: RolloutStats
 
 
+class SingleTurn:
+    """The generator of one response a sample, scored in the reward pool (reward.functions, reward.user_fn)."""
+
+    episodic = False
+
+    def __init__(self, engine, pool: RewardPool | None, tokenizer, ro: RolloutConfig):
+        self.engine, self.pool, self.tokenizer, self.ro = engine, pool, tokenizer, ro
+
+    def generate(self, todo: list[list[Sample]], params: SamplingParams, weight_version: int, tally: EpisodeTally,
+                 progress: bool, until: Callable[[list[Sample]], bool] | None) -> None:
+        generate_rollout(self.engine, todo, params, weight_version, self.tokenizer, progress=progress, until=until)
+
+    def score(self, done: list[Sample], term: str, tally: EpisodeTally) -> list[dict[str, float]]:
+        return [score_samples(self.pool, done, term, self.ro.max_new_tokens)] if self.pool is not None and done else []
+
+    def context_tokens(self, starts: list[int], pending: list[Sample]) -> int:
+        return sum(attended(n, len(s.tokens) - n) for n, s in zip(starts, pending))
+
+    def batch_metrics(self, samples: list[Sample]) -> dict[str, float]:
+        return {}
+
+
+class Episodes:
+    """The generator of multi-turn episodes (rl/episodes.py): the environments step in the pool's workers and
+    score their episodes."""
+
+    episodic = True
+
+    def __init__(self, engine, pool: RewardPool, tokenizer, ro: RolloutConfig, env: EnvConfig):
+        self.loop = EpisodeLoop(engine, pool, tokenizer, ro, env)
+
+    def generate(self, todo: list[list[Sample]], params: SamplingParams, weight_version: int, tally: EpisodeTally,
+                 progress: bool, until: Callable[[list[Sample]], bool] | None) -> None:
+        self.loop.run([s for group in todo for s in group], params, weight_version, tally)
+
+    def score(self, done: list[Sample], term: str, tally: EpisodeTally) -> list[dict[str, float]]:
+        return [episode_reward_stats(done, tally)] if done else []
+
+    def context_tokens(self, starts: list[int], pending: list[Sample]) -> int:
+        return 0  # a turn's context is not one run of sampled tokens
+
+    def batch_metrics(self, samples: list[Sample]) -> dict[str, float]:
+        return {"rollout/turns_mean": sum(s.turns for s in samples) / len(samples),
+                "rollout/tool_calls_mean": sum(s.tool_calls for s in samples) / len(samples)}
+
+
 class Collector:
+    """Generate -> score -> gather over the engines, with the generator (one turn, or episodes with env.fn) and
+    the schedule (synchronous rounds, or the rollout buffer's with partial rollouts or max_staleness) chosen once,
+    here. Held-out evals call `generate_and_score` on the same objects."""
+
     def __init__(self, engine, pool: RewardPool | None, tokenizer, ro: RolloutConfig, dist: parallel.Dist,
                  progress: bool = False, buffer: RolloutBuffer | None = None, env: EnvConfig | None = None):
         self.engine, self.pool, self.tokenizer, self.ro, self.dist = engine, pool, tokenizer, ro, dist
-        self.env = env if env is not None and env.fn else None  # multi-turn episodes, stepped in `pool`'s workers
-        self.episodes = EpisodeLoop(engine, pool, tokenizer, ro, env) if self.env else None
-        self.buffer = buffer  # partial rollouts / max_staleness > 0: the groups in flight between rollouts
+        self.generator = (Episodes(engine, pool, tokenizer, ro, env) if env is not None and env.fn
+                          else SingleTurn(engine, pool, tokenizer, ro))
+        self.schedule = Buffered(buffer) if buffer is not None else Rounds()
         self.progress = progress and dist.is_main  # a bar for training rollouts
         self.engine_index = dist.rank // ro.tensor_parallel_size
         self.num_engines = dist.world_size // ro.tensor_parallel_size
@@ -58,6 +111,13 @@ class Collector:
             print0(f"rollout: each engine has up to {sequences_per_engine(ro, self.num_engines)} sequences to "
                    f"generate but rollout.max_batch_size={ro.max_batch_size} rows: {waiting} wait for a row while "
                    f"the batch drains; a larger max_batch_size (more KV cache) usually shortens the rollout")
+
+    def rollout(self, dataset: PromptDataset, sampling: SamplingParams, weight_version: int, rollout_id: int,
+                barrier_timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
+        """The rollout's `rollout_batch_size` groups, every rank the same, in order, and their metrics."""
+        if self.pool is not None:  # what TRL-style reward functions see as `trainer_state`
+            self.pool.begin_rollout(rollout_id, dataset.epoch + dataset.offset / len(dataset.prompts))
+        return self.schedule.rollout(self, dataset, sampling, weight_version, rollout_id, barrier_timeout_s)
 
     def generate_and_score(self, groups: list[list[Sample]], params: SamplingParams, weight_version: int,
                            seed: tuple[int, ...], barrier_timeout_s: float, term: str = "reward",
@@ -83,28 +143,22 @@ class Collector:
         starts = [len(s.tokens) for s in pending]
         episodes = EpisodeTally()
         counters = dataclasses.replace(self.engine.stats)
-        if any(todo) and self.env is not None:
-            self.episodes.run(pending, params, weight_version, episodes)
-        elif any(todo):
-            generate_rollout(self.engine, todo, params, weight_version, self.tokenizer, progress=progress, until=until)
+        if any(todo):
+            self.generator.generate(todo, params, weight_version, episodes, progress, until)
         parallel.step_barrier(self.dist, barrier_timeout_s, "the end of rollout generation")
         rollout_s = time.perf_counter() - start
         did = self.engine.stats - counters
         start = time.perf_counter()
         # A call that may end early scores only its finished groups; the others are scored once they finish.
         done = [s for group in mine if until is None or is_finished(group) for s in group]
-        if self.env is not None:  # the environments scored their episodes
-            reward_stats = [episode_reward_stats(done, episodes)] if done else []
-        else:
-            reward_stats = [self.score(done, term)] if self.pool is not None and done else []
+        reward_stats = self.generator.score(done, term, episodes)
         generated = sum(sum(s.loss_mask[n:]) for n, s in zip(prior, pending))  # the model's, not an environment's
-        context = 0 if self.env is not None else sum(attended(n, len(s.tokens) - n) for n, s in zip(starts, pending))
         counted = RolloutStats(
             reward_stats, rollout_s, reward_s=time.perf_counter() - start, env_s=episodes.env_s,
             env_failures=episodes.errors + episodes.timeouts, prompt_tokens=episodes.prompt_tokens,
             reused_tokens=episodes.reused_tokens, tokens=generated, resumed_tokens=sum(prior),
-            decode_steps=did.decode_steps, decode_row_steps=did.decode_row_steps, context_tokens=context,
-            prefill_tokens=did.prefill_tokens)
+            decode_steps=did.decode_steps, decode_row_steps=did.decode_row_steps,
+            context_tokens=self.generator.context_tokens(starts, pending), prefill_tokens=did.prefill_tokens)
         # Every rank of an engine holds its share and counts its steps; engine order is group order when the shares
         # are contiguous.
         tp = self.ro.tensor_parallel_size
@@ -112,49 +166,70 @@ class Collector:
         return Scored(parallel.gather_engine_outputs([s for group in mine for s in group], tp), stats)
 
     def score(self, samples: list[Sample], term: str) -> dict[str, float]:
-        result = self.pool.score([RewardInput(s.prompt, s.response, s.label, s.response_length,
-                                              self.ro.max_new_tokens, s.metadata, s.raw_prompt, s.columns,
-                                              s.tokens[s.prompt_length:], s.group_index) for s in samples])
-        values = result.rewards if term == "reward" else result.terms[term]
-        functions = [name for name in result.terms if name not in BUILT_IN_TERMS]  # reward.functions, group_fn
-        for i, (sample, value, logged) in enumerate(zip(samples, values, result.extra, strict=True)):
-            sample.reward, sample.logged = value, logged
-            sample.scores = {name: result.terms[name][i] for name in functions}
-        return reward_metrics(result)
+        return score_samples(self.pool, samples, term, self.ro.max_new_tokens)
 
-    def rollout(self, dataset: PromptDataset, sampling: SamplingParams, weight_version: int, rollout_id: int,
-                barrier_timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
-        """Rounds of `over_sampling_batch_size` prompts until `rollout_batch_size` groups pass the dynamic
-        filter (groups whose rewards all match carry no signal), topped up with filtered groups when the
-        rounds run out; every rank keeps the same groups, in order. With a rollout buffer (partial rollouts,
-        max_staleness > 0) the groups come through it instead (`rollout_buffered`)."""
-        if self.pool is not None:  # what TRL-style reward functions see as `trainer_state`
-            self.pool.begin_rollout(rollout_id, dataset.epoch + dataset.offset / len(dataset.prompts))
-        if self.buffer is not None:
-            return self.rollout_buffered(dataset, sampling, weight_version, rollout_id, barrier_timeout_s)
+    def batch(self, kept: list[list[Sample]], dropped: list[list[Sample]], rounds: int, scored: list[Sample],
+              stats: RolloutStats) -> tuple[list[Sample], dict[str, float]]:
+        """The rollout's `rollout_batch_size` groups, topped up with filtered groups (zero advantage) when too
+        few passed, and the rollout's metrics; `scored`: the samples its rounds scored."""
         ro = self.ro
+        topped_up = max(ro.rollout_batch_size - len(kept), 0)
+        if topped_up:  # out of rounds: top up with filtered groups, which train as zeros
+            print0(f"rollout: only {len(kept)}/{ro.rollout_batch_size} groups passed rollout.dynamic_filter "
+                   f"in {rounds} rounds; topping up with {topped_up} filtered groups (zero advantage)")
+        samples = [s for group in (kept + dropped[:topped_up])[: ro.rollout_batch_size] for s in group]
+        metrics = {"rollout/sampling_rounds": rounds,
+                   "rollout/filtered_group_frac": len(dropped) / max(len(kept) + len(dropped), 1),
+                   "rollout/topped_up_groups": topped_up, "rollout/num_scored": len(scored),
+                   **stats.metrics(self.num_engines, episodes=self.generator.episodic,
+                                   buffered=self.schedule.buffered)}
+        if scored:  # a rollout that trains on groups scored before has no reward of its own
+            rewards = [s.reward for s in scored if not math.isnan(s.reward)]  # NaN: every reward function passed
+            metrics["rollout/reward_mean_all_scored"] = sum(rewards) / len(rewards) if rewards else math.nan
+        return samples, metrics | self.generator.batch_metrics(samples)
+
+
+class Rounds:
+    """The synchronous schedule: rounds of `over_sampling_batch_size` new prompts until `rollout_batch_size` groups
+    pass the dynamic filter (groups whose rewards all match carry no signal), topped up with filtered groups when
+    the rounds run out."""
+
+    buffered = False
+
+    def rollout(self, c: Collector, dataset: PromptDataset, sampling: SamplingParams, weight_version: int,
+                rollout_id: int, barrier_timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
+        ro = c.ro
         kept, dropped, stats = [], [], RolloutStats()
         rounds = 0
         while len(kept) < ro.rollout_batch_size and rounds < ro.max_sampling_rounds:
             rounds += 1
             groups = dataset.next_groups(ro.over_sampling_batch_size, ro.n_samples_per_prompt)
             # The sampling stream depends only on (seed, rollout, round, engine): a resumed run redraws it.
-            scored = self.generate_and_score(groups, sampling, weight_version, (ro.seed, rollout_id, rounds),
-                                             barrier_timeout_s, progress=self.progress)
+            scored = c.generate_and_score(groups, sampling, weight_version, (ro.seed, rollout_id, rounds),
+                                          barrier_timeout_s, progress=c.progress)
             stats += scored.stats
             for group in split_by_group(scored.samples):
                 (kept if keep_group(group, ro.dynamic_filter) else dropped).append(group)
         scored = [s for group in kept + dropped for s in group]  # the order the reward mean sums in
-        return self.batch(kept, dropped, rounds, scored, stats)
+        return c.batch(kept, dropped, rounds, scored, stats)
 
-    def rollout_buffered(self, dataset: PromptDataset, sampling: SamplingParams, weight_version: int,
-                         rollout_id: int, barrier_timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
-        """A rollout through the buffer (rl/buffer.py): drop what is past the staleness bound, admit new
-        groups as far as the bound allows, generate until `rollout_batch_size` finished groups pass the
-        filter and the unfinished groups are on schedule (none due, rl/buffer.py; partial rollouts), or until
-        every group is finished (not partial; only when the finished ones run short), and take the oldest finished
-        groups."""
-        ro, buffer = self.ro, self.buffer
+
+class Buffered:
+    """The schedule through the rollout buffer (rl/buffer.py), with partial rollouts or max_staleness > 0: groups
+    stay in flight between rollouts, and this schedule keeps every trained sample within the staleness bound."""
+
+    buffered = True
+
+    def __init__(self, buffer: RolloutBuffer):
+        self.buffer = buffer
+
+    def rollout(self, c: Collector, dataset: PromptDataset, sampling: SamplingParams, weight_version: int,
+                rollout_id: int, barrier_timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
+        """Drops what is past the staleness bound, admits new groups as far as the bound allows, generates until
+        `rollout_batch_size` finished groups pass the filter and the unfinished groups are on schedule (none due,
+        rl/buffer.py; partial rollouts), or until every group is finished (not partial; only when the finished
+        ones run short), and takes the oldest finished groups."""
+        ro, buffer = c.ro, self.buffer
         stale = [g for g in buffer.groups if staleness(g, weight_version) > ro.max_staleness]
         buffer.consume(stale)
         if stale:
@@ -170,7 +245,7 @@ class Collector:
             if ro.partial_rollout or ready < ro.rollout_batch_size:
                 count = min(buffer.room(), ro.over_sampling_batch_size - len(buffer.groups))
                 buffer.admit(dataset.next_groups(max(count, 0), ro.n_samples_per_prompt))
-            round_ = self.continue_groups(max(ro.rollout_batch_size - ready, 0), sampling, weight_version,
+            round_ = self.continue_groups(c, max(ro.rollout_batch_size - ready, 0), sampling, weight_version,
                                           (ro.seed, rollout_id, rounds), barrier_timeout_s)
             finished = [g for g in split_by_group(round_.samples) if is_finished(g)]
             scored += [s for g in finished for s in g]
@@ -182,7 +257,7 @@ class Collector:
         ready = sorted(buffer.finished(), key=lambda g: (oldest_version(g), g[0].group_index))
         kept = ready[: ro.rollout_batch_size]
         buffer.consume(kept)
-        samples, metrics = self.batch(kept, dropped, rounds, scored, stats)
+        samples, metrics = c.batch(kept, dropped, rounds, scored, stats)
         trained = [weight_version - min(s.token_versions, default=weight_version) for s in samples]
         return samples, {**metrics, "rollout/staleness_mean": sum(trained) / len(trained),
                          "rollout/staleness_max": float(max(trained)),
@@ -190,47 +265,39 @@ class Collector:
                          "rollout/carried_over": float(len(buffer.groups)), "rollout/dropped_stale": float(len(stale)),
                          "rollout/dropped_stale_frac": len(stale) / (len(stale) + len(kept) + len(dropped))}
 
-    def continue_groups(self, need: int, sampling: SamplingParams, weight_version: int, seed: tuple[int, ...],
-                        barrier_timeout_s: float) -> Scored:
+    def continue_groups(self, c: Collector, need: int, sampling: SamplingParams, weight_version: int,
+                        seed: tuple[int, ...], barrier_timeout_s: float) -> Scored:
         """One round over the buffer's unfinished groups, dealt to the engines in turn (oldest groups to every
         engine alike). With partial rollouts an engine stops once its part of `need` groups is finished and its
         groups are on schedule (its part of a batch each rollout), or skips the round when it owes neither; the
         buffer then holds every engine's groups as they came back."""
         unfinished = self.buffer.unfinished()
-        mine = unfinished[self.engine_index :: self.num_engines]
+        mine = unfinished[c.engine_index :: c.num_engines]
         until = None
-        if self.ro.partial_rollout:
-            target = math.ceil(need / self.num_engines)
-            until = stop_when_finished(mine, target, weight_version, self.ro.max_staleness,
-                                       self.ro.rollout_batch_size // self.num_engines)
+        if c.ro.partial_rollout:
+            target = math.ceil(need / c.num_engines)
+            until = stop_when_finished(mine, target, weight_version, c.ro.max_staleness,
+                                       c.ro.rollout_batch_size // c.num_engines)
             if until([]):  # nothing owed: this engine's groups wait for the next rollout
                 mine = []
-        scored = self.generate_share(mine, sampling, weight_version, seed, barrier_timeout_s, progress=self.progress,
-                                     until=until)
+        scored = c.generate_share(mine, sampling, weight_version, seed, barrier_timeout_s, progress=c.progress,
+                                  until=until)
         self.buffer.update(split_by_group(scored.samples))
         return scored
 
-    def batch(self, kept: list[list[Sample]], dropped: list[list[Sample]], rounds: int, scored: list[Sample],
-              stats: RolloutStats) -> tuple[list[Sample], dict[str, float]]:
-        """The rollout's `rollout_batch_size` groups, topped up with filtered groups (zero advantage) when too
-        few passed, and the rollout's metrics; `scored`: the samples its rounds scored."""
-        ro = self.ro
-        topped_up = max(ro.rollout_batch_size - len(kept), 0)
-        if topped_up:  # out of rounds: top up with filtered groups, which train as zeros
-            print0(f"rollout: only {len(kept)}/{ro.rollout_batch_size} groups passed rollout.dynamic_filter "
-                   f"in {rounds} rounds; topping up with {topped_up} filtered groups (zero advantage)")
-        samples = [s for group in (kept + dropped[:topped_up])[: ro.rollout_batch_size] for s in group]
-        metrics = {"rollout/sampling_rounds": rounds,
-                   "rollout/filtered_group_frac": len(dropped) / max(len(kept) + len(dropped), 1),
-                   "rollout/topped_up_groups": topped_up, "rollout/num_scored": len(scored),
-                   **stats.metrics(self.num_engines, episodes=self.env is not None, buffered=self.buffer is not None)}
-        if scored:  # a rollout that trains on groups scored before has no reward of its own
-            rewards = [s.reward for s in scored if not math.isnan(s.reward)]  # NaN: every reward function passed
-            metrics["rollout/reward_mean_all_scored"] = sum(rewards) / len(rewards) if rewards else math.nan
-        if self.env is not None:
-            metrics |= {"rollout/turns_mean": sum(s.turns for s in samples) / len(samples),
-                        "rollout/tool_calls_mean": sum(s.tool_calls for s in samples) / len(samples)}
-        return samples, metrics
+
+def score_samples(pool: RewardPool, samples: list[Sample], term: str, max_new_tokens: int) -> dict[str, float]:
+    """Scores `samples` in the reward pool: Sample.reward is the reward or its term `term`, with each function's
+    score and what the functions logged; returns the pool's metrics."""
+    result = pool.score([RewardInput(s.prompt, s.response, s.label, s.response_length, max_new_tokens, s.metadata,
+                                     s.raw_prompt, s.columns, s.tokens[s.prompt_length:], s.group_index)
+                         for s in samples])
+    values = result.rewards if term == "reward" else result.terms[term]
+    functions = [name for name in result.terms if name not in BUILT_IN_TERMS]  # reward.functions, group_fn
+    for i, (sample, value, logged) in enumerate(zip(samples, values, result.extra, strict=True)):
+        sample.reward, sample.logged = value, logged
+        sample.scores = {name: result.terms[name][i] for name in functions}
+    return reward_metrics(result)
 
 
 def stop_when_finished(groups: list[list[Sample]], target: int, weight_version: int, max_staleness: int,

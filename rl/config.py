@@ -150,6 +150,12 @@ class RolloutConfig:
     native: NativeEngineConfig = field(default_factory=NativeEngineConfig)  # the [rollout.native] table
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)  # the [rollout.vllm] table
 
+    @property
+    def buffered(self) -> bool:
+        """Whether groups stay in flight between rollouts, through the rollout buffer (partial rollouts, or
+        max_staleness > 0); else each rollout trains the groups it generated."""
+        return self.partial_rollout or self.max_staleness > 0
+
 
 @dataclass(frozen=True)
 class RewardConfig:
@@ -720,7 +726,7 @@ def validate_rollout(ro: RolloutConfig, data: DataConfig) -> None:
              "rollout.partial_rollout needs rollout.max_staleness >= 1: a sample continued after a weight push "
              "holds tokens of the version before")
     bound = (ro.max_staleness + 1) * ro.rollout_batch_size
-    _require(not (ro.partial_rollout or ro.max_staleness)
+    _require(not ro.buffered
              or ro.rollout_batch_size <= ro.over_sampling_batch_size <= bound,
              f"rollout.over_sampling_batch_size ({ro.over_sampling_batch_size}) with rollout.partial_rollout or "
              f"rollout.max_staleness is the groups kept in flight: from rollout_batch_size ({ro.rollout_batch_size}) "
@@ -811,7 +817,7 @@ def validate_env(env: EnvConfig, ro: RolloutConfig) -> None:
     _require(env.max_turns >= 1 and env.max_tokens >= 1 and env.timeout_s > 0,
              f"env.max_turns and env.max_tokens must be >= 1 and env.timeout_s > 0, got {env.max_turns}, "
              f"{env.max_tokens} and {env.timeout_s}")
-    _require(not env.fn or not (ro.partial_rollout or ro.max_staleness),
+    _require(not env.fn or not ro.buffered,
              "env.fn runs the synchronous loop only: set rollout.partial_rollout=false and rollout.max_staleness=0")
     _require(not env.fn or ro.tensor_parallel_size == 1,
              f"env.fn needs rollout.tensor_parallel_size=1, got {ro.tensor_parallel_size}")
@@ -865,8 +871,8 @@ def validate_layout(ro: RolloutConfig, tr: TrainConfig, world_size: int) -> None
     _require(world_size % tp == 0,
              f"rollout.tensor_parallel_size ({tp}) must divide the world size ({world_size})")
     engines = world_size // tp
-    buffered = ro.partial_rollout or ro.max_staleness  # the buffer deals groups to the engines one by one
-    _require(buffered or ro.over_sampling_batch_size % engines == 0,
+    # the buffer deals groups to the engines one by one
+    _require(ro.buffered or ro.over_sampling_batch_size % engines == 0,
              f"rollout.over_sampling_batch_size ({ro.over_sampling_batch_size}, default rollout_batch_size) must be "
              f"divisible by the number of engines ({engines} = world size {world_size} / tensor_parallel_size {tp}): "
              f"whole prompt groups go to one engine")

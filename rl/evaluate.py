@@ -52,7 +52,7 @@ def evaluate(collector: Collector, prompts: list[Prompt], ev: EvalConfig, sampli
              "eval/response_length_mean": sum(s.response_length for s in samples) / len(samples),
              "eval/truncated_frac": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
              "eval/num_prompts": len(samples)}
-    if collector.env is not None:  # accuracy with tools, and how often the model used them
+    if collector.generator.episodic:  # accuracy with tools, and how often the model used them
         stats |= {"eval/turns_mean": sum(s.turns for s in samples) / len(samples),
                   "eval/tool_calls_mean": sum(s.tool_calls for s in samples) / len(samples),
                   "eval/tool_call_frac": sum(s.tool_calls > 0 for s in samples) / len(samples)}
