@@ -39,7 +39,7 @@ matplotlib.use("Agg")  # no display: runs on headless machines and in tests
 import matplotlib.pyplot as plt  # noqa: E402
 
 from rl.config import RewardConfig  # noqa: E402
-from rl.reward import function_names, function_weights  # noqa: E402
+from rl.reward import built_in_weights, function_names, function_weights  # noqa: E402
 
 # The phases of one step in the order they run, so the stack reads bottom-up like the loop.
 TIME_PHASES = ["rollout", "reward", "offload", "onload_train", "train", "onload_weights",
@@ -221,8 +221,7 @@ def unweighted_terms(config_path: Path) -> set[str]:
         cfg = RewardConfig(**{f.name: saved[f.name] for f in dataclasses.fields(RewardConfig) if f.name in saved})
     except (OSError, ValueError, KeyError, TypeError):
         return set()
-    weights = {"correct": cfg.correct_weight, "format": cfg.format_weight, "length": cfg.length_penalty_weight,
-               **dict(zip(function_names(cfg), function_weights(cfg)))}
+    weights = built_in_weights(cfg) | dict(zip(function_names(cfg), function_weights(cfg)))
     return {f"reward/{name}_mean" for name, weight in weights.items() if weight == 0}
 
 

@@ -215,9 +215,13 @@ def combine_terms(correct: float, inp: RewardInput, cfg: RewardConfig) -> dict[s
         "format": format_score(inp.response, cfg.format_pattern),
         "length": length_penalty(inp.response_length, inp.max_new_tokens, cfg.length_penalty_buffer),
     }
-    terms["reward"] = (cfg.correct_weight * terms["correct"] + cfg.format_weight * terms["format"]
-                       + cfg.length_penalty_weight * terms["length"])
+    terms["reward"] = sum(weight * terms[name] for name, weight in built_in_weights(cfg).items())
     return terms
+
+
+def built_in_weights(cfg: RewardConfig) -> dict[str, float]:
+    """Each built-in term's weight in the reward, in the order the weighted sum adds them."""
+    return {"correct": cfg.correct_weight, "format": cfg.format_weight, "length": cfg.length_penalty_weight}
 
 
 def units_of(inputs: list[RewardInput], cfg: RewardConfig) -> list[list[int]]:
