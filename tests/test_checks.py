@@ -73,3 +73,14 @@ def test_context_past_the_model_positions(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.max_context_len \(1024\) exceeds max_position_embeddings \(512\)"):
         check_model_and_tokenizer(ModelConfig(path=str(tmp_path)), RolloutConfig(max_context_len=1024), config,
                                   Tok(256, 2))
+
+
+def test_a_family_the_native_engine_does_not_run_stops_the_start_up_checks_and_vllm_passes_them(tmp_path):
+    """What the run's start-up calls: the native engine refuses Gemma 2 with one line; vLLM serves it."""
+    from transformers import Gemma2Config
+    config = Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024)
+    with pytest.raises(ConfigError, match=r"model_type.*gemma2.*rollout.engine = 'vllm'") as err:
+        run(tmp_path, config, Tok(256, 1))
+    assert "\n" not in str(err.value)
+    assert run(tmp_path, config, Tok(256, 1), engine="vllm") == [1]
