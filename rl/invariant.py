@@ -132,9 +132,9 @@ class _Rope(torch.autograd.Function):
 
 
 def _norm_of(module: torch.nn.Module) -> tuple[float, bool]:
-    """An HF RMSNorm's (eps, plus_one): Gemma's keep `eps` and scale by (1 + weight), the others `variance_epsilon`."""
-    gemma = type(module).__name__.startswith("Gemma")
-    return (module.eps if gemma else module.variance_epsilon), gemma
+    """An HF RMSNorm's (eps, plus_one): its eps (Gemma's name it `eps`, the others `variance_epsilon`), and the
+    scale by (1 + weight) that make_batch_invariant read from the model's shape."""
+    return getattr(module, "variance_epsilon", getattr(module, "eps", None)), module.invariant_plus_one
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
@@ -198,8 +198,7 @@ def _rms_norm_forward(self, x):
 
 
 def _mlp_forward(self, x):
-    gelu = getattr(getattr(self, "config", None), "hidden_activation", None) == "gelu_pytorch_tanh"  # Gemma's GeGLU
-    return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x), gelu))
+    return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x), self.invariant_gelu))
 
 
 def make_batch_invariant(model: torch.nn.Module, max_positions: int) -> torch.nn.Module:
@@ -211,9 +210,11 @@ def make_batch_invariant(model: torch.nn.Module, max_positions: int) -> torch.nn
             module.forward = types.MethodType(_attention_forward, module)
         elif isinstance(module, torch.nn.Linear):
             module.forward = types.MethodType(_linear_forward, module)
-        elif type(module).__name__.endswith("RMSNorm"):
+        elif type(module).__name__.endswith("RMSNorm"):  # the layers' norms and the heads' (QK-norm)
+            module.invariant_plus_one = shape.norm_plus_one  # Gemma's (1 + w)
             module.forward = types.MethodType(_rms_norm_forward, module)
         elif all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            module.invariant_gelu = shape.activation == "gelu_tanh"  # Gemma's GeGLU
             module.forward = types.MethodType(_mlp_forward, module)
     # Plain attributes, not buffers: buffers would travel with the weights the trainer pushes.
     # One pair of tables per RoPE (Gemma 3 asks for its sliding and its global layers' by layer type).
