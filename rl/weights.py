@@ -7,7 +7,8 @@ tensors are cut out of the gathered buffer, handed to the engine and freed befor
 the next bucket. Tied parameters are gathered once and yielded under every name.
 Buffers (e.g. rotary tables) are not sharded and are pushed as they are.
 With LoRA (rl/lora.py) the engine gets each adapted layer's merged weight (W + scale * B @ A),
-never the adapters; once it holds the base, a push may send the adapted layers alone.
+never the adapters; once it holds the base, a push may send the adapted layers alone. An engine with FP8
+weights (rollout.precision) quantizes each tensor as it takes it (rl/fp8.py): the stream is the same.
 """
 
 from __future__ import annotations

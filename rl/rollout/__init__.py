@@ -74,7 +74,8 @@ def build_engine(cfg: RolloutConfig, model_path: str, hf_config, device: torch.d
     from rl.rollout.native import NativeEngine
 
     return NativeEngine(hf_config, device, dtype, cfg.max_batch_size, seed, max_context_len=cfg.max_context_len,
-                        batch_invariant=batch_invariant, **dataclasses.asdict(cfg.native))
+                        batch_invariant=batch_invariant, precision=cfg.precision, fp8_scale=cfg.fp8_scale,
+                        **dataclasses.asdict(cfg.native))
 
 
 def engine_dtype(name: str, device: torch.device) -> torch.dtype:

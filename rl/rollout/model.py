@@ -12,7 +12,9 @@ its embedding by sqrt(hidden), runs GeGLU, and gives its sliding-window layers t
 a window that every attention path (SDPA's mask, the paged kernels' loops) applies. RoPE tables come from the
 HF model's own rotary class, so every rope_type/rope_scaling the config names is honoured exactly. Each op runs
 its torch reference from rl/kernels/ on the CPU and its Triton kernel from there on CUDA and in batch-invariant
-mode.
+mode. With `precision="fp8"` the four matrices of each block (qkv, o, gate_up, down) are held in FP8 e4m3 with
+per-channel or per-block scales (rl/fp8.py), quantized tensor by tensor as the trainer pushes them, and every
+product with them goes through rl/fp8.py's linear; the embedding, the norms and the lm_head keep the engine dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM
 
+from rl import fp8
 from rl.kernels import attention
 from rl.kernels.attention import causal_attention, paged_attention_reference, paged_prefill_reference
 from rl.kernels.rms_norm import rms_norm_reference
@@ -44,6 +47,8 @@ DOWN_SPLITS = 2
 # cuDNN against 0.41-0.46 s through FlashAttention on an H200 (benchmarks/RESULTS.md, "The prefill's attention, and
 # partial rollouts after it").
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# The internal tensors (per layer) that `precision="fp8"` holds in FP8; the rest keep the engine dtype.
+FP8_LINEARS = ("qkv.weight", "o.weight", "gate_up", "down")
 
 
 class Shape(ModelShape):
@@ -125,13 +130,56 @@ def internal_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def fp8_row_ranges(s: Shape) -> dict[str, list[tuple[int, int]]]:
+    """Each FP8 tensor (FP8_LINEARS) -> the row ranges of the HF tensors it is fused from, in order (q, k, v; gate,
+    up; o and down are one range each): each range is quantized on its own as it arrives."""
+    shapes = internal_shapes(s)
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for key, start, end in hf_name_map(s).values():
+        if key.split(".", 2)[-1] in FP8_LINEARS:
+            ranges.setdefault(key, []).append((start or 0, shapes[key][0] if end is None else end))
+    return {key: sorted(rows) for key, rows in ranges.items()}
+
+
+def scale_rows(rows: list[tuple[int, int]], block: int) -> list[int]:
+    """The first scale row of each row range of a per-block FP8 tensor: each range has its own grid of tiles (a
+    tile never spans two of the HF tensors, so one can be pushed alone), cdiv(rows, block) scale rows each."""
+    firsts, at = [], 0
+    for start, end in rows:
+        firsts.append(at)
+        at += fp8.cdiv(end - start, block)
+    return firsts + [at]
+
+
+def internal_tensors(s: Shape, precision: str = "bf16", block: int = 0
+                     ) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Every tensor the engine holds -> (shape, dtype; None: the engine dtype). With `precision="fp8"` each FP8
+    tensor is e4m3 and has float32 scales beside it under `<name>.scale`: (rows, 1), or per block of `block`
+    (`scale_rows`' count, cdiv(columns, block))."""
+    shapes = internal_shapes(s)
+    if precision != "fp8":
+        return {key: (shape, None) for key, shape in shapes.items()}
+    ranges = fp8_row_ranges(s)
+    out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+    for key, shape in shapes.items():
+        out[key] = (shape, fp8.E4M3 if key in ranges else None)
+        if key in ranges:
+            scales = (scale_rows(ranges[key], block)[-1], fp8.cdiv(shape[1], block)) if block else (shape[0], 1)
+            out[f"{key}.scale"] = (scales, torch.float32)
+    return out
+
+
 class DecoderModel:
     """Weights (`self.weights`, internal names) and the forward; owns no KV cache and no batch state."""
 
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_positions: int,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, precision: str = "bf16", fp8_scale: str = "channel"):
         self.shape = Shape.from_hf(hf_config)
         self.device, self.dtype = torch.device(device), dtype
+        if precision == "fp8" and batch_invariant:
+            raise ValueError("FP8 weights cannot be batch-invariant with a bf16 trainer: turn one off")
+        self.fp8 = precision == "fp8"
+        self.init_fp8(fp8_scale)
         # Triton kernels instead of the torch definitions below: on CUDA, and in batch-invariant mode
         # (there every op is a kernel the trainer's forward calls too; see rl/invariant.py).
         self.batch_invariant = batch_invariant
@@ -153,6 +201,46 @@ class DecoderModel:
         tables = {kind: rope_tables(reference, max_positions, self.device, dtype, kind) for kind in set(kinds)}
         self.layer_tables = [tables[kind] for kind in kinds]
         self.weights: dict[str, torch.Tensor] = {}
+
+    def init_fp8(self, fp8_scale: str) -> None:
+        """The FP8 layout (`internal_tensors`): the tile size, and per block each FP8 tensor's row -> scale row and
+        each row range's first scale row; torch._scaled_mm where the device has it (rl/fp8.py)."""
+        self.fp8_block = fp8.BLOCK if self.fp8 and fp8_scale == "block" else 0
+        self.tensors = internal_tensors(self.shape, "fp8" if self.fp8 else "bf16", self.fp8_block)
+        self.fp8_ranges = fp8_row_ranges(self.shape) if self.fp8 else {}
+        self.scale_start: dict[tuple[str, int], int] = {}
+        self.row_block: dict[str, torch.Tensor] = {}
+        for key, rows in self.fp8_ranges.items() if self.fp8_block else ():
+            firsts = scale_rows(rows, self.fp8_block)
+            self.scale_start |= {(key, start): first for (start, _), first in zip(rows, firsts)}
+            self.row_block[key] = torch.cat([first + torch.arange(end - start) // self.fp8_block
+                                             for (start, end), first in zip(rows, firsts)]).to(self.device)
+        self.scaled_mm = self.fp8 and fp8.scaled_mm_supported(self.device)
+
+    @torch.no_grad()
+    def load_fp8(self, key: str, start: int | None, end: int | None, tensor: torch.Tensor) -> None:
+        """Quantizes a pushed tensor (rows [start, end) of FP8 tensor `key`; None: all of it) into its rows and
+        its scales, on the engine's device: one tensor's float32 copy at a time, never a second model."""
+        q, scale = fp8.quantize(tensor.to(self.device), self.fp8_block)
+        rows = slice(start, end)
+        self.weights[key][rows].copy_(q)
+        if self.fp8_block:
+            first = self.scale_start[(key, start or 0)]
+            rows = slice(first, first + scale.shape[0])
+        self.weights[f"{key}.scale"][rows].copy_(scale)
+
+    def matrix(self, key: str) -> torch.Tensor | fp8.Fp8Weight:
+        """The weight of linear layer `key` as `matmul` takes it: the tensor, or its FP8 weight and scales."""
+        if key not in self.fp8_ranges:
+            return self.weights[key]
+        return fp8.Fp8Weight(self.weights[key], self.weights[f"{key}.scale"], self.fp8_block, self.row_block.get(key))
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """x @ weight^T (+ bias): an FP8 weight through rl/fp8.py, else `self.linear`."""
+        if isinstance(weight, fp8.Fp8Weight):
+            return fp8.linear(x, weight, bias, self.scaled_mm)
+        return self.linear(x, weight, bias)
 
     # ------------------------------------------------------------------ ops (Triton on CUDA, torch elsewhere)
 
@@ -220,23 +308,26 @@ class DecoderModel:
         for i in range(s.num_layers):
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.input_norm"])
             qk_norm = (w[f"layers.{i}.q_norm"], w[f"layers.{i}.k_norm"]) if s.qk_norm else None
-            qkv = self.qkv_and_rope(h, w[f"layers.{i}.qkv.weight"], w.get(f"layers.{i}.qkv.bias"), positions, slots,
-                                    kv[0, i], kv[1, i], decode, qk_norm, i)
-            x = self.linear(attend(i, qkv), w[f"layers.{i}.o.weight"], w.get(f"layers.{i}.o.bias"))
+            qkv = self.qkv_and_rope(h, self.matrix(f"layers.{i}.qkv.weight"), w.get(f"layers.{i}.qkv.bias"), positions,
+                                    slots, kv[0, i], kv[1, i], decode, qk_norm, i)
+            x = self.matmul(attend(i, qkv), self.matrix(f"layers.{i}.o.weight"), w.get(f"layers.{i}.o.bias"))
             if s.sandwich_norms:
                 x, _ = self.add_rms_norm(x, None, w[f"layers.{i}.attn_out_norm"])
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.post_norm"])
-            x = self.mlp(h, w[f"layers.{i}.gate_up"], w[f"layers.{i}.down"], decode)
+            x = self.mlp(h, self.matrix(f"layers.{i}.gate_up"), self.matrix(f"layers.{i}.down"), decode)
             if s.sandwich_norms:
                 x, _ = self.add_rms_norm(x, None, w[f"layers.{i}.mlp_out_norm"])
         return x, residual
 
     def decode_layouts(self, h: torch.Tensor, decode: bool) -> bool:
-        """Whether this forward is a decode step on CUDA small enough for the split GEMM layouts."""
-        return decode and self.device.type == "cuda" and not self.batch_invariant and h.shape[0] <= SMALL_BATCH_ROWS
+        """Whether this forward is a decode step on CUDA small enough for the split GEMM layouts (bf16 weights: FP8
+        ones take rl/fp8.py's linear at every batch size)."""
+        return (decode and self.device.type == "cuda" and not self.batch_invariant and not self.fp8
+                and h.shape[0] <= SMALL_BATCH_ROWS)
 
-    def qkv_and_rope(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
-                     slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: bool,
+    def qkv_and_rope(self, h: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None,
+                     positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     decode: bool,
                      qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None, layer: int = 0) -> torch.Tensor:
         """The qkv projection with RoPE applied and k, v written to the cache; returns the rotated q's
         columns first (qkv itself, or q alone). A decode step on CUDA splits the GEMM over its inner
@@ -247,17 +338,18 @@ class DecoderModel:
 
             parts = linear_split_k(h, weight, QKV_SPLITS)
             return self.rope_and_store(parts, positions, slots, k_cache, v_cache, bias, qk_norm, layer)
-        return self.rope_and_store(self.linear(h, weight, bias), positions, slots, k_cache, v_cache, qk_norm=qk_norm,
+        return self.rope_and_store(self.matmul(h, weight, bias), positions, slots, k_cache, v_cache, qk_norm=qk_norm,
                                    layer=layer)
 
-    def mlp(self, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, decode: bool) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, gate_up: torch.Tensor | fp8.Fp8Weight, down: torch.Tensor | fp8.Fp8Weight,
+            decode: bool) -> torch.Tensor:
         """down(silu(gate) * up). A decode step on CUDA (at most SMALL_BATCH_ROWS rows) computes gate_up
         as W @ h^T, the layout in which cuBLAS is fastest for a few hundred rows, and returns down's
         result as DOWN_SPLITS float32 partial sums (parts, T, hidden) for `add_rms_norm` to reduce:
         the output is too narrow to fill the GPU, and cuBLAS would otherwise split K itself and run
         a reduction kernel of its own."""
         if not self.decode_layouts(h, decode):
-            return self.linear(self.silu_mul(self.linear(h, gate_up)), down)
+            return self.matmul(self.silu_mul(self.matmul(h, gate_up)), down)
         from rl.kernels.linear_triton import linear_split_k
         from rl.kernels.silu_triton import silu_mul
 

@@ -1,7 +1,8 @@
 """The pure-PyTorch rollout engine: paged KV cache, continuous batching, CUDA-graph decode steps.
 
 The engine holds its own copy of the policy (rl/rollout/model.py) in the engine dtype, built
-empty and filled by `load_weights` with the HF names the trainer pushes. A generate() call keeps
+empty and filled by `load_weights` with the HF names the trainer pushes; with `precision="fp8"` each block's
+matrices are quantized to FP8 as they arrive (rl/fp8.py), the rest copied as they are. A generate() call keeps
 up to `max_batch_size` sequences in fixed rows of device-resident state (last token, position,
 block table, ...). One decode step — forward, sampling, recording the token and its logprob,
 stop checks, advancing the row — runs entirely on the device, so on CUDA it is captured once per
@@ -33,7 +34,7 @@ import torch
 from rl.kernels.attention import invariant_num_splits
 from rl.rollout import vmem
 from rl.rollout.engine import TAGS, Completion, Engine, SamplingParams
-from rl.rollout.model import DecoderModel, internal_shapes
+from rl.rollout.model import DecoderModel
 from rl.rollout.scheduler import Kept, PagePool, Request, Scheduler, cdiv
 from rl.rollout.stop_text import STOPPED
 
@@ -166,12 +167,12 @@ class NativeEngine(Engine):
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_batch_size: int = 256,
                  seed: int = 0, *, max_context_len: int = 4096, kv_cache_tokens: int = 0, cuda_graphs: bool = True,
                  steps_per_poll: int = 16, page_size: int = PAGE_SIZE, stable_memory: bool = True,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, precision: str = "bf16", fp8_scale: str = "channel"):
         super().__init__(max_context_len)
         self.device, self.dtype = torch.device(device), dtype
         self.max_batch_size = max_batch_size
         self.page_size, self.steps_per_poll = page_size, steps_per_poll
-        self.model = DecoderModel(hf_config, self.device, dtype, max_context_len, batch_invariant)
+        self.model = DecoderModel(hf_config, self.device, dtype, max_context_len, batch_invariant, precision, fp8_scale)
         self.on_gpu = self.device.type == "cuda"  # graphs, Triton sampling and bookkeeping, device syncs
         self.use_graphs = cuda_graphs and self.on_gpu
         self.num_pages = kv_cache_pages(kv_cache_tokens, max_batch_size, max_context_len, page_size)
@@ -200,9 +201,9 @@ class NativeEngine(Engine):
         self.stable = stable_memory and self.use_graphs and vmem.supported(self.device)
         if self.stable:
             self.weight_layout, size = {}, 0
-            for key, shape in internal_shapes(s).items():
-                self.weight_layout[key] = (size, shape)
-                size += cdiv(torch.Size(shape).numel() * dtype.itemsize, 256) * 256
+            for key, (shape, own) in self.model.tensors.items():
+                self.weight_layout[key] = (size, shape, own or dtype)
+                size += cdiv(torch.Size(shape).numel() * (own or dtype).itemsize, 256) * 256
             self.weight_buffer = vmem.StableBuffer(size, self.device)
             self.kv_buffer = vmem.StableBuffer(torch.Size(self.kv_shape).numel() * dtype.itemsize, self.device)
         self.loaded: set[tuple] = set()
@@ -226,8 +227,11 @@ class NativeEngine(Engine):
             if self.model.hf_shapes.get(name, tuple(tensor.shape)) != tuple(tensor.shape):
                 raise ValueError(f"{name}: engine shape {self.model.hf_shapes[name]} != pushed {tuple(tensor.shape)}")
             key, start, end = self.model.name_map[name]
-            target = self.model.weights[key]
-            (target if start is None else target[start:end]).copy_(tensor)
+            if key in self.model.fp8_ranges:  # quantized on arrival (rl/fp8.py)
+                self.model.load_fp8(key, start, end, tensor)
+            else:
+                target = self.model.weights[key]
+                (target if start is None else target[start:end]).copy_(tensor)
             self.loaded.add((key, start))
 
     def _sleep(self, level: int) -> None:
@@ -281,11 +285,11 @@ class NativeEngine(Engine):
 
     def _new_weights(self) -> dict[str, torch.Tensor]:
         if not self.stable:
-            return {k: torch.empty(shape, dtype=self.dtype, device=self.device)
-                    for k, shape in internal_shapes(self.model.shape).items()}
+            return {k: torch.empty(shape, dtype=own or self.dtype, device=self.device)
+                    for k, (shape, own) in self.model.tensors.items()}
         self.weight_buffer.map()
-        return {k: self.weight_buffer.view(offset, shape, self.dtype)
-                for k, (offset, shape) in self.weight_layout.items()}
+        return {k: self.weight_buffer.view(offset, shape, own)
+                for k, (offset, shape, own) in self.weight_layout.items()}
 
     def _reset_prefix_cache(self) -> None:
         """Drops every kept sequence: the only KV that outlives a generate() call."""

@@ -39,6 +39,11 @@ Departures from vLLM defaults, and why:
   layer on the meta device, loads into fresh tensors, post-processes and copies back: the work a load
   from disk needs, and on CUDA without quantization the post-processing is empty. On CPU it is not
   (vLLM's CPU backend repacks linear weights after loading), so the CPU engine keeps `reload_weights`.
+- `rollout.precision = "fp8"` is vLLM's online FP8 (`quantization="fp8_per_channel"`, per-channel weights and
+  per-token activations, or `"fp8_per_block"`, 128x128 weight tiles, by `rollout.fp8_scale`; its plain `"fp8"`
+  now refuses unquantized weights). Its linear layers hold FP8 weights made from the bf16 ones by
+  `process_weights_after_loading`, so a push cannot copy bf16 tensors into them in place: every load goes through
+  `reload_weights`, which rebuilds each layer, loads it and quantizes it again once all of its weights are in.
 - With TP > 1 on GPUs, NVLink multicast stays off: vLLM 0.26 otherwise builds flashinfer's `mnnvl`
   all-reduce workspace (multicast) for its all-reduce + RMSNorm fusion and takes symmetric-memory
   all-reduce. Here `pass_config.fuse_allreduce_rms` is off, and the environment gets
@@ -68,6 +73,10 @@ from rl.rollout import vmem
 from rl.rollout.engine import Completion, Engine, SamplingParams, prompt_groups
 
 
+# rollout.fp8_scale -> vLLM's online FP8 quantization of the same scales (module docstring)
+FP8_QUANTIZATION = {"channel": "fp8_per_channel", "block": "fp8_per_block"}
+
+
 def engine_kwargs(model_path: str, cfg: RolloutConfig, device: torch.device, dtype: torch.dtype, seed: int) -> dict:
     on_gpu, own = device.type == "cuda", cfg.vllm
     kwargs = dict(
@@ -85,6 +94,8 @@ def engine_kwargs(model_path: str, cfg: RolloutConfig, device: torch.device, dty
         enforce_eager=own.enforce_eager or not on_gpu,  # CPU graph compilation costs minutes at start-up
         logprobs_mode=logprobs_mode(cfg),
     )
+    if cfg.precision == "fp8":  # module docstring
+        kwargs["quantization"] = FP8_QUANTIZATION[cfg.fp8_scale]
     if own.kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = own.kv_cache_memory_bytes
     else:
@@ -145,7 +156,8 @@ class VllmEngine(Engine):
 
         self.llm = LLM(**engine_kwargs(model_path, cfg, device, dtype, seed))
         self.device = device
-        self.in_place_loads = device.type == "cuda"  # module docstring: CPU weights are repacked after a load
+        # module docstring: CPU weights are repacked after a load, FP8 ones quantized
+        self.in_place_loads = device.type == "cuda" and cfg.precision != "fp8"
         self.call_count = 0  # request ids are unique over the engine's life
 
     # ------------------------------------------------------------------ memory
@@ -167,8 +179,8 @@ class VllmEngine(Engine):
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hands HF-named full tensors to vLLM, which applies its TP slicing and fusions (qkv,
-        gate_up): on CUDA copied straight into its parameters, on CPU through its in-place reload
-        (module docstring)."""
+        gate_up): on CUDA copied straight into its parameters, on CPU and with FP8 weights through its in-place
+        reload, which quantizes them again (module docstring)."""
         # vLLM computes its own rotary tables; the trainer's rotary buffers have no place here.
         params = ((name, t) for name, t in weights if ".rotary_emb." not in name)
         if self.in_place_loads:
