@@ -236,7 +236,7 @@ REQUEST_SEEDS = itertools.count(1)
 def vllm_call_s(engine, prompts: list[list[int]], params: SamplingParams, change, device: torch.device) -> float:
     """Seconds for the vLLM engine to generate the batch as `engine.generate` asks it, with one of its per-call
     choices changed (`VLLM_CALLS`: a function of one request's vLLM sampling parameters)."""
-    requests, sampling = engine.requests(prompts, params)
+    requests, sampling, _ = engine.requests(prompts, params)  # and the prompt groups they stand for
     for s in sampling:
         change(s)
     sync(device)
