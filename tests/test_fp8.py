@@ -117,7 +117,11 @@ def test_scaled_mm_on_the_gpu_computes_the_reference():
     assert fp8.uses_scaled_mm(x, w8, True)
     out = fp8.linear(x, w8, scaled_mm=True)
     assert out.dtype == torch.bfloat16
-    assert torch.allclose(out.float(), fp8.scaled_mm_reference(x, w8), rtol=2**-7, atol=1e-3)
+    ref = fp8.scaled_mm_reference(x, w8)
+    # The output's rounding to bf16 (2^-8 relative) and a float32 sum in another order: on an H100 the rest was at
+    # most 6.8e-5 of the row's largest output over five seeds.
+    bound = 2**-8 * ref.abs() + 2**-12 * ref.abs().amax(1, keepdim=True)
+    assert ((out.float() - ref).abs() <= bound).all()
 
 
 # ------------------------------------------------------------------ the native engine
