@@ -188,15 +188,15 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
                         packing=on["packing"])
     algo = AlgoConfig(eps_clip_high=0.2)
     optimizer, scheduler = build_optimizer(policy, train, fused=variant["adamw"] == "fused" and d.device.type == "cuda")
-    def schedule(seed: int):
+    def draw(seed: int):
         batch = replay_batch(args.lengths, policy.config.vocab_size, seed) if args.lengths \
             else seed_batch(policy.config.vocab_size, args.samples, args.max_response, seed)
         skip = skippable_samples(batch, algo) if on["skip"] else frozenset()
         trained = [s for s in batch if s.index not in skip]
-        return (trained, *build_schedule(batch, train, d.rank, d.world_size, d.device, int(variant["context"]),
-                                         skip))
+        return trained, build_schedule(batch, train, d.rank, d.world_size, d.device, int(variant["context"]), skip)
 
-    samples, steps, step_tokens, step_seqs, _ = schedule(0)
+    samples, schedule = draw(0)
+    options = dict(dp_size=d.world_size, train=train, algo=algo, temperature=1.0)
     times = []
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
@@ -205,13 +205,12 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
         if on["cold"] and d.device.type == "cuda":
             torch.cuda.empty_cache()
         if on["fresh"] and i:
-            samples, steps, step_tokens, step_seqs, _ = schedule(i)
+            samples, schedule = draw(i)
         sync(d.device)
         compiled: dict[str, float] = {}
         t = time.perf_counter()
         with graphs_compiled(compiled, "graphs"):
-            train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, d.world_size, train, algo, 1.0,
-                             step_seqs)
+            train_on_rollout(policy, optimizer, scheduler, schedule, **options)
         sync(d.device)
         elapsed = time.perf_counter() - t
         if i:
@@ -224,7 +223,7 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
         sync(d.device)
         t = time.perf_counter()
         with torch.no_grad():
-            for mb in (mb for step in steps for mb in step):
+            for mb in schedule.micro_batches:
                 token_logprobs(policy, mb, 1.0)
         sync(d.device)
         forward_s = time.perf_counter() - t
@@ -232,14 +231,14 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     if args.profile:  # the trainer's own profiler (log.profile_rollout)
         path = Path(tempfile.mkdtemp()) / "profile.txt"
         with profiled(path):
-            train_on_rollout(policy, optimizer, scheduler, steps, step_tokens, d.world_size, train, algo, 1.0,
-                             step_seqs)
+            train_on_rollout(policy, optimizer, scheduler, schedule, **options)
         profile = path.read_text()
     peak = peak_bf16_flops(d.device)
     # per timed step (its own lengths with fresh=on), then the median of each
     row = {"model": Path(model_dir).name, "variant": variant_name(variant),
            "first_s": first_s,
-           "tokens": int(statistics.median(sum(lengths) for _, lengths in times)), "micro_batches": len(steps[0]),
+           "tokens": int(statistics.median(sum(lengths) for _, lengths in times)),
+           "micro_batches": len(schedule.steps[0]),
            "step_s": statistics.median(s for s, _ in times), "steps_s": [s for s, _ in times], "graphs": graphs,
            "tokens_per_s": statistics.median(sum(lengths) / s for s, lengths in times),
            "mfu": statistics.median(train_flops(policy.config, lengths) / (s * d.world_size * peak)
@@ -247,7 +246,7 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
            "forward_s": forward_s,
            "peak_gb": torch.cuda.max_memory_allocated(d.device) / 1e9 if d.device.type == "cuda" else None,
            "profile": profile}
-    del policy, optimizer, scheduler, steps
+    del policy, optimizer, scheduler, schedule
     if d.device.type == "cuda":
         torch.cuda.empty_cache()
     return row

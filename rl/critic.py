@@ -22,7 +22,7 @@ from rl.algo import aggregate, gae, masked_sum, value_loss
 from rl.config import AlgoConfig, CriticConfig, ModelConfig, TrainConfig
 from rl.packing import packed_forward, unpack
 from rl.policy import HostOffloader, build_optimizer, build_policy
-from rl.train import MicroBatch, causal_forward, optimizer_steps, per_sample_rows
+from rl.train import MicroBatch, Schedule, causal_forward, optimizer_steps, rows_of
 
 
 def values_of(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -32,10 +32,10 @@ def values_of(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     return unpack(packed_forward(model, mb.input_ids, mb.documents).logits[:, :-1, 0].float(), mb.documents)
 
 
-def outcome_rewards(mb: MicroBatch, rewards: dict[int, float], kl: dict[int, torch.Tensor] | None,
-                    kl_coef: float) -> torch.Tensor:
+def outcome_rewards(mb: MicroBatch, rewards: dict[int, float], kl: torch.Tensor | None, kl_coef: float
+                    ) -> torch.Tensor:
     """(B, T-1) token rewards: each response's reward on its last trained token, minus kl_coef x the per-token
-    KL when it is folded into the reward."""
+    KL (B, T-1) when it is folded into the reward."""
     mask = mb.loss_mask
     last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(-1)  # the last trained position
     out = torch.zeros_like(mask)
@@ -43,7 +43,7 @@ def outcome_rewards(mb: MicroBatch, rewards: dict[int, float], kl: dict[int, tor
         [rewards[i] for i in mb.indices], dtype=out.dtype, device=out.device)
     out = out * (mask.sum(-1, keepdim=True) > 0)  # a row with no trained token (padding) gets nothing
     if kl is not None:
-        out = out - kl_coef * torch.stack([kl[i] for i in mb.indices]) * mask
+        out = out - kl_coef * kl * mask
     return out
 
 
@@ -67,12 +67,13 @@ class Critic:
         if self.parking:
             self.parking.offload()
 
-    def values(self, micro_batches: list[MicroBatch]) -> dict[int, torch.Tensor]:
-        return per_sample_rows(self.model, micro_batches, values_of)
+    def values(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """Each micro-batch's (B, T-1) values before the update."""
+        return rows_of(self.model, micro_batches, values_of)
 
-    def update(self, steps: list[list[MicroBatch]], step_tokens: list[int], old_values: dict[int, torch.Tensor],
-               returns: dict[int, torch.Tensor], dp_size: int) -> dict[str, float]:
-        """The critic's optimizer steps on the clipped value loss; returns this rank's sums and grad norms."""
+    def update(self, schedule: Schedule, *, dp_size: int, passes: int) -> dict[str, float]:
+        """The critic's optimizer steps on the clipped value loss, as many as the policy's (the schedule's, `passes`
+        times), from each micro-batch's old `values` towards its `returns`; returns this rank's sums and grad norms."""
         self.model.train()
         sums = {k: torch.zeros((), device=self.device) for k in ("vf_loss_sum", "vf_clipped", "value_sum",
                                                                   "value_sq_sum", "return_sum", "return_sq_sum",
@@ -80,8 +81,7 @@ class Critic:
 
         def loss(step_index: int, mb: MicroBatch, global_tokens: int) -> torch.Tensor:
             v = values_of(self.model, mb)
-            old = torch.stack([old_values[i] for i in mb.indices])
-            ret = torch.stack([returns[i] for i in mb.indices])
+            old, ret = mb.values, mb.returns
             token_loss, clipped = value_loss(v, old, ret, self.cfg.value_clip)
             mb_loss = aggregate(token_loss, mb.loss_mask, "token_mean", global_tokens, 0, 1.0)
             sums["vf_loss_sum"] += mb_loss.detach()
@@ -94,8 +94,8 @@ class Critic:
             sums["tokens"] += mb.loss_mask.sum()
             return mb_loss
 
-        grad_norms, skipped = optimizer_steps(self.model, self.optimizer, self.scheduler, steps, step_tokens, dp_size,
-                                              self.cfg.clip_grad, loss)
+        grad_norms, skipped = optimizer_steps(self.model, self.optimizer, self.scheduler, schedule.steps * passes,
+                                              schedule.step_tokens * passes, dp_size, self.cfg.clip_grad, loss)
         out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["skipped_steps"] = sum(skipped)
@@ -106,20 +106,16 @@ def critic_train_config(train: TrainConfig, cfg: CriticConfig) -> TrainConfig:
     return dataclasses.replace(train, lr=cfg.lr, lr_warmup_steps=cfg.lr_warmup_steps, weight_decay=cfg.weight_decay)
 
 
-def write_gae_advantages(micro_batches: list[MicroBatch], values: dict[int, torch.Tensor],
-                         rewards: dict[int, float], kl: dict[int, torch.Tensor] | None,
-                         algo: AlgoConfig) -> dict[int, torch.Tensor]:
-    """Writes each micro-batch's `mb.advantages`: the per-token GAE advantages of this rank's samples, whitened
-    over the global batch (the mean and variance of every trained token on every rank). Returns what the
-    critic trains towards: Sample.index -> its returns row (T-1,)."""
-    returns: dict[int, torch.Tensor] = {}
+def gae_advantages(micro_batches: list[MicroBatch], rewards: dict[int, float], kl: list[torch.Tensor] | None,
+                   algo: AlgoConfig) -> None:
+    """Writes each micro-batch's `advantages`, the per-token GAE advantages of its `values`, whitened over the
+    global batch (the mean and variance of every trained token on every rank), and its `returns`, what the
+    critic trains towards. `kl`: each micro-batch's per-token KL, with algo.kl_in_reward."""
     raw = []
-    for mb in micro_batches:
-        v = torch.stack([values[i] for i in mb.indices])
-        adv, ret = gae(outcome_rewards(mb, rewards, kl, algo.kl_coef), v, mb.loss_mask, algo.gamma, algo.lam)
+    for k, mb in enumerate(micro_batches):
+        adv, mb.returns = gae(outcome_rewards(mb, rewards, kl[k] if kl else None, algo.kl_coef), mb.values,
+                              mb.loss_mask, algo.gamma, algo.lam)
         raw.append(adv)
-        if mb.loss_mask.any():  # a padding micro-batch repeats indices with nothing trained
-            returns.update({i: row for i, row in zip(mb.indices, ret) if i not in returns})
     real = [(mb, adv) for mb, adv in zip(micro_batches, raw) if mb.loss_mask.any()]
     stats = torch.stack([sum((masked_sum(a, mb.loss_mask) for mb, a in real), torch.zeros(())),
                          sum((masked_sum(a * a, mb.loss_mask) for mb, a in real), torch.zeros(())),
@@ -130,7 +126,6 @@ def write_gae_advantages(micro_batches: list[MicroBatch], values: dict[int, torc
     var = max(total[1] / n - mean * mean, 0.0) * n / max(n - 1, 1.0)  # unbiased, over the batch's tokens
     for mb, adv in zip(micro_batches, raw):
         mb.advantages = (adv - mean) / math.sqrt(var + 1e-8) * mb.loss_mask
-    return returns
 
 
 def critic_metrics(per_rank: list[dict[str, float]], num_steps: int) -> dict[str, float]:

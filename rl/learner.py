@@ -4,10 +4,11 @@ reference and PPO critic, behind one `train(samples)`, one `push(engine)` and on
 
 `train` builds the rollout's schedule once (global batches, length-balanced DP shares, micro-batches), and
 every model's pass runs over those micro-batches: the reference's logprobs (KL), the old logprobs when they
-need a pass of their own, the critic's values and its update, and the policy's optimizer steps. Advantages
-are computed per group before training (`assign_advantages`), except where they need the train phase's own
-passes: the KL folded into the reward (`algo.kl_in_reward`) and GAE, whose per-token advantages come from
-the critic's values; those are written into the micro-batches here.
+need a pass of their own, the critic's values and its update, and the policy's optimizer steps. The passes
+before the update write their rows into the micro-batches (`Learner.fill_micro_batches`), which the losses
+read. Every estimator's advantages come from `assign_advantages`: the group estimators before the schedule
+(the zero-advantage skip needs them), the KL folded into the reward (`algo.kl_in_reward`) and GAE once the
+reference's and the critic's passes have run.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from rl import parallel
 from rl.algo import advantages, needs_old_logprobs
 from rl.config import AlgoConfig, Config, TrainConfig
-from rl.critic import Critic, critic_metrics, write_gae_advantages
+from rl.critic import Critic, critic_metrics, gae_advantages
 from rl.data import Sample
 from rl.flops import peak_bf16_flops, train_flops
 from rl.metrics import StepRecord, graphs_compiled, profiled
@@ -31,8 +32,8 @@ from rl.parallel import print0
 from rl.policy import HostOffloader, build_optimizer, build_policy
 from rl.reference import BaseOfPolicy, Reference
 from rl.rollout import engine_dtype
-from rl.train import (MicroBatch, build_schedule, kl_rows, logprobs_by_sample, mask_truncated, response_kl_sums,
-                      skippable_samples, train_metrics, train_on_rollout)
+from rl.train import (MicroBatch, Schedule, build_schedule, fill_old_logprobs, kl_rows, mask_truncated,
+                      response_kl_sums, skippable_samples, train_metrics, train_on_rollout)
 from rl.weights import sync_weights
 
 
@@ -109,6 +110,7 @@ class Learner:
     def train(self, samples: list[Sample], record: StepRecord, profile: Path | None) -> TrainResult:
         """One rollout's optimizer steps; `profile`: write the train phase's torch.profiler table there."""
         cfg, dist = self.cfg, self.dist
+        assign_advantages(samples, cfg.algo)  # the group estimators: before the truncation mask and the skip
         with record.timed("perf/onload_train_s"):
             if self.offloader:
                 self.offloader.onload(dist.device)
@@ -116,57 +118,48 @@ class Learner:
                                                                                "perf/train_graphs_compiled"):
             masked = mask_truncated(samples) if cfg.algo.mask_truncated else 0
             skip = skippable_samples(samples, cfg.algo)
-            steps, step_tokens, step_seqs, padding = build_schedule(samples, cfg.train, dist.rank, dist.world_size,
-                                                                    dist.device, cfg.rollout.max_context_len, skip)
-            micro_batches = [mb for step in steps for mb in step]
-            old, ref, kl, extra = self.reference_pass(samples, micro_batches, record)
-            if self.critic:  # GAE: the critic's values of this rank's samples give per-token advantages
-                with record.timed("perf/critic_s"):
-                    self.critic.onload()
-                    values = self.critic.values(micro_batches)
-                returns = write_gae_advantages(micro_batches, values, {s.index: s.reward for s in samples}, kl,
-                                               cfg.algo)
-            local = train_on_rollout(self.policy, self.optimizer, self.scheduler, steps, step_tokens, dist.world_size,
-                                     cfg.train, cfg.algo, cfg.rollout.temperature, step_seqs, old, ref)
+            schedule = build_schedule(samples, cfg.train, dist.rank, dist.world_size, dist.device,
+                                      cfg.rollout.max_context_len, skip)
+            extra = self.fill_micro_batches(samples, schedule, record)
+            local = train_on_rollout(self.policy, self.optimizer, self.scheduler, schedule, dp_size=dist.world_size,
+                                     train=cfg.train, algo=cfg.algo, temperature=cfg.rollout.temperature)
+            num_steps = len(schedule.steps) * cfg.train.num_iterations
             if self.critic:
                 with record.timed("perf/critic_s"):
-                    passes = cfg.train.num_iterations
-                    extra |= critic_metrics(parallel.all_gather_objects(
-                        [self.critic.update(steps * passes, step_tokens * passes, values, returns, dist.world_size)]),
-                        len(steps) * passes)
+                    extra |= critic_metrics(parallel.all_gather_objects([self.critic.update(
+                        schedule, dp_size=dist.world_size, passes=cfg.train.num_iterations)]), num_steps)
                     self.critic.offload()
             per_rank = parallel.all_gather_objects([local])
-            num_steps = len(steps) * cfg.train.num_iterations
             stats = train_metrics(per_rank, num_steps, cfg.algo) | extra
         stats["train/optimizer_steps"] = num_steps
-        stats["train/padding_micro_batches"] = padding
+        stats["train/padding_micro_batches"] = schedule.padding
         stats["train/skipped_zero_adv_samples"] = len(skip)
         stats |= train_throughput(self.policy.config, [s for s in samples if s.index not in skip], record.times, dist,
-                                  extra_forward=bool(old) or needs_old_logprobs(cfg.train, cfg.algo))
+                                  extra_forward=schedule.micro_batches[0].old_logprobs is not None)
         record.memory_after("train")
         mismatch = {i: m for part in per_rank for i, m in part["sample_mismatch"].items()}
         if cfg.algo.mask_truncated:
             stats["train/masked_truncated_samples"] = masked
         return TrainResult(stats, num_steps, mismatch)
 
-    def reference_pass(self, samples: list[Sample], micro_batches: list[MicroBatch], record: StepRecord):
-        """The reference's logprobs (algo.kl_coef > 0) and, with algo.kl_in_reward, the policy's old logprobs, the
-        per-token KL and the advantages of the rewards less the KL. Returns (old, ref, kl, extra metrics)."""
-        cfg = self.cfg
-        old, ref, kl, extra = {}, None, None, {}
+    def fill_micro_batches(self, samples: list[Sample], schedule: Schedule, record: StepRecord) -> dict[str, float]:
+        """Writes what the losses read besides the rollout into each micro-batch, before the first update: the
+        reference's logprobs (algo.kl_coef > 0), the policy's old logprobs where they need a pass of their own
+        (`needs_old_logprobs`; the KL of algo.kl_in_reward), the critic's values (GAE), then the advantages that
+        wait for those passes (`assign_advantages`). Returns the latter's metrics."""
+        cfg, micro_batches, temperature = self.cfg, schedule.micro_batches, self.cfg.rollout.temperature
         if self.reference is not None:
             with record.timed("perf/ref_logprobs_s"):
-                ref = self.reference.logprobs(micro_batches, cfg.rollout.temperature)
-        if cfg.algo.kl_in_reward:  # the advantages wait for the KL of each response
-            old = logprobs_by_sample(self.policy, micro_batches, cfg.rollout.temperature)
-            kl = kl_rows(cfg.algo.kl_estimator, old, ref)
-            kl_sums = {i: s for part in parallel.all_gather_objects([response_kl_sums(kl, micro_batches)])
-                       for i, s in part.items()}
-            extra["train/kl_reward_penalty"] = cfg.algo.kl_coef * sum(kl_sums.values()) / len(samples)
-            if not self.critic:
-                group_advantages(samples, cfg.algo, kl_sums)
-                write_advantages(micro_batches, samples)
-        return old, ref, kl, extra
+                for mb, rows in zip(micro_batches, self.reference.logprobs(micro_batches, temperature), strict=True):
+                    mb.ref_logprobs = rows
+        if needs_old_logprobs(cfg.train, cfg.algo) or cfg.algo.kl_in_reward:
+            fill_old_logprobs(self.policy, micro_batches, temperature)
+        if self.critic:
+            with record.timed("perf/critic_s"):
+                self.critic.onload()
+                for mb, rows in zip(micro_batches, self.critic.values(micro_batches), strict=True):
+                    mb.values = rows
+        return assign_advantages(samples, cfg.algo, micro_batches)
 
     def push(self, engine, record: StepRecord) -> dict[str, float]:
         """The trained weights into the engine (the same weights when every step was skipped: a sleeping engine
@@ -189,12 +182,33 @@ class Learner:
             self.offloader.onload(self.dist.device)
 
 
-def assign_advantages(samples: list[Sample], algo: AlgoConfig) -> None:
-    """Each sample's advantage by algo.advantage_estimator, from its group's rewards. GAE (per token, from the
-    critic's values) and the KL folded into the reward (it needs the reference's pass) are left to the train
-    phase."""
-    if algo.advantage_estimator != "gae" and not algo.kl_in_reward:
+def assign_advantages(samples: list[Sample], algo: AlgoConfig, micro_batches: list[MicroBatch] | None = None
+                      ) -> dict[str, float]:
+    """Every estimator's advantages, each as soon as its inputs exist: `Learner.train` calls this before the
+    schedule and again once the passes before the update have filled the micro-batches.
+
+    Before (no `micro_batches`): the group estimators of algo.advantage_estimator from each group's rewards, into
+    Sample.advantage, where algo.mask_truncated's order and the zero-advantage skip want them. After: the KL folded
+    into the reward (algo.kl_in_reward: each response's summed KL to the reference, gathered over ranks, times
+    kl_coef off its reward, then the group estimator, written into the micro-batches) and GAE (per token, from the
+    critic's values: `gae_advantages`). Returns the metrics of the latter."""
+    waits = algo.advantage_estimator == "gae" or algo.kl_in_reward  # for the reference's or the critic's pass
+    if micro_batches is None and not waits:
         group_advantages(samples, algo, {})
+    if micro_batches is None or not waits:  # nothing (more) for this call
+        return {}
+    kl, kl_sums, extra = None, {}, {}
+    if algo.kl_in_reward:
+        kl = [kl_rows(algo.kl_estimator, mb) for mb in micro_batches]
+        kl_sums = {i: s for part in parallel.all_gather_objects([response_kl_sums(kl, micro_batches)])
+                   for i, s in part.items()}
+        extra["train/kl_reward_penalty"] = algo.kl_coef * sum(kl_sums.values()) / len(samples)
+    if algo.advantage_estimator == "gae":
+        gae_advantages(micro_batches, {s.index: s.reward for s in samples}, kl, algo)
+    else:
+        group_advantages(samples, algo, kl_sums)
+        write_advantages(micro_batches, samples)
+    return extra
 
 
 def group_advantages(samples: list[Sample], algo: AlgoConfig, kl_sums: dict[int, float]) -> None:

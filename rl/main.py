@@ -31,7 +31,7 @@ from rl.config import Config, ConfigError, check_paths, dump, load_config, resol
 from rl.data import PromptDataset
 from rl.evaluate import evaluate, held_out_prompts
 from rl.health import Health, RunStopped
-from rl.learner import Learner, TrainResult, assign_advantages
+from rl.learner import Learner, TrainResult
 from rl.memory import check_disk_space, check_memory_plan, choose_allocator, stop_on_oom
 from rl.metrics import StepRecord, make_logger, profile_path, profiled
 from rl.parallel import print0
@@ -157,14 +157,12 @@ def train(run: Run, logger) -> bool:
                 samples, rollout_stats = run.collector.rollout(run.dataset, run.sampling, run.weight_version,
                                                                rollout_id, barrier_timeout(run, rollout_id))
         check_rewards(run, logger, rollout_id, rollout_stats)
-        # Advantages from each group's rewards (GRPO by default).
-        assign_advantages(samples, cfg.algo)
         record.memory_after("rollout")
         # The engine yields the device to training.
         with record.timed("perf/offload_s"):
             run.engine.sleep(cfg.rollout.sleep_level)
         record.memory_after("asleep")
-        # Train: reference and old logprobs where needed, the policy loss, the optimizer steps.
+        # Train: advantages, reference and old logprobs where needed, the policy loss, the optimizer steps.
         with stop_on_oom("train", cfg, dist.device):
             result = run.learner.train(samples, record, profile_path(cfg.log, "train", rollout_id, dist.rank))
         # Weights into the engine; the version moves when a step was taken.

@@ -18,7 +18,7 @@ import torch
 from rl.config import ModelConfig
 from rl.lora import adapters_off
 from rl.policy import HostOffloader, build_policy
-from rl.train import MicroBatch, logprobs_by_sample
+from rl.train import MicroBatch, logprob_rows
 
 
 class Reference:
@@ -31,11 +31,11 @@ class Reference:
         self.parking = HostOffloader(self.model)
         self.parking.offload()
 
-    def logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> dict[int, torch.Tensor]:
-        """Sample.index -> the reference's logprobs row; every rank calls it with as many micro-batches."""
+    def logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> list[torch.Tensor]:
+        """Each micro-batch's (B, T-1) logprobs under the reference; every rank calls it with as many micro-batches."""
         self.parking.onload(self.device)
         try:
-            return logprobs_by_sample(self.model, micro_batches, temperature)
+            return logprob_rows(self.model, micro_batches, temperature)
         finally:
             self.parking.offload()
 
@@ -46,7 +46,7 @@ class BaseOfPolicy:
     def __init__(self, policy: torch.nn.Module):
         self.model = policy
 
-    def logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> dict[int, torch.Tensor]:
-        """Sample.index -> the base model's logprobs row; every rank calls it with as many micro-batches."""
+    def logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> list[torch.Tensor]:
+        """Each micro-batch's (B, T-1) logprobs under the base; every rank calls it with as many micro-batches."""
         with adapters_off(self.model):
-            return logprobs_by_sample(self.model, micro_batches, temperature)
+            return logprob_rows(self.model, micro_batches, temperature)

@@ -42,6 +42,13 @@ class MicroBatch:
     # train.packing: input_ids is one packed row (1, W) instead, and the forward's per-token outputs are read
     # back into the (B, T-1) rows of the samples; every other tensor keeps one row per sample
     documents: Documents | None = None
+    # (B, T-1) rows of the passes before the update (`Learner.fill_micro_batches`), None where none ran: the
+    # policy's old logprobs (`needs_old_logprobs`, algo.kl_in_reward), the reference's (algo.kl_coef > 0), and
+    # the critic's values and the returns it trains towards (GAE)
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
 
 def collate(samples: list[Sample], device: torch.device, pad_token_id: int = 0, width: int = 0) -> MicroBatch:
@@ -191,12 +198,26 @@ def width_multiple(device: torch.device) -> int:
     return CUDA_WIDTH_MULTIPLE if device.type == "cuda" else 1
 
 
+@dataclass
+class Schedule:
+    """One rollout's optimizer steps as this rank runs them (`build_schedule`)."""
+
+    steps: list[list[MicroBatch]]  # this rank's micro-batches of each global batch, one optimizer step each
+    step_tokens: list[int]  # each global batch's loss tokens over all ranks: what a token mean divides by
+    step_seqs: list[int]  # each global batch's sequences with a loss token over all ranks
+    padding: int  # zero-loss micro-batches over all ranks, added so that every rank runs as many passes
+
+    @property
+    def micro_batches(self) -> list[MicroBatch]:
+        """Every micro-batch of this rank, step by step: what each pass before the update runs over."""
+        return [mb for step in self.steps for mb in step]
+
+
 def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_size: int, device,
-                   max_width: int = 0, skip: frozenset[int] = frozenset()
-                   ) -> tuple[list[list], list[int], list[int], int]:
+                   max_width: int = 0, skip: frozenset[int] = frozenset()) -> Schedule:
     """The rollout's global batches in order, each split across DP ranks by balanced length, then
-    this rank's share cut into micro-batches. Returns (micro-batches per step, loss tokens per step,
-    sequences with loss tokens per step, padding micro-batches over all ranks). Widths are rounded up
+    this rank's share cut into micro-batches, with each global batch's loss token and sequence counts over all
+    ranks (the loss aggregation's denominators) and the padding micro-batches added. Widths are rounded up
     (`width_multiple`), never past `max_width` (the context the model was checked for) when it is given.
     With train.packing, each micro-batch is one packed row instead (rl/packing.py).
 
@@ -225,7 +246,7 @@ def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_s
         steps.append(mine)
         step_tokens.append(sum(sum(s.loss_mask) for s in batch))
         step_seqs.append(sum(any(s.loss_mask) for s in batch))
-    return steps, step_tokens, step_seqs, padding
+    return Schedule(steps, step_tokens, step_seqs, padding)
 
 
 def cut_share(shares: list[list[Sample]], rank: int, train: TrainConfig, device: torch.device, max_width: int,
@@ -365,30 +386,36 @@ def optimizer_steps(model, optimizer, scheduler, steps: list[list[MicroBatch]], 
 
 
 @torch.no_grad()
-def per_sample_rows(model, micro_batches: list[MicroBatch], forward) -> dict[int, torch.Tensor]:
-    """Sample.index -> its row of `forward(model, micro_batch)`, without gradients; the model is resharded after."""
-    out = {i: row for mb in micro_batches for i, row in zip(mb.indices, forward(model, mb))}
+def rows_of(model, micro_batches: list[MicroBatch], forward) -> list[torch.Tensor]:
+    """`forward(model, micro_batch)` of each micro-batch, without gradients; the model is resharded after."""
+    out = [forward(model, mb) for mb in micro_batches]
     reshard(model)
     return out
 
 
-def logprobs_by_sample(model, micro_batches: list[MicroBatch], temperature: float) -> dict[int, torch.Tensor]:
-    """Sample.index -> logprobs row (T-1,) of `model` (the policy before the update, or the reference)."""
-    return per_sample_rows(model, micro_batches, lambda m, mb: token_logprobs(m, mb, temperature)[0])
+def logprob_rows(model, micro_batches: list[MicroBatch], temperature: float) -> list[torch.Tensor]:
+    """Each micro-batch's (B, T-1) logprobs under `model` (the policy before the update, or the reference)."""
+    return rows_of(model, micro_batches, lambda m, mb: token_logprobs(m, mb, temperature)[0])
 
 
-def kl_rows(kind: str, old: dict[int, torch.Tensor], ref: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Sample.index -> per-token KL estimate of the policy before the update against the reference."""
-    return {i: kl_penalty(kind, row, ref[i]) for i, row in old.items()}
+def fill_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float) -> None:
+    """Each micro-batch's `old_logprobs`: the policy's before the update, in a pass of their own."""
+    for mb, rows in zip(micro_batches, logprob_rows(model, micro_batches, temperature), strict=True):
+        mb.old_logprobs = rows
 
 
-def response_kl_sums(rows: dict[int, torch.Tensor], micro_batches: list[MicroBatch]) -> dict[int, float]:
-    """Sample.index -> its `kl_rows` summed over the response's trained tokens, for algo.kl_in_reward; each
-    sample once (padding micro-batches repeat indices)."""
+def kl_rows(kind: str, mb: MicroBatch) -> torch.Tensor:
+    """(B, T-1) per-token KL estimate of the policy before the update against the reference."""
+    return kl_penalty(kind, mb.old_logprobs, mb.ref_logprobs)
+
+
+def response_kl_sums(kl: list[torch.Tensor], micro_batches: list[MicroBatch]) -> dict[int, float]:
+    """Sample.index -> its `kl_rows` (one tensor per micro-batch) summed over the response's trained tokens, for
+    algo.kl_in_reward; each sample once (padding micro-batches repeat indices)."""
     out: dict[int, float] = {}
-    for mb in micro_batches:
+    for rows, mb in zip(kl, micro_batches, strict=True):
         if mb.loss_mask.any():
-            out.update(zip(mb.indices, (torch.stack([rows[i] for i in mb.indices]) * mb.loss_mask).sum(-1).tolist()))
+            out.update(zip(mb.indices, (rows * mb.loss_mask).sum(-1).tolist()))
     return out
 
 
@@ -396,55 +423,48 @@ SUM_KEYS = ("loss_sum", "clipped_tokens", "entropy_sum", "tokens", "mismatch_abs
             "mismatch_k3_sum", "mismatch_tokens", "kl_ref_sum", "tis_weight_sum", "tis_capped_tokens", "sequences")
 
 
-def train_on_rollout(model, optimizer, scheduler, steps: list[list[MicroBatch]], step_tokens: list[int],
-                     dp_size: int, train: TrainConfig, algo: AlgoConfig, temperature: float, step_seqs: list[int],
-                     old: dict[int, torch.Tensor] | None = None,
-                     ref: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
-    """Runs one optimizer step per entry of `steps` (this rank's micro-batches of each global batch), the whole
-    list train.num_iterations times.
+def train_on_rollout(model, optimizer, scheduler, schedule: Schedule, *, dp_size: int, train: TrainConfig,
+                     algo: AlgoConfig, temperature: float) -> dict[str, float]:
+    """Runs one optimizer step per global batch of `schedule`, the whole list train.num_iterations times.
 
-    `step_tokens[k]` / `step_seqs[k]` are the loss tokens / sequences with loss tokens of global batch k
-    summed over all ranks (the loss aggregation's denominators). `old`: the policy's logprobs before the
-    update, by Sample.index, when the caller computed them already; `ref`: the reference model's, for the
-    KL (algo.kl_coef > 0). Returns this rank's sums (loss, clipped tokens, entropy, rollout/trainer
-    mismatch, KL, importance weights) and the grad norms, for the caller to reduce across ranks.
+    The micro-batches bring what the loss reads besides the rollout: `old_logprobs` where they needed a pass of
+    their own (`needs_old_logprobs`: `fill_old_logprobs` before the first update), `ref_logprobs` for the KL
+    (algo.kl_coef > 0). Returns this rank's sums (loss, clipped tokens, entropy, rollout/trainer mismatch, KL,
+    importance weights) and the grad norms, for the caller to reduce across ranks.
     """
     model.train()
     reuse = can_reuse_old_logprobs(train, algo)
     # Sums stay on the device until the end: a host sync per micro-batch would stall FSDP's prefetches.
     device = next(model.parameters()).device
     sums = {key: torch.zeros((), device=device) for key in SUM_KEYS}
-    all_micro_batches = [mb for step in steps for mb in step]
     per_sample: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
-    # With several optimizer steps the policy moves between them: the old logprobs take a pass of their own
-    # before the first update.
-    if not old and needs_old_logprobs(train, algo):
-        old = logprobs_by_sample(model, all_micro_batches, temperature)
-    old = old or {}
-    if old:
-        for mb in all_micro_batches:
-            add_mismatch(sums, torch.stack([old[i] for i in mb.indices]), mb.rollout_logprobs, mb.loss_mask,
-                         mb.indices, per_sample)
+    micro_batches = schedule.micro_batches
+    has_old = all(mb.old_logprobs is not None for mb in micro_batches)
+    if needs_old_logprobs(train, algo) and not has_old:
+        raise ValueError("train_on_rollout: several optimizer steps (or algo.kl_in_reward) train against the old "
+                         "logprobs of a pass before the first update; fill_old_logprobs first")
+    if has_old:
+        for mb in micro_batches:
+            add_mismatch(sums, mb.old_logprobs, mb.rollout_logprobs, mb.loss_mask, mb.indices, per_sample)
 
     def loss(step_index: int, mb: MicroBatch, totals: tuple[int, int]) -> torch.Tensor:
         logprobs, entropy = token_logprobs(model, mb, temperature)
-        if not old and step_index == 0:  # the policy has not moved yet: these are the old logprobs
+        if not has_old and step_index == 0:  # the policy has not moved yet: these are the old logprobs
             add_mismatch(sums, logprobs, mb.rollout_logprobs, mb.loss_mask, mb.indices, per_sample)
         if reuse:
             old_lp = logprobs.detach()
         elif algo.use_rollout_logprobs:
             old_lp = mb.rollout_logprobs
         else:
-            old_lp = torch.stack([old[i] for i in mb.indices])
-        mb_loss = micro_batch_loss(sums, mb, logprobs, entropy, old_lp,
-                                   torch.stack([ref[i] for i in mb.indices]) if ref else None, algo, *totals)
+            old_lp = mb.old_logprobs
+        mb_loss = micro_batch_loss(sums, mb, logprobs, entropy, old_lp, mb.ref_logprobs, algo, *totals)
         sums["loss_sum"] += mb_loss.detach()
         return mb_loss
 
     passes = train.num_iterations  # the same mini-batches again, in the same order (TRL's num_iterations)
-    grad_norms, skipped_flags = optimizer_steps(model, optimizer, scheduler, steps * passes,
-                                                list(zip(step_tokens, step_seqs, strict=True)) * passes, dp_size,
-                                                train.clip_grad, loss)
+    grad_norms, skipped_flags = optimizer_steps(
+        model, optimizer, scheduler, schedule.steps * passes,
+        list(zip(schedule.step_tokens, schedule.step_seqs, strict=True)) * passes, dp_size, train.clip_grad, loss)
     out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all the sums
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = scheduler.get_last_lr()[0]

@@ -14,7 +14,7 @@ from rl.data import Sample  # noqa: E402
 from rl.policy import HostOffloader, build_optimizer, shard_policy  # noqa: E402
 from rl.rollout import SamplingParams  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
-from rl.train import collate, token_logprobs, train_on_rollout  # noqa: E402
+from rl.train import Schedule, collate, token_logprobs, train_on_rollout  # noqa: E402
 from rl.weights import iter_full_weights, sync_weights  # noqa: E402
 from tests.tiny import tiny_model, training_state  # noqa: E402
 
@@ -62,8 +62,8 @@ def main(out_dir: str) -> None:
     before = full_params(model)
     tokens = int(mb.loss_mask.sum()) * d.world_size
     seqs = int((mb.loss_mask.sum(-1) > 0).sum()) * d.world_size
-    stats = train_on_rollout(model, optimizer, scheduler, [[mb]], [tokens], d.world_size, train_cfg,
-                             AlgoConfig(eps_clip_high=0.2), 1.0, [seqs])
+    stats = train_on_rollout(model, optimizer, scheduler, Schedule([[mb]], [tokens], [seqs], padding=0),
+                             dp_size=d.world_size, train=train_cfg, algo=AlgoConfig(eps_clip_high=0.2), temperature=1.0)
     after = full_params(model)
     results["changed"] = max(float((after[n] - before[n]).abs().max()) for n in before)
     results["grad_norm"] = stats["grad_norm"]

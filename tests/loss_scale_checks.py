@@ -74,18 +74,18 @@ def step_two_ways(d, out: dict, name: str) -> None:
     grads = {}
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: grads.update(
         {names[p]: full(p.grad) for p in names if p.grad is not None}))
-    steps, step_tokens, step_seqs, padding = build_schedule(uneven_samples(model.config.vocab_size), train_cfg,
-                                                            d.rank, d.world_size, d.device)
-    # a reference a little off the rollout policy (stands in for the reference model's logprobs)
-    ref = {i: row - 0.3 * torch.sin(torch.arange(len(row), dtype=row.dtype) + i)
-           for mb in steps[0] for i, row in zip(mb.indices, mb.rollout_logprobs)} if algo.kl_coef else None
-    stats = train_on_rollout(model, optimizer, scheduler, steps, step_tokens, d.world_size, train_cfg, algo, 1.0,
-                             step_seqs, ref=ref)
+    schedule = build_schedule(uneven_samples(model.config.vocab_size), train_cfg, d.rank, d.world_size, d.device)
+    for mb in schedule.micro_batches if algo.kl_coef else ():
+        # a reference a little off the rollout policy (stands in for the reference model's logprobs)
+        mb.ref_logprobs = torch.stack([row - 0.3 * torch.sin(torch.arange(len(row), dtype=row.dtype) + i)
+                                       for i, row in zip(mb.indices, mb.rollout_logprobs)])
+    stats = train_on_rollout(model, optimizer, scheduler, schedule, dp_size=d.world_size, train=train_cfg, algo=algo,
+                             temperature=1.0)
     per_rank = parallel.all_gather_objects([stats])
-    out[name] = {"schedule": {"micro_batches": [len(s) for s in steps], "step_tokens": step_tokens,
-                              "step_seqs": step_seqs, "padding": padding,
-                              "rows": [mb.input_ids.shape[0] for mb in steps[0]]},
-                 "metrics": train_metrics(per_rank, len(steps), algo), "grads": grads}
+    out[name] = {"schedule": {"micro_batches": [len(s) for s in schedule.steps], "step_tokens": schedule.step_tokens,
+                              "step_seqs": schedule.step_seqs, "padding": schedule.padding,
+                              "rows": [mb.input_ids.shape[0] for mb in schedule.steps[0]]},
+                 "metrics": train_metrics(per_rank, len(schedule.steps), algo), "grads": grads}
 
 
 class BiasLM(torch.nn.Module):
@@ -116,10 +116,11 @@ def ppo_step_by_hand(d, out: dict) -> None:
     train_cfg = TrainConfig(global_batch_size=2, micro_batch_size=1, clip_grad=0.0)  # 2 micro-batches on 1 rank
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - gradient
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    steps, step_tokens, step_seqs, _ = build_schedule(hand_samples(), train_cfg, d.rank, d.world_size, d.device)
-    stats = train_on_rollout(model, optimizer, scheduler, steps, step_tokens, d.world_size, train_cfg,
-                             AlgoConfig(eps_clip=0.2, eps_clip_high=0.2, use_rollout_logprobs=True), 1.0, step_seqs)
-    out["hand_metrics"] = train_metrics(parallel.all_gather_objects([stats]), len(steps))
+    schedule = build_schedule(hand_samples(), train_cfg, d.rank, d.world_size, d.device)
+    stats = train_on_rollout(model, optimizer, scheduler, schedule, dp_size=d.world_size, train=train_cfg,
+                             algo=AlgoConfig(eps_clip=0.2, eps_clip_high=0.2, use_rollout_logprobs=True),
+                             temperature=1.0)
+    out["hand_metrics"] = train_metrics(parallel.all_gather_objects([stats]), len(schedule.steps))
     out["hand_bias"] = full(model.bias).tolist()
 
 

@@ -142,7 +142,7 @@ def test_bad_lora_keys_and_a_resume_into_other_adapters_are_one_line_each(tmp_pa
 
 def test_the_kl_reference_of_a_lora_policy_is_its_own_base_with_the_adapters_off():
     from rl.reference import BaseOfPolicy
-    from rl.train import logprobs_by_sample
+    from rl.train import logprob_rows
 
     model = lora_model()
     samples = []
@@ -151,14 +151,14 @@ def test_the_kl_reference_of_a_lora_policy_is_its_own_base_with_the_adapters_off
         s.append_response_tokens(tokens[3:], [0.0] * len(tokens[3:]))
         samples.append(s)
     micro_batches = [collate(samples, torch.device("cpu"))]
-    adapted = logprobs_by_sample(model, micro_batches, 1.0)
-    reference = BaseOfPolicy(model).logprobs(micro_batches, 1.0)
-    base = logprobs_by_sample(tiny_model(0), micro_batches, 1.0)
-    assert reference.keys() == base.keys() == {0, 1}
-    assert all(torch.equal(reference[i], base[i]) for i in base)
-    assert max(float((adapted[i] - base[i]).abs().max()) for i in base) > 1e-3  # the adapters did something
-    again = logprobs_by_sample(model, micro_batches, 1.0)  # and are back on after the reference pass
-    assert all(torch.equal(again[i], adapted[i]) for i in adapted)
+    (adapted,) = logprob_rows(model, micro_batches, 1.0)
+    (reference,) = BaseOfPolicy(model).logprobs(micro_batches, 1.0)
+    (base,) = logprob_rows(tiny_model(0), micro_batches, 1.0)
+    assert reference.shape == base.shape == (2, 5)  # both samples' rows
+    assert torch.equal(reference, base)
+    assert float((adapted - base).abs().max()) > 1e-3  # the adapters did something
+    (again,) = logprob_rows(model, micro_batches, 1.0)  # and are back on after the reference pass
+    assert torch.equal(again, adapted)
 
 
 class Recorder:
@@ -352,7 +352,7 @@ def test_compiled_lora_blocks_compile_no_more_graphs_than_full_parameter_ones():
 
     batch = samples(12, seed=7)  # packed rows, as the recipes run compiled blocks (one row shape)
     train = TrainConfig(global_batch_size=12, micro_batch_tokens=96, clip_grad=0.0, packing=True)
-    steps, step_tokens, step_seqs, _ = build_schedule(batch, train, 0, 1, torch.device("cpu"))
+    schedule = build_schedule(batch, train, 0, 1, torch.device("cpu"))
 
     def graphs_and_grads(model, compiled: bool):
         optimizer = RecordingSGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
@@ -364,9 +364,9 @@ def test_compiled_lora_blocks_compile_no_more_graphs_than_full_parameter_ones():
         try:
             with graphs_compiled(counts, "graphs"):
                 with torch.no_grad():
-                    token_logprobs(model, steps[0][0], 1.0)
-                train_on_rollout(model, optimizer, scheduler, steps, step_tokens, 1, train,
-                                 AlgoConfig(eps_clip_high=0.2), 1.0, step_seqs)
+                    token_logprobs(model, schedule.steps[0][0], 1.0)
+                train_on_rollout(model, optimizer, scheduler, schedule, dp_size=1, train=train,
+                                 algo=AlgoConfig(eps_clip_high=0.2), temperature=1.0)
         finally:
             unfuse_rope()
         return counts["graphs"], optimizer.grads

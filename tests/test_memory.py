@@ -392,7 +392,6 @@ class Loop:
 @pytest.mark.parametrize("phase", ["rollout", "train", "push"])
 def test_the_loop_stops_on_out_of_memory_with_its_phase_and_saves_nothing(phase, monkeypatch, capsys):
     monkeypatch.setattr(memory, "memory_in_use", lambda device: IN_USE)
-    monkeypatch.setattr(main, "assign_advantages", lambda samples, algo: None)
     run = Loop(oom_in=phase)
 
     def loop(argv):

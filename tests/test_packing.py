@@ -46,9 +46,9 @@ def step(model, batch, packing: bool, algo: AlgoConfig) -> tuple[list, dict]:
     train = TrainConfig(global_batch_size=len(batch), micro_batch_tokens=48, clip_grad=0.0, packing=packing)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    steps, step_tokens, step_seqs, _ = build_schedule(batch, train, 0, 1, torch.device("cpu"))
-    out = train_on_rollout(model, optimizer, scheduler, steps, step_tokens, 1, train, algo, 0.8, step_seqs)
-    out["shapes"] = [tuple(mb.input_ids.shape) for mb in steps[0]]
+    schedule = build_schedule(batch, train, 0, 1, torch.device("cpu"))
+    out = train_on_rollout(model, optimizer, scheduler, schedule, dp_size=1, train=train, algo=algo, temperature=0.8)
+    out["shapes"] = [tuple(mb.input_ids.shape) for mb in schedule.steps[0]]
     return optimizer.grads, out
 
 
@@ -96,9 +96,9 @@ def test_compiled_blocks_compile_nothing_after_the_first_rollout():
             with graphs_compiled(counts, "graphs"):
                 batch = samples(n, seed=seed)
                 train = TrainConfig(global_batch_size=n, micro_batch_tokens=96, packing=True)
-                steps, _, _, _ = build_schedule(batch, train, 0, 1, torch.device("cpu"))
+                schedule = build_schedule(batch, train, 0, 1, torch.device("cpu"))
                 with torch.no_grad():  # an old-logprob pass
-                    token_logprobs(model, steps[0][0], 1.0)
+                    token_logprobs(model, schedule.steps[0][0], 1.0)
                 step(model, batch, True, algo)
             graphs.append(counts["graphs"])
     finally:
@@ -116,7 +116,7 @@ def test_varlen_rows_on_cuda_match_padded_rows():
     results = []
     for model, packing in ((padded, False), (packed, True)):
         mbs = build_schedule(batch, TrainConfig(global_batch_size=10, micro_batch_tokens=64, packing=packing), 0, 1,
-                             torch.device("cuda"))[0][0]
+                             torch.device("cuda")).steps[0]
         model.zero_grad(set_to_none=True)
         lps = {}
         for mb in mbs:

@@ -27,22 +27,23 @@ def test_every_rank_runs_the_same_number_of_micro_batches():
     samples = [sample(i, 2, n) for i, n in enumerate(lengths)]
     cfg = TrainConfig(global_batch_size=8, micro_batch_tokens=45)
     per_rank = [build_schedule(samples, cfg, rank, 2, torch.device("cpu")) for rank in range(2)]
-    counts = [len(steps[0]) for steps, _, _, _ in per_rank]
+    counts = [len(schedule.steps[0]) for schedule in per_rank]
     assert counts == [3, 3]  # rank 0 cuts 2 and pads one: [3, 3, 3] [40] | [3, 3] [36] [38]
-    assert [float(mb.loss_mask.sum()) == 0 for mb in per_rank[0][0][0]] == [False, False, True]
-    trained = sorted(i for steps, _, _, _ in per_rank for mb in steps[0] if mb.loss_mask.sum() > 0 for i in mb.indices)
+    assert [float(mb.loss_mask.sum()) == 0 for mb in per_rank[0].steps[0]] == [False, False, True]
+    trained = sorted(i for schedule in per_rank for mb in schedule.micro_batches if mb.loss_mask.sum() > 0
+                     for i in mb.indices)
     assert trained == list(range(8))  # every sample trains exactly once; the padding adds no loss tokens
-    assert sum(float(mb.loss_mask.sum()) for steps, _, _, _ in per_rank for mb in steps[0]) == sum(lengths)
-    assert per_rank[0][1] == per_rank[1][1] == [sum(lengths)]
-    assert per_rank[0][2] == per_rank[1][2] == [8]
-    assert per_rank[0][3] == per_rank[1][3] == 1
+    assert sum(float(mb.loss_mask.sum()) for schedule in per_rank for mb in schedule.micro_batches) == sum(lengths)
+    assert per_rank[0].step_tokens == per_rank[1].step_tokens == [sum(lengths)]
+    assert per_rank[0].step_seqs == per_rank[1].step_seqs == [8]
+    assert per_rank[0].padding == per_rank[1].padding == 1
 
 
 def test_widths_round_up_to_repeat_shapes_within_the_budget_and_the_context(monkeypatch):
     monkeypatch.setattr(rl.train, "width_multiple", lambda device: 8)
     samples = [sample(i, 2, n) for i, n in enumerate([1, 3, 3, 6, 10, 17])]  # 3, 5, 5, 8, 12, 19 tokens
     cfg = TrainConfig(global_batch_size=6, micro_batch_tokens=24)
-    steps, _, _, _ = build_schedule(samples, cfg, 0, 1, torch.device("cpu"), max_width=22)
+    steps = build_schedule(samples, cfg, 0, 1, torch.device("cpu"), max_width=22).steps
     # rows are cut by the rounded width: 3 rows of 8 fit in 24, a 4th would not; 8 and 12 would fit as 2 x 12
     # but not as 2 x 16; 19 rounds to 24, past the context of 22
     assert [(mb.input_ids.shape[0], mb.input_ids.shape[1]) for mb in steps[0]] == [(3, 8), (1, 8), (1, 16), (1, 22)]

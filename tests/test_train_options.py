@@ -18,7 +18,7 @@ from rl.data import Sample
 from rl.metrics import graphs_compiled
 from rl.policy import build_optimizer, compile_blocks, shard_policy
 from rl.rope import unfuse_rope
-from rl.train import collate, token_logprobs, train_on_rollout
+from rl.train import Schedule, collate, fill_old_logprobs, token_logprobs, train_on_rollout
 from tests.tiny import tiny_model
 
 
@@ -137,8 +137,10 @@ def test_parameters_kept_gathered_across_micro_batches_give_the_same_steps(monke
             steps = [[collate(batch[i:i + 2], d.device) for i in (k, k + 2)] for k in (0, 4)]
             tokens = [sum(int(mb.loss_mask.sum()) for mb in step) for step in steps]
             seqs = [sum(int((mb.loss_mask.sum(-1) > 0).sum()) for mb in step) for step in steps]
-            out = train_on_rollout(model, optimizer, scheduler, steps, tokens, 1, train,
-                                   AlgoConfig(eps_clip_high=0.2), 1.0, seqs)
+            schedule = Schedule(steps, tokens, seqs, padding=0)
+            fill_old_logprobs(model, schedule.micro_batches, 1.0)  # two steps: the old logprobs take a pass
+            out = train_on_rollout(model, optimizer, scheduler, schedule, dp_size=1, train=train,
+                                   algo=AlgoConfig(eps_clip_high=0.2), temperature=1.0)
             assert all(isinstance(p, DTensor) for p in model.parameters())
             runs.append((out["grad_norm"], {n: p.full_tensor().clone() for n, p in model.named_parameters()}))
         (norm_resharded, weights_resharded), (norm_gathered, weights_gathered) = runs

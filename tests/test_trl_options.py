@@ -10,7 +10,8 @@ import torch
 from rl.algo import advantages, policy_loss
 from rl.config import AlgoConfig, TrainConfig
 from rl.data import Status
-from rl.train import build_schedule, mask_truncated, skippable_samples, token_logprobs, train_on_rollout
+from rl.train import (build_schedule, fill_old_logprobs, mask_truncated, skippable_samples, token_logprobs,
+                      train_on_rollout)
 from tests.test_train_options import samples
 from tests.test_zero_advantage_skip import RecordingSGD
 from tests.tiny import tiny_model
@@ -56,8 +57,8 @@ def gradients(batch: list, algo: AlgoConfig, packing: bool = False) -> tuple[lis
         use_packed_attention(model)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    steps, step_tokens, step_seqs, _ = build_schedule(batch, train, 0, 1, CPU, skip=skippable_samples(batch, algo))
-    out = train_on_rollout(model, optimizer, scheduler, steps, step_tokens, 1, train, algo, 1.0, step_seqs)
+    schedule = build_schedule(batch, train, 0, 1, CPU, skip=skippable_samples(batch, algo))
+    out = train_on_rollout(model, optimizer, scheduler, schedule, dp_size=1, train=train, algo=algo, temperature=1.0)
     return optimizer.grads, out
 
 
@@ -88,7 +89,8 @@ def test_without_the_mask_truncated_responses_train():
 
 def test_num_iterations_repeats_the_steps_against_the_old_logprobs_of_before_the_first(one_cpu_thread):
     """TRL's num_iterations = 2 with one step a generation: two optimizer steps over the same completions, each
-    ratio taken against the policy before the first (written out here with plain autograd)."""
+    ratio taken against the policy before the first (written out here with plain autograd), whose logprobs take a
+    pass of their own before the first step (train_on_rollout refuses to start without them)."""
     batch = samples(6, seed=3)
     train = TrainConfig(global_batch_size=6, micro_batch_size=6, clip_grad=0.0, num_iterations=2)
     algo = AlgoConfig(eps_clip=10.0, eps_clip_high=10.0)  # no clipping: every token's ratio is in the gradient
@@ -96,11 +98,15 @@ def test_num_iterations_repeats_the_steps_against_the_old_logprobs_of_before_the
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    steps, step_tokens, step_seqs, _ = build_schedule(batch, train, 0, 1, CPU)
-    train_on_rollout(model, optimizer, scheduler, steps, step_tokens, 1, train, algo, 1.0, step_seqs)
+    schedule = build_schedule(batch, train, 0, 1, CPU)
+    options = dict(dp_size=1, train=train, algo=algo, temperature=1.0)
+    with pytest.raises(ValueError, match="fill_old_logprobs"):
+        train_on_rollout(model, optimizer, scheduler, schedule, **options)
+    fill_old_logprobs(model, schedule.micro_batches, 1.0)
+    train_on_rollout(model, optimizer, scheduler, schedule, **options)
     assert scheduler.last_epoch == 2
 
-    (mb,) = steps[0]
+    (mb,) = schedule.steps[0]
     sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
     with torch.no_grad():
         old = token_logprobs(reference, mb, 1.0)[0]

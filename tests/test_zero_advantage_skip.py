@@ -36,9 +36,9 @@ def step_gradients(algo: AlgoConfig, skip: frozenset[int], packing: bool = False
     train = TrainConfig(global_batch_size=12, micro_batch_tokens=64, clip_grad=0.0, packing=packing)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    steps, step_tokens, step_seqs, _ = build_schedule(rollout(), train, 0, 1, torch.device("cpu"), skip=skip)
-    out = train_on_rollout(model, optimizer, scheduler, steps, step_tokens, 1, train, algo, 1.0, step_seqs)
-    out["rows"] = sum(len(mb.indices) for mb in steps[0])
+    schedule = build_schedule(rollout(), train, 0, 1, torch.device("cpu"), skip=skip)
+    out = train_on_rollout(model, optimizer, scheduler, schedule, dp_size=1, train=train, algo=algo, temperature=1.0)
+    out["rows"] = sum(len(mb.indices) for mb in schedule.steps[0])
     return optimizer.grads, out
 
 
@@ -96,7 +96,7 @@ def test_an_odd_number_of_skippable_samples_still_splits_evenly_over_ranks():
     train = TrainConfig(global_batch_size=12, micro_batch_size=2)
     trained = []
     for rank in range(2):
-        steps, _, _, _ = build_schedule(batch, train, rank, 2, torch.device("cpu"), skip=skip)
+        steps = build_schedule(batch, train, rank, 2, torch.device("cpu"), skip=skip).steps
         trained.append([i for mb in steps[0] for i, m in zip(mb.indices, mb.loss_mask.sum(-1)) if m > 0])
     assert len(trained[0]) == len(trained[1]) == 4
     everyone = trained[0] + trained[1]

@@ -16,7 +16,7 @@ from rl.config import AlgoConfig, RolloutConfig, TrainConfig, VllmEngineConfig  
 from rl.data import Sample, Status  # noqa: E402
 from rl.rollout import SamplingParams, build_engine, generate_rollout  # noqa: E402
 from rl.policy import build_optimizer, shard_policy  # noqa: E402
-from rl.train import collate, token_logprobs, train_on_rollout  # noqa: E402
+from rl.train import Schedule, collate, token_logprobs, train_on_rollout  # noqa: E402
 from rl.weights import sync_weights  # noqa: E402
 from tests.tiny import tiny_tokenizer  # noqa: E402
 
@@ -76,9 +76,10 @@ def main(out_dir: str, model_dir: str, tp: int) -> None:
     train_cfg = TrainConfig(lr=3e-3)
     optimizer, scheduler = build_optimizer(policy, train_cfg)
     mb = collate(samples, d.device)
-    train_on_rollout(policy, optimizer, scheduler, [[mb]], [int(mb.loss_mask.sum()) * d.world_size],
-                     d.world_size, train_cfg, AlgoConfig(eps_clip_high=0.2), 1.0,
-                     [int((mb.loss_mask.sum(-1) > 0).sum()) * d.world_size])
+    schedule = Schedule([[mb]], [int(mb.loss_mask.sum()) * d.world_size],
+                        [int((mb.loss_mask.sum(-1) > 0).sum()) * d.world_size], padding=0)
+    train_on_rollout(policy, optimizer, scheduler, schedule, dp_size=d.world_size, train=train_cfg,
+                     algo=AlgoConfig(eps_clip_high=0.2), temperature=1.0)
 
     engine.sleep(2)
     engine.wake_up(["weights"])
