@@ -75,7 +75,7 @@ class Learner:
         # LoRA: the base never changes, so once the engine holds it a push sends the adapted layers alone, unless the
         # engine drops its weights while asleep (sleep level 2).
         self.push_changed_only = bool(cfg.lora.rank) and cfg.rollout.sleep_level < 2
-        if (cfg.rollout.partial_rollout or cfg.rollout.max_staleness) and not cfg.algo.tis_cap:
+        if cfg.rollout.buffered and not cfg.algo.tis_cap:
             print0(f"train: rollout.max_staleness={cfg.rollout.max_staleness} with algo.tis_cap=0: tokens sampled by "
                    f"older weights train without an importance weight against them; algo.tis_cap (e.g. 2) adds it")
 

@@ -127,9 +127,8 @@ def start_up(cfg: Config, dist: parallel.Dist, stop: launch.StopRequests) -> Run
     health = checkpointer.parts["health"] = Health(
         cfg.train.max_bad_steps, cfg.reward.max_failed_steps, learner.policy.config.vocab_size,
         cfg.rollout.max_staleness, cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt)
-    in_flight = cfg.rollout.partial_rollout or cfg.rollout.max_staleness  # else each rollout trains its own groups
-    buffer = checkpointer.parts["rollout_buffer"] = (
-        RolloutBuffer(cfg.rollout.rollout_batch_size, cfg.rollout.max_staleness) if in_flight else None)
+    buffer = checkpointer.parts["rollout_buffer"] = (  # else each rollout trains its own groups
+        RolloutBuffer(cfg.rollout.rollout_batch_size, cfg.rollout.max_staleness) if cfg.rollout.buffered else None)
     start, weight_version = checkpointer.resume()
     with stop_on_oom("engine start-up", cfg, dist.device):
         engine = build_engine(cfg.rollout, cfg.model.path, learner.policy.config, dist.device, dist.rank,
