@@ -343,21 +343,22 @@ def approx_kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Te
 
 
 def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float,
-                level: str, mode: str = "truncate") -> tuple[torch.Tensor, torch.Tensor]:
+                level: str, mode: str = "truncate", low: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Importance weights for tokens the engine sampled under other weights than the trainer's old policy:
     the engine-trainer mismatch, and with partial rollouts or max_staleness the older weight versions too.
     The decoupled PPO objective: the ratio is taken against the trainer's old policy (the weights at the
     step's start), and each token's loss is weighted by w = pi_old / pi_engine, per token or per sequence
-    (`level`, TIS_LEVELS); `mode` (TIS_MODES) says what becomes of a w above `cap`. Returns
-    (weights, indicator of w > cap), both (B, T), no gradient."""
+    (`level`, TIS_LEVELS); `mode` (TIS_MODES) says what becomes of a w outside the band [`low`, `cap`] (`low` 0: no
+    lower bound; the bounds are ratios, compared with w itself, not its log). Returns (weights, indicator of w
+    outside the band), both (B, T), no gradient."""
     if level not in TIS_LEVELS:
         raise ValueError(f"unknown TIS level {level!r} ({' or '.join(TIS_LEVELS)})")
     if mode not in TIS_MODES:
         raise ValueError(f"unknown TIS mode {mode!r} ({' or '.join(TIS_MODES)})")
     log_w = TIS_LEVELS[level].fn(((old_logprobs - rollout_logprobs) * mask).detach(), mask)
     w = torch.exp(log_w)
-    over = w > cap
-    return TIS_MODES[mode].fn(w, over, cap), over.float()
+    outside = (w > cap) | (w < low)
+    return TIS_MODES[mode].fn(w, outside, cap), outside.float()
 
 
 def token_log_weights(log_w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -368,6 +369,12 @@ def token_log_weights(log_w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def sequence_log_weights(log_w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, T): the sequence's summed log ratio (the product of its token ratios) on each of its tokens."""
     return log_w.sum(-1, keepdim=True).expand_as(mask)
+
+
+def geometric_log_weights(log_w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T): the sequence's mean log ratio (the geometric mean of its token ratios) on each of its tokens: one
+    weight a sequence that does not grow or shrink with its length."""
+    return (log_w.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(mask)
 
 
 def truncate_weights(w: torch.Tensor, over: torch.Tensor, cap: float) -> torch.Tensor:
@@ -381,10 +388,13 @@ def mask_weights(w: torch.Tensor, over: torch.Tensor, cap: float) -> torch.Tenso
 TIS_LEVELS = {
     "token": Variant(token_log_weights, "each token's loss weighted by its own w = pi_old / pi_engine"),
     "sequence": Variant(sequence_log_weights, "each sequence's tokens weighted by the product of its token ratios"),
+    "geometric": Variant(geometric_log_weights, "each sequence's tokens weighted by the geometric mean of its token "
+                                                "ratios, exp(mean log w)"),
 }
 TIS_MODES = {
     "truncate": Variant(truncate_weights, "weight min(w, tis_cap)"),
-    "mask": Variant(mask_weights, "weight w where w <= tis_cap, else the token (or sequence) is left out"),
+    "mask": Variant(mask_weights, "weight w inside [tis_cap_low, tis_cap], else the token (or sequence) is left "
+                                  "out"),
 }
 
 

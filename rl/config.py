@@ -231,6 +231,8 @@ class AlgoConfig:
     tis_cap: float = 0.0  # > 0: truncated importance sampling, loss * min(pi_old / pi_engine, tis_cap)
     tis_level: str = "token"  # what one importance weight w covers
     tis_mode: str = "truncate"  # what becomes of a weight above tis_cap
+    # > 0 with tis_mode = "mask": a weight below it is left out too (masked IS over the band [tis_cap_low, tis_cap])
+    tis_cap_low: float = 0.0
     use_rollout_logprobs: bool = False  # old logprobs from the engine instead of a trainer forward
     # a response that hit its token limit (rollout.max_new_tokens, env.max_tokens) leaves the loss: no tokens, no
     # gradient; its reward still counts in its group's baseline (TRL's mask_truncated_completions)
@@ -957,6 +959,9 @@ def validate_algo(algo: AlgoConfig, model: ModelConfig, ro: RolloutConfig) -> No
     _require(algo.gamma > 0 and 0 <= algo.lam <= 1,
              f"algo.gamma must be > 0 and algo.lam in [0, 1], got {algo.gamma} and {algo.lam}")
     _require(algo.tis_cap >= 0, f"algo.tis_cap must be >= 0 (0: off), got {algo.tis_cap}")
+    _require(algo.tis_cap_low == 0 or (algo.tis_mode == "mask" and 0 < algo.tis_cap_low < 1 < algo.tis_cap),
+             f"algo.tis_cap_low ({algo.tis_cap_low}) is the lower end of masked IS's band: it needs algo.tis_mode = "
+             f"'mask' and 0 < tis_cap_low < 1 < tis_cap ({algo.tis_cap}); 0 turns it off")
     _require(not (algo.tis_cap > 0 and algo.use_rollout_logprobs),
              "algo.tis_cap with algo.use_rollout_logprobs: the old policy is then the engine's, so every importance "
              "weight is 1; turn one of them off")

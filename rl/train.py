@@ -327,7 +327,9 @@ def add_mismatch(sums: dict[str, torch.Tensor], train_lp: torch.Tensor, rollout_
     sums["mismatch_abs_sum"] += diff.sum()
     sums["mismatch_abs_max"] = torch.maximum(sums["mismatch_abs_max"], diff.max() if diff.numel() else diff.sum())
     # Tokens were drawn from the rollout policy, so k3 estimates KL(rollout || trainer).
-    sums["mismatch_k3_sum"] += masked_sum(approx_kl_k3(rollout_lp, train_lp.detach()), mask)
+    k3 = approx_kl_k3(rollout_lp, train_lp.detach()) * mask
+    sums["mismatch_k3_sum"] += k3.sum()
+    sums["mismatch_k3_max"] = torch.maximum(sums["mismatch_k3_max"], k3.max() if k3.numel() else k3.sum())
     sums["mismatch_tokens"] += mask.sum()
 
 
@@ -420,7 +422,8 @@ def response_kl_sums(kl: list[torch.Tensor], micro_batches: list[MicroBatch]) ->
 
 
 SUM_KEYS = ("loss_sum", "clipped_tokens", "entropy_sum", "tokens", "mismatch_abs_sum", "mismatch_abs_max",
-            "mismatch_k3_sum", "mismatch_tokens", "kl_ref_sum", "tis_weight_sum", "tis_capped_tokens", "sequences")
+            "mismatch_k3_sum", "mismatch_k3_max", "mismatch_tokens", "kl_ref_sum", "tis_weight_sum",
+            "tis_capped_tokens", "sequences")
 
 
 def train_on_rollout(model, optimizer, scheduler, schedule: Schedule, *, dp_size: int, train: TrainConfig,
@@ -488,7 +491,7 @@ def micro_batch_loss(sums: dict[str, torch.Tensor], mb: MicroBatch, logprobs: to
                                       algo.eps_clip_high, algo.eps_clip_c)
     if algo.tis_cap > 0:
         weights, capped = tis_weights(old_lp, mb.rollout_logprobs, mask, algo.tis_cap, algo.tis_level,
-                                      algo.tis_mode)
+                                      algo.tis_mode, algo.tis_cap_low)
         token_loss = token_loss * weights
         sums["tis_weight_sum"] += masked_sum(weights, mask)
         sums["tis_capped_tokens"] += masked_sum(capped, mask)
@@ -541,6 +544,7 @@ def train_metrics(per_rank: list[dict[str, float]], num_steps: int, algo: AlgoCo
         "rollout/logprob_abs_diff_mean": sum(m["mismatch_abs_sum"] for m in per_rank) / max(mismatch_tokens, 1),
         "rollout/logprob_abs_diff_max": max(m["mismatch_abs_max"] for m in per_rank),
         "rollout/logprob_k3_kl": sum(m["mismatch_k3_sum"] for m in per_rank) / max(mismatch_tokens, 1),
+        "rollout/logprob_k3_kl_max": max(m["mismatch_k3_max"] for m in per_rank),
     }
     if algo is not None and algo.kl_coef > 0:  # KL(policy || reference) per trained token, by algo.kl_estimator
         out["train/kl_ref"] = sum(m["kl_ref_sum"] for m in per_rank) / max(tokens, 1)

@@ -272,7 +272,7 @@ def test_an_unknown_variant_is_refused_with_its_tables_names():
         policy_loss("dapo", t, t, t, torch.ones_like(t), 0.2, 0.2)
     with pytest.raises(ValueError, match=r"unknown KL estimator 'k4' \(one of k1, k2, k3, low_var_kl\)"):
         kl_penalty("k4", t, t)
-    with pytest.raises(ValueError, match=r"unknown TIS level 'row' \(token or sequence\)"):
+    with pytest.raises(ValueError, match=r"unknown TIS level 'row' \(token or sequence or geometric\)"):
         tis_weights(t, t, torch.ones_like(t), 2.0, "row")
     with pytest.raises(ValueError, match="gae is per token"):
         advantages("gae", torch.ones(2), torch.zeros(2, dtype=torch.long))

@@ -53,7 +53,7 @@ def run_loop(tmp_path: Path, nproc: int, *overrides: str) -> list[dict]:
 
 REQUIRED = ["rollout_id", "rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm",
             "train/clip_frac", "perf/step_s", "perf/rollout_s", "perf/train_s", "perf/weight_sync_s",
-            "weight_version"]
+            "weight_version", "rollout/logprob_k3_kl", "rollout/logprob_k3_kl_max"]
 
 
 def test_main_loop_two_ranks(tmp_path):
