@@ -28,24 +28,27 @@ from rl.host_adamw import HostAdamW, PinnedArena, local
 from rl.parallel import copy_own_rows, own_rows
 from rl.invariant import make_batch_invariant
 from rl.lora import adapter_names, apply_lora, init_adapters, trainable
+from rl.moe import use_grouped_moe
 from rl.rollout import derive_seed
 from rl.rope import fuse_rope
 
 
 def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_context_len: int,
                  value_head: bool = False, lora: LoraConfig | None = None) -> torch.nn.Module:
-    """The sharded policy with its weights: meta model -> (batch-invariant patch) -> fully_shard -> to_empty ->
-    each rank loads its rows from the safetensors, or with `model.random_init` fills them with random weights
-    drawn on the device from `seed` (init_random_weights). `max_context_len` sizes the batch-invariant
-    RoPE tables. `value_head`: the critic of PPO, the same body with `lm_head` replaced by a zero-initialised
-    (hidden -> 1) projection, so its "logits" are one value per position (every value starts at 0). `lora` with
-    rank > 0: the base frozen, adapters on its target layers (rl/lora.py), initialised from `seed` after the load."""
+    """The sharded policy with its weights: meta model -> (grouped MoE blocks, batch-invariant patch) ->
+    fully_shard -> to_empty -> each rank loads its rows from the safetensors, or with `model.random_init` fills
+    them with random weights drawn on the device from `seed` (init_random_weights). `max_context_len` sizes the
+    batch-invariant RoPE tables. `value_head`: the critic of PPO, the same body with `lm_head` replaced by a
+    zero-initialised (hidden -> 1) projection, so its "logits" are one value per position (every value starts at 0).
+    `lora` with rank > 0: the base frozen, adapters on its target layers (rl/lora.py), initialised from `seed` after
+    the load."""
     hf_config = AutoConfig.from_pretrained(cfg.path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
                                                  attn_implementation=cfg.attn_implementation)
     if value_head:
         model.lm_head = torch.nn.Linear(model.lm_head.in_features, 1, bias=False, device="meta")
+    use_grouped_moe(model)  # Qwen2/Qwen3-MoE: grouped expert matmuls and routing replay (rl/moe.py); dense: no-op
     if cfg.batch_invariant:  # patches forwards and builds its tables on the CPU: works on a meta model
         model = make_batch_invariant(model, max_context_len)
     if lora is not None and lora.rank:
