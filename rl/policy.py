@@ -8,10 +8,17 @@ its own shard. No rank ever holds the whole fp32 model, where `from_pretrained` 
 rank held one full copy each (8 ranks of a 7B model: 8 x 28 GB of host memory).
 Unlike `from_pretrained`, a weight missing from the files (or one the model does not
 have) stops the run instead of being randomly initialised with a warning.
+
+MoE experts: transformers 5 holds each layer's experts fused (`mlp.experts.gate_up_proj` (E, 2 * I, H), the
+gate rows first, and `mlp.experts.down_proj` (E, H, I)), and loads either that or the hub's layout of one tensor
+per expert (`mlp.experts.N.gate_proj.weight`, `up_proj`, `down_proj`), which its `save_pretrained` also writes.
+The loader takes both: a fused tensor the files do not hold under its own name is stacked from its experts' tensors,
+each rank reading only its own experts (its FSDP2 rows), one expert's matrix at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import zlib
@@ -145,9 +152,13 @@ def _names(names: list[str]) -> str:
 
 def check_weight_names(model: torch.nn.Module, file_keys: set[str], path: str, skip: set[str] = frozenset()) -> None:
     """Every tensor of the model is in the files (tied ones under any of their names) and nothing else is;
-    names in `skip` are neither loaded nor required."""
+    names in `skip` are neither loaded nor required. A fused expert tensor may come as its experts' tensors
+    (`stacked_experts`)."""
     targets = {n: t for n, t in _state_tensors(model).items() if n not in skip}
     file_keys = file_keys - skip
+    stacked = stacked_experts(targets, file_keys, path)
+    sources = {k for per_expert in stacked.values() for keys in per_expert for k in keys}
+    file_keys = (file_keys - sources) | set(stacked)
     tied: dict[int, list[str]] = {}
     for name, t in targets.items():
         tied.setdefault(id(t), []).append(name)
@@ -160,9 +171,41 @@ def check_weight_names(model: torch.nn.Module, file_keys: set[str], path: str, s
                           f"missing {_names(missing)}, unexpected {_names(unexpected)}")
 
 
+# A fused expert tensor of transformers 5 (Qwen2-MoE, Qwen3-MoE) and, in the order it concatenates them along its
+# dim 1, the per-expert tensors of the hub's checkpoints it is stacked from (gate before up, as the experts' forward
+# chunks the gate_up product).
+FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def stacked_experts(targets: dict[str, torch.Tensor], file_keys: set[str], path: str
+                    ) -> dict[str, list[tuple[str, ...]]]:
+    """The fused expert tensors that the files hold one tensor per expert instead: name -> per expert, the keys
+    concatenated into its slice (see EXPERT_PARTS). A fused tensor with none of its experts' keys in the files is
+    left out (reported missing under its own name); one with some but not all stops with the first it lacks."""
+    stacked = {}
+    for name, target in targets.items():
+        match = FUSED_EXPERTS.match(name)
+        if match is None or name in file_keys or target.dim() != 3:
+            continue
+        prefix, kind = match.groups()
+        per_expert = [tuple(f"{prefix}.{e}.{part}.weight" for part in EXPERT_PARTS[kind])
+                      for e in range(target.shape[0])]
+        keys = [k for group in per_expert for k in group]
+        absent = [k for k in keys if k not in file_keys]
+        if len(absent) == len(keys):
+            continue
+        if absent:
+            raise ConfigError(f"model.path {path!r}: {absent[0]} is not in the safetensors ({len(absent)} of the "
+                              f"{len(keys)} per-expert tensors that {name} is stacked from are missing)")
+        stacked[name] = per_expert
+    return stacked
+
+
 def load_safetensors(model: torch.nn.Module, path: str, skip: set[str] = frozenset()) -> None:
     """Copies the folder's weights into the materialised (sharded) model: a rank reads only the rows of its
-    own FSDP2 shard of each tensor (dim 0, split like torch.chunk), straight from the memory-mapped file."""
+    own FSDP2 shard of each tensor (dim 0, split like torch.chunk), straight from the memory-mapped file; a fused
+    expert tensor held one tensor per expert is stacked from its own experts' (`_stack_own_experts`)."""
     files = weight_files(path)
     file_keys: dict[str, Path] = {}
     for file in files:
@@ -170,16 +213,50 @@ def load_safetensors(model: torch.nn.Module, path: str, skip: set[str] = frozens
             file_keys.update(dict.fromkeys(f.keys(), file))
     check_weight_names(model, set(file_keys), path, skip)
     targets = {n: t for n, t in _state_tensors(model).items() if n not in skip}
+    stacked = stacked_experts(targets, set(file_keys) - skip, path)
+    sources = {k for per_expert in stacked.values() for keys in per_expert for k in keys}
     loaded: set[int] = set()
     with torch.no_grad():
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for key in f.keys():
                     target = targets.get(key)
-                    if target is None or id(target) in loaded:  # ignored, or a tied tensor already filled
+                    # stacked below, ignored, or a tied tensor already filled
+                    if key in sources or target is None or id(target) in loaded:
                         continue
                     _copy_own_rows(target, f, key, path)
                     loaded.add(id(target))
+        if stacked:
+            with contextlib.ExitStack() as stack:
+                opened: dict[Path, object] = {}
+
+                def handle(key: str):
+                    file = file_keys[key]
+                    if file not in opened:
+                        opened[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                    return opened[file]
+
+                for name, per_expert in stacked.items():
+                    if id(targets[name]) not in loaded:
+                        _stack_own_experts(targets[name], per_expert, handle, path)
+                        loaded.add(id(targets[name]))
+
+
+def _stack_own_experts(target: torch.Tensor, per_expert: list[tuple[str, ...]], handle, path: str) -> None:
+    """Fills this rank's experts (its dim-0 rows) of a fused expert tensor: expert e's row is its keys' tensors
+    concatenated along dim 0 of the row (gate rows, then up rows), each read whole, one at a time."""
+    start, rows = own_rows(target)
+    local = target.to_local() if isinstance(target, DTensor) else target
+    parts = len(per_expert[0])
+    height, width = target.shape[1] // parts, target.shape[2]
+    for e in range(start, start + rows):
+        for j, key in enumerate(per_expert[e]):
+            f = handle(key)
+            shape = tuple(f.get_slice(key).get_shape())
+            if shape != (height, width) or height * parts != target.shape[1]:
+                raise ConfigError(f"model.path {path!r}: {key} has shape {list(shape)} in the safetensors but the "
+                                  f"model's {list(target.shape)} wants {[height, width]} per expert")
+            local[e - start, j * height : (j + 1) * height].copy_(f.get_tensor(key))
 
 
 def _copy_own_rows(target: torch.Tensor, f, key: str, path: str) -> None:

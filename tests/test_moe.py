@@ -1,6 +1,8 @@
 """The grouped MoE forward (rl/moe.py) against transformers' own Qwen3-MoE and Qwen2-MoE blocks: outputs, the whole
 model's logits and every gradient; routing replay (own ids change nothing, other ids are used with this forward's
-router weights, the mismatch fraction); the auxiliary load-balancing loss; and the policy built with its blocks."""
+router weights, the mismatch fraction); the auxiliary load-balancing loss; the policy built with its blocks, loaded
+from fused or per-expert checkpoints (each rank stacking its own experts) and exported to a folder transformers
+loads."""
 
 import copy
 
@@ -255,3 +257,143 @@ def test_the_policy_is_built_with_the_grouped_blocks(one_rank, tmp_path):
     tokens = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert (policy(tokens).logits - reference(tokens).logits).abs().max() <= 1e-5
+
+
+# ---------------------------------------------------------------------------- checkpoint layouts of the experts
+# transformers 5 holds the experts fused (experts.gate_up_proj (E, 2I, H), gate rows first; experts.down_proj
+# (E, H, I)); the hub's checkpoints, and transformers' own save_pretrained, hold one tensor per expert.
+
+
+def per_expert_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict in the hub's layout, written by hand: experts.N.{gate,up,down}_proj.weight."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            for e, down in enumerate(t):
+                out[f"{prefix}.{e}.down_proj.weight"] = down.contiguous()
+        else:
+            out[name] = t.contiguous()
+    return out
+
+
+def write_sharded(state: dict[str, torch.Tensor], folder, config) -> None:
+    """`state` in two safetensors shards with an index (a layer's experts spread over both), beside config.json."""
+    import json
+    folder.mkdir()
+    config.save_pretrained(folder)
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, folder / file)
+    index = {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def policy_of(folder, mesh) -> torch.nn.Module:
+    return build_policy(ModelConfig(path=str(folder)), mesh, torch.device("cpu"), seed=0, max_context_len=64)
+
+
+def logits_of(model: torch.nn.Module) -> torch.Tensor:
+    tokens = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_folder_of_transformers_save_pretrained_loads_to_its_logits(one_rank, tmp_path, family):
+    reference = tiny_moe(family)
+    reference.save_pretrained(tmp_path / "model")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32,
+                                                  attn_implementation="sdpa").eval()
+    expected = logits_of(loaded)
+    assert (expected - logits_of(reference)).abs().max() <= 1e-5
+    assert (logits_of(policy_of(tmp_path / "model", one_rank)) - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_per_expert_folder_is_stacked_into_the_fused_experts(one_rank, tmp_path, family):
+    reference = tiny_moe(family)
+    state = per_expert_state(reference)
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in state
+    assert not any(k.endswith("gate_up_proj") for k in state)
+    write_sharded(state, tmp_path / "model", reference.config)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32,
+                                                  attn_implementation="sdpa").eval()
+    expected = logits_of(loaded)
+    policy = policy_of(tmp_path / "model", one_rank)
+    for layer in range(2):  # the exact tensors, gate rows first, not just logits that happen to agree
+        for name in ("gate_up_proj", "down_proj"):
+            own = getattr(block(policy, layer).experts, name).full_tensor()  # one rank: its shard is the whole
+            assert torch.equal(own, getattr(block(reference, layer).experts, name))
+    assert (logits_of(policy) - expected).abs().max() <= 1e-5
+
+
+def test_a_missing_expert_stops_naming_the_folder_and_the_tensor(one_rank, tmp_path):
+    from rl.config import ConfigError
+    reference = tiny_moe("qwen3_moe")
+    state = per_expert_state(reference)
+    del state["model.layers.1.mlp.experts.5.up_proj.weight"]
+    write_sharded(state, tmp_path / "model", reference.config)
+    with pytest.raises(ConfigError) as e:
+        policy_of(tmp_path / "model", one_rank)
+    message = str(e.value)
+    assert "\n" not in message and str(tmp_path / "model") in message
+    assert "model.layers.1.mlp.experts.5.up_proj.weight" in message and "experts.gate_up_proj" in message
+
+
+def test_an_expert_the_model_does_not_have_is_unexpected(one_rank, tmp_path):
+    from rl.config import ConfigError
+    reference = tiny_moe("qwen2_moe")
+    state = per_expert_state(reference)
+    extra = state["model.layers.0.mlp.experts.0.down_proj.weight"].clone()
+    state["model.layers.0.mlp.experts.8.down_proj.weight"] = extra  # the model has experts 0..7
+    write_sharded(state, tmp_path / "model", reference.config)
+    with pytest.raises(ConfigError, match=r"unexpected 1 \(model\.layers\.0\.mlp\.experts\.8\.down_proj\.weight\)"):
+        policy_of(tmp_path / "model", one_rank)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_export_of_a_per_expert_policy_loads_in_transformers_to_the_same_logits(one_rank, tmp_path, family):
+    from rl.export import export_policy
+    reference = tiny_moe(family)
+    reference.save_pretrained(tmp_path / "model")
+    policy = policy_of(tmp_path / "model", one_rank)
+    export_policy(policy, [tmp_path / "model"], tmp_path / "final", "float32", is_main=True)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32,
+                                                    attn_implementation="sdpa").eval()
+    expected = logits_of(reference)
+    assert (logits_of(exported) - expected).abs().max() <= 1e-5
+    assert (logits_of(policy_of(tmp_path / "final", one_rank)) - expected).abs().max() <= 1e-5
+
+
+def _two_rank_load(rank: int, folder: str, store: str, out: str) -> None:
+    """One of two ranks: builds the policy from `folder` and writes its own expert rows and the whole tensors."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        policy = policy_of(folder, mesh)
+        experts = block(policy, 1).experts
+        torch.save({"local": experts.gate_up_proj.to_local().clone(), "full": experts.gate_up_proj.full_tensor(),
+                    "down": experts.down_proj.full_tensor(), "logits": logits_of(policy)}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_rank_stacks_its_own_experts(tmp_path):
+    import torch.multiprocessing as mp
+    reference = tiny_moe("qwen3_moe")
+    write_sharded(per_expert_state(reference), tmp_path / "model", reference.config)
+    mp.spawn(_two_rank_load, args=(str(tmp_path / "model"), str(tmp_path / "store"), str(tmp_path / "out")),
+             nprocs=2, join=True)
+    fused = block(reference, 1).experts
+    for rank in range(2):
+        got = torch.load(tmp_path / f"out.{rank}")
+        assert torch.equal(got["local"], fused.gate_up_proj[4 * rank : 4 * rank + 4])  # 8 experts over 2 ranks
+        assert torch.equal(got["full"], fused.gate_up_proj) and torch.equal(got["down"], fused.down_proj)
+        assert (got["logits"] - logits_of(reference)).abs().max() <= 1e-5
