@@ -234,8 +234,9 @@ class AlgoConfig:
     # > 0 with tis_mode = "mask": a weight below it is left out too (masked IS over the band [tis_cap_low, tis_cap])
     tis_cap_low: float = 0.0
     use_rollout_logprobs: bool = False  # old logprobs from the engine instead of a trainer forward
-    # a response that hit its token limit (rollout.max_new_tokens, env.max_tokens) leaves the loss: no tokens, no
-    # gradient; its reward still counts in its group's baseline (TRL's mask_truncated_completions)
+    # a response that did not end (it hit rollout.max_new_tokens; an episode out of env.max_tokens, env.max_turns or
+    # context) leaves the loss: no tokens, no gradient; its reward still counts in its group's baseline (TRL's
+    # mask_truncated_completions)
     mask_truncated: bool = False
 
 
@@ -954,6 +955,9 @@ def validate_algo(algo: AlgoConfig, model: ModelConfig, ro: RolloutConfig) -> No
     _require(algo.entropy_coef >= 0, f"algo.entropy_coef must be >= 0, got {algo.entropy_coef}")
     _require(algo.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {algo.kl_coef}")
     _require(not algo.kl_in_reward or algo.kl_coef > 0, "algo.kl_in_reward needs algo.kl_coef > 0")
+    _require(not (algo.mask_truncated and algo.kl_in_reward),
+             "algo.mask_truncated with algo.kl_in_reward: a masked response has no trained token to take its KL on, so "
+             "its reward would join its group's baseline without the penalty the others carry; choose one")
     _require(not model.ref_path or algo.kl_coef > 0,
              f"model.ref_path={model.ref_path!r} but algo.kl_coef=0: the reference model is only used for the KL")
     _require(algo.gamma > 0 and 0 <= algo.lam <= 1,

@@ -133,9 +133,10 @@ class Learner:
             stats = train_metrics(per_rank, num_steps, cfg.algo) | extra
         stats["train/optimizer_steps"] = num_steps
         stats["train/padding_micro_batches"] = schedule.padding
-        stats["train/skipped_zero_adv_samples"] = len(skip)
+        stats["train/skipped_zero_adv_samples"] = len(skip) - masked  # the masked ones run no pass either
         stats |= train_throughput(self.policy.config, [s for s in samples if s.index not in skip], record.times, dist,
-                                  extra_forward=schedule.micro_batches[0].old_logprobs is not None)
+                                  extra_forward=schedule.micro_batches[0].old_logprobs is not None,
+                                  iterations=cfg.train.num_iterations)
         record.memory_after("train")
         mismatch = {i: m for part in per_rank for i, m in part["sample_mismatch"].items()}
         if cfg.algo.mask_truncated:
@@ -248,16 +249,16 @@ def apply_optimizer_config(optimizer, scheduler, train: TrainConfig, saved: dict
 
 
 def train_throughput(config, samples: list[Sample], times: dict[str, float], dist: parallel.Dist,
-                     extra_forward: bool) -> dict[str, float]:
-    """The policy's training speed: tokens per second of the train phase, and its model FLOPs utilisation
-    (rl/flops.py: matmuls of forward + backward, plus a forward when the old logprobs took a pass of
-    their own) over the time and the peak of all devices (CUDA devices of rl.flops.PEAK_BF16_FLOPS only). The
+                     extra_forward: bool, iterations: int = 1) -> dict[str, float]:
+    """The policy's training speed: tokens per second of the train phase (each of train.num_iterations passes
+    counts its tokens), and its model FLOPs utilisation (rl/flops.py: matmuls of forward + backward a pass, plus a
+    forward when the old logprobs took a pass of their own) over the time and the peak of all devices (CUDA devices of rl.flops.PEAK_BF16_FLOPS only). The
     reference's and the critic's passes are another model's work: their time is left out."""
     seconds = times["perf/train_s"] - times.get("perf/ref_logprobs_s", 0.0) - times.get("perf/critic_s", 0.0)
     lengths = [len(s.tokens) for s in samples]
-    out = {"perf/train_tokens_per_s": sum(lengths) / max(seconds, 1e-9)}
+    out = {"perf/train_tokens_per_s": iterations * sum(lengths) / max(seconds, 1e-9)}
     peak = peak_bf16_flops(dist.device)
     if peak and seconds > 0:
-        flops = train_flops(config, lengths, passes=1 + (1 / 3 if extra_forward else 0))
+        flops = train_flops(config, lengths, passes=iterations + (1 / 3 if extra_forward else 0))
         out["perf/train_mfu"] = flops / (seconds * dist.world_size * peak)
     return out

@@ -120,3 +120,25 @@ def test_num_iterations_repeats_the_steps_against_the_old_logprobs_of_before_the
         moved = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), tiny_model(seed=2).parameters()))
         diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
     assert moved > 1e-3 and diff < 1e-5 * moved
+
+
+def test_throughput_counts_every_pass_of_num_iterations(monkeypatch):
+    """Two passes over the same samples in the same seconds are twice the tokens a second and twice the FLOPs."""
+    import types
+
+    from rl import learner
+    monkeypatch.setattr(learner, "peak_bf16_flops", lambda device: 1e12)
+    dist = types.SimpleNamespace(device=CPU, world_size=1)
+    config, batch, times = tiny_model(seed=0).config, samples(4), {"perf/train_s": 2.0}
+    once = learner.train_throughput(config, batch, times, dist, extra_forward=True)
+    twice = learner.train_throughput(config, batch, times, dist, extra_forward=True, iterations=2)
+    assert twice["perf/train_tokens_per_s"] == 2 * once["perf/train_tokens_per_s"]
+    assert twice["perf/train_mfu"] == pytest.approx(once["perf/train_mfu"] * (2 + 1 / 3) / (1 + 1 / 3))
+
+
+def test_masking_truncated_responses_with_the_kl_in_the_reward_is_one_line():
+    from rl.config import ConfigError, config_from_dict
+    algo = {"mask_truncated": True, "kl_coef": 0.1, "kl_in_reward": True}
+    with pytest.raises(ConfigError, match="algo.mask_truncated with algo.kl_in_reward") as err:
+        config_from_dict({"model": {"path": "m"}, "data": {"source": "d.jsonl"}, "algo": algo})
+    assert "\n" not in str(err.value)
