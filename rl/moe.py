@@ -51,7 +51,7 @@ class MoeRouting:
     """What the patched MoE blocks of one model share.
 
     `replay`: (layers, tokens, k) expert ids the blocks use instead of their own top-k (None: their own); a
-    negative id means no record, the block's own choice for that slot (such tokens are not counted in the
+    negative id means no record, and that token takes its own choice whole (such tokens are not counted in the
     mismatch). `mask`: (tokens,) the tokens the mismatch counts (None: all). `record_logits`: keep each layer's
     router logits for `router_aux_loss` (on where the config sets `output_router_logits`). `record_experts`: keep
     the expert ids each layer used (`recorded_experts`: the layout `replay` takes)."""
@@ -166,13 +166,14 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
           replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router's choice from its logits (tokens, E): (experts, weights, own) with experts and own (tokens, k)
     ids and weights (tokens, k) float32. Without replay the experts are the softmax's own top-k; with replay the
-    replayed ids (own where negative), weighted by this softmax at those ids, so the router gets a gradient."""
+    replayed ids, weighted by this softmax at those ids, so the router gets a gradient; a token whose record has a
+    negative id takes its own choice whole (mixing the two could pick one expert twice)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     own_weights, own = torch.topk(probs, top_k, dim=-1)
     if replay is None:
         experts, weights = own, own_weights
     else:
-        experts = torch.where(replay >= 0, replay, own)
+        experts = torch.where((replay >= 0).all(-1, keepdim=True), replay, own)
         weights = probs.gather(-1, experts)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)

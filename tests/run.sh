@@ -2,13 +2,14 @@
 # The test command. It runs the suite in a virtual environment of its own (.venv-tests in the checkout, or
 # $RL_TEST_VENV), made on the first run with the packages the tests need: the CPU torch that vLLM's CPU build pins,
 # vLLM's CPU build for the in-process vLLM tests, Triton for the kernels' CPU interpreter, and the test tools. The
-# Python you run rl with is never touched. The environment is made again when setup.py or this file changes.
+# Python you run rl with is never touched. The environment is made again when setup.py, this file or the Python
+# that makes it changes.
 # Arguments go to pytest (default: -q tests), e.g. `bash tests/run.sh tests/test_algo.py -x`.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${RL_TEST_VENV:-$root/.venv-tests}
 python=${PYTHON:-$(command -v python3 || command -v python)}
-stamp=$(cat "$root/setup.py" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)
+stamp=$( (cat "$root/setup.py" "${BASH_SOURCE[0]}"; "$python" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
 if [[ ! -x $venv/bin/python || $(cat "$venv/.rl-stamp" 2>/dev/null) != "$stamp" ]]; then
   echo "tests: making the test environment in $venv (a few minutes, once)" >&2
   rm -rf "$venv"

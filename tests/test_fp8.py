@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from rl import fp8
-from rl.config import ConfigError, config_from_dict
+from rl.config import ConfigError
 from rl.rollout import SamplingParams
 from rl.rollout.native import NativeEngine
 from rl.rollout.vllm import engine_kwargs
+from tests.test_config import make
 from tests.test_engine import full_weights, reference_logprobs
 from tests.tiny import tiny_model
 
@@ -190,16 +191,6 @@ def test_fp8_weights_survive_a_level_1_sleep(models):
 
 
 # ------------------------------------------------------------------ the keys
-
-BASE = {"model": {"path": "m"}, "data": {"source": "d.jsonl"}}
-
-
-def make(**sections):
-    raw = {k: dict(v) for k, v in BASE.items()}
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return config_from_dict(raw)
-
 
 def test_the_keys_refuse_bad_values_and_batch_invariance_in_one_line():
     assert make(rollout={"precision": "fp8", "fp8_scale": "block"}).rollout.fp8_scale == "block"

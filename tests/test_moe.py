@@ -209,7 +209,7 @@ def test_route_renormalises_the_top_k_where_the_config_says():
     assert experts.tolist() == own.tolist() == [[0, 1]]
     torch.testing.assert_close(weights[0], probs[:2] / probs[:2].sum())
     torch.testing.assert_close(route(logits, 2, norm_topk_prob=False)[1][0], probs[:2])
-    replayed, weights, _ = route(logits, 2, norm_topk_prob=True, replay=torch.tensor([[3, -1]]))
+    replayed, weights, _ = route(logits, 2, norm_topk_prob=True, replay=torch.tensor([[3, 1]]))
     assert replayed.tolist() == [[3, 1]]
     torch.testing.assert_close(weights[0], probs[[3, 1]] / probs[[3, 1]].sum())
 
@@ -397,3 +397,14 @@ def test_each_rank_stacks_its_own_experts(tmp_path):
         assert torch.equal(got["local"], fused.gate_up_proj[4 * rank : 4 * rank + 4])  # 8 experts over 2 ranks
         assert torch.equal(got["full"], fused.gate_up_proj) and torch.equal(got["down"], fused.down_proj)
         assert (got["logits"] - logits_of(reference)).abs().max() <= 1e-5
+
+
+def test_a_record_with_a_missing_slot_routes_the_token_by_its_own_choice_whole():
+    """Logits that make experts 5 then 2 the top two: a record [2, -1] must not become [2, 2] (expert 2 alone, one
+    expert chosen twice) but the token's own [5, 2]."""
+    logits = torch.tensor([[0.0, 0.0, 3.0, 0.0, 0.0, 4.0], [1.0, 0.0, 0.0, 2.0, 0.0, 0.0]])
+    replay = torch.tensor([[2, -1], [0, 4]])
+    experts, weights, own = route(logits, 2, True, replay)
+    assert experts.tolist() == [[5, 2], [0, 4]] and own[0].tolist() == [5, 2]
+    probs = torch.softmax(logits, -1)
+    assert weights[1].tolist() == pytest.approx((probs[1, [0, 4]] / probs[1, [0, 4]].sum()).tolist())
