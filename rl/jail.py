@@ -250,6 +250,11 @@ def build_root(spec: dict) -> None:
     libc.setfsgid(NOBODY)
     root = "/tmp"
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+    # The code's own /tmp first: a bound path under /tmp (a Python or virtual environment there) then gets its mount
+    # point inside it, read-only as every bind, instead of being hidden by it.
+    os.makedirs(root + "/tmp")
+    mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={spec['disk_mb']}m,nr_inodes=16384,mode=0700,uid={NOBODY},gid={NOBODY}")
     for path, target in spec["links"]:  # every link on the way to a bound path, as the host has it
         os.makedirs(root + os.path.dirname(path), exist_ok=True)
         os.symlink(target, root + path)
@@ -264,9 +269,6 @@ def build_root(spec: dict) -> None:
         mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
     except JailError:  # a host whose /proc is partly masked (some containers): the jail goes without one
         pass
-    os.makedirs(root + "/tmp")
-    mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={spec['disk_mb']}m,nr_inodes=16384,mode=0700,uid={NOBODY},gid={NOBODY}")
     os.chdir(root)
     check(libc.syscall(ARCHES[MACHINE][1], b".", b"."), "pivot_root")
     check(libc.umount2(b".", MNT_DETACH), "detaching the old root")
