@@ -252,8 +252,9 @@ def train_throughput(config, samples: list[Sample], times: dict[str, float], dis
                      extra_forward: bool, iterations: int = 1) -> dict[str, float]:
     """The policy's training speed: tokens per second of the train phase (each of train.num_iterations passes
     counts its tokens), and its model FLOPs utilisation (rl/flops.py: matmuls of forward + backward a pass, plus a
-    forward when the old logprobs took a pass of their own) over the time and the peak of all devices (CUDA devices of rl.flops.PEAK_BF16_FLOPS only). The
-    reference's and the critic's passes are another model's work: their time is left out."""
+    forward when the old logprobs took a pass of their own) over the time and the peak of all devices (CUDA
+    devices of rl.flops.PEAK_BF16_FLOPS only). The reference's and the critic's passes are another model's work:
+    their time is left out."""
     seconds = times["perf/train_s"] - times.get("perf/ref_logprobs_s", 0.0) - times.get("perf/critic_s", 0.0)
     lengths = [len(s.tokens) for s in samples]
     out = {"perf/train_tokens_per_s": iterations * sum(lengths) / max(seconds, 1e-9)}

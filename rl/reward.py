@@ -75,7 +75,8 @@ class RewardInput:
 @dataclass(frozen=True)
 class TrainerState:
     """What TRL's `trainer_state` holds that a reward function reads, in this loop's terms: `global_step`, the
-    optimizer steps taken before this rollout (train.num_steps_per_rollout x num_iterations a rollout), of `max_steps` in the run
+    optimizer steps taken before this rollout (train.num_steps_per_rollout x num_iterations a rollout), of
+    `max_steps` in the run
     (train.num_rollout rollouts); `epoch`, the passes through the prompts so far, fractional as TRL's."""
 
     global_step: int = 0
@@ -355,7 +356,8 @@ class RewardPool:
             require_sandbox(cfg.sandbox)
         self.cfg, self.env_fn = cfg, env_fn
         # The run's length for `trainer_state` (reward.functions): optimizer steps per rollout and rollouts.
-        self.steps = (train.num_steps_per_rollout * train.num_iterations, train.num_rollout) if train is not None else (1, 0)
+        per_rollout = train.num_steps_per_rollout * train.num_iterations if train is not None else 1
+        self.steps = (per_rollout, train.num_rollout if train is not None else 0)
         self.trainer_state = TrainerState(max_steps=self.steps[0] * self.steps[1])
         # Started without waiting: workers import while the caller does other work; `score` waits.
         self.workers = [self.start_worker() for _ in range(cfg.num_workers)]

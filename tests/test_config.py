@@ -78,7 +78,8 @@ def test_impossible_combinations():
     # groups go to the engines one by one through the buffer: any batch size splits
     resolve(make(rollout={"rollout_batch_size": 3, "n_samples_per_prompt": 4, "partial_rollout": True,
                           "max_staleness": 1}, train={"global_batch_size": 12}), world_size=2)
-    with pytest.raises(ConfigError, match="algo.advantage_estimator must be one of grpo, grpo_batch_std, dr_grpo, rloo"):
+    with pytest.raises(ConfigError,
+                       match="algo.advantage_estimator must be one of grpo, grpo_batch_std, dr_grpo, rloo"):
         make(algo={"advantage_estimator": "ppo"})
     with pytest.raises(ConfigError, match="algo.policy_loss must be one of ppo, gspo, cispo; got 'grpo'"):
         make(algo={"policy_loss": "grpo"})

@@ -8,7 +8,8 @@ from rl.train import train_metrics
 
 def rank_stats(**values: float) -> dict[str, float]:
     keys = ("loss_sum", "clipped_tokens", "entropy_sum", "tokens", "mismatch_abs_sum", "mismatch_abs_max",
-            "mismatch_k3_sum", "mismatch_k3_max", "mismatch_tokens", "grad_norm", "lr", "skipped_steps", "leading_skipped_steps",
+            "mismatch_k3_sum", "mismatch_k3_max", "mismatch_tokens", "grad_norm", "lr", "skipped_steps",
+            "leading_skipped_steps",
             "trailing_skipped_steps", "longest_skipped_run")
     return {key: 0.0 for key in keys} | values
 
@@ -21,9 +22,11 @@ def test_train_metrics_are_token_means_over_all_ranks():
     clip and (10/8 + 2/4) / 2 = 0.875 entropy instead of 4/12 and 12/12."""
     per_rank = [
         rank_stats(loss_sum=0.3, clipped_tokens=2, entropy_sum=10, tokens=8, mismatch_abs_sum=0.4,
-                   mismatch_abs_max=0.2, mismatch_k3_sum=0.02, mismatch_k3_max=0.01, mismatch_tokens=8, grad_norm=1.5, lr=1e-6),
+                   mismatch_abs_max=0.2, mismatch_k3_sum=0.02, mismatch_k3_max=0.01, mismatch_tokens=8,
+                   grad_norm=1.5, lr=1e-6),
         rank_stats(loss_sum=-0.1, clipped_tokens=2, entropy_sum=2, tokens=4, mismatch_abs_sum=0.2,
-                   mismatch_abs_max=0.5, mismatch_k3_sum=0.04, mismatch_k3_max=0.03, mismatch_tokens=4, grad_norm=1.5, lr=1e-6),
+                   mismatch_abs_max=0.5, mismatch_k3_sum=0.04, mismatch_k3_max=0.03, mismatch_tokens=4,
+                   grad_norm=1.5, lr=1e-6),
     ]
     m = train_metrics(per_rank, num_steps=2)
     assert m["train/loss"] == pytest.approx(0.1)
