@@ -37,6 +37,7 @@ twice.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -203,17 +204,25 @@ def grouped_experts(experts: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor
                     weights: torch.Tensor) -> torch.Tensor:
     """The experts' output for x (tokens, H) routed to ids (tokens, k) with weights (tokens, k) in x's dtype:
     sum over the k slots of weight * down(act(gate) * up)(x) of that slot's expert."""
+    return grouped_mlp(x, ids, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)
+
+
+def grouped_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`grouped_experts` over the fused expert tensors themselves, gate_up (E, 2 * I, H) with the gate half first
+    and down (E, H, I): the trainer's blocks and the rollout engine's (rl/rollout/model.py) compute their experts
+    here."""
     tokens, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert; pair p is token p // k, slot p % k
-    counts = torch.bincount(flat, minlength=experts.num_experts)
-    if _grouped_mm_supported(x, experts.down_proj):
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    if _grouped_mm_supported(x, down):
         segments = torch.cumsum(counts, dim=0, dtype=torch.int32)
     else:
         segments = counts.tolist()
     rows = x[order // k]
-    gate, up = _grouped_linear(rows, experts.gate_up_proj, segments).chunk(2, dim=-1)
-    out = _grouped_linear(experts.act_fn(gate) * up, experts.down_proj, segments)
+    gate, up = _grouped_linear(rows, gate_up, segments).chunk(2, dim=-1)
+    out = _grouped_linear(act(gate) * up, down, segments)
     out = out.new_empty(out.shape).index_copy(0, order, out)  # sorted row i back to pair order[i]
     return (out.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
