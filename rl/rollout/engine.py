@@ -70,6 +70,10 @@ class Completion:
     # Prompt tokens whose KV the engine kept from an earlier call instead of prefilling them (None: the engine does
     # not count them, as vLLM, whose prefix cache serves them unseen).
     reused_tokens: int | None = None
+    # (MoE layers, prompt + response tokens, k) the expert ids each token took in each MoE layer, for routing replay;
+    # -1 where no forward took the token (the last response token, never fed back). None: a dense model, or an
+    # engine that does not record them (vLLM).
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -98,7 +102,11 @@ def cut_at_stop(out: Completion, stop_text: StopText) -> Completion:
     end = stop_text.cut(out.token_ids)
     if end is None or end == len(out.token_ids) and out.finish_reason == "stop":
         return out
-    return dataclasses.replace(out, token_ids=out.token_ids[:end], logprobs=out.logprobs[:end], finish_reason="stop")
+    routed = out.routed_experts
+    if routed is not None:  # the tokens cut off the end lose their routing too
+        routed = routed[:, : routed.shape[1] - (len(out.token_ids) - end)]
+    return dataclasses.replace(out, token_ids=out.token_ids[:end], logprobs=out.logprobs[:end], finish_reason="stop",
+                               routed_experts=routed)
 
 
 def cut_before_telling(on_finish: Callable[[dict[int, Completion]], bool | None],

@@ -15,6 +15,11 @@ its torch reference from rl/kernels/ on the CPU and its Triton kernel from there
 mode. With `precision="fp8"` the four matrices of each block (qkv, o, gate_up, down) are held in FP8 e4m3 with
 per-channel or per-block scales (rl/fp8.py), quantized tensor by tensor as the trainer pushes them, and every
 product with them goes through rl/fp8.py's linear; the embedding, the norms and the lm_head keep the engine dtype.
+
+Qwen2-MoE and Qwen3-MoE run their sparse layers' MoE blocks through rl/moe.py's `route` and `grouped_mlp`, the
+functions the trainer's grouped blocks call, with the experts held fused as transformers holds them
+(`experts.gate_up` (E, 2 * I, H), `experts.down` (E, H, I), both in the engine dtype under FP8 too). Every forward
+returns the top-k expert ids each token took in each MoE layer, which the engine records for routing replay.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from rl.kernels.attention import causal_attention, paged_attention_reference, pa
 from rl.kernels.rms_norm import rms_norm_reference
 from rl.kernels.rope import full_table, rope_reference, rope_tables
 from rl.kernels.silu import gelu_mul_reference, silu_mul_reference
+from rl.moe import grouped_mlp, route
 from rl.shape import ModelShape
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
-ACTIVATIONS = {"llama": "silu", "qwen2": "silu", "qwen3": "silu", "gemma3_text": "gelu_pytorch_tanh"}
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen2_moe", "qwen3_moe")
+ACTIVATIONS = {"llama": "silu", "qwen2": "silu", "qwen3": "silu", "gemma3_text": "gelu_pytorch_tanh",
+               "qwen2_moe": "silu", "qwen3_moe": "silu"}
 # Decode steps on CUDA of at most this many rows run the qkv and MLP GEMMs in the layouts measured
 # fastest for them (DecoderModel.qkv_and_rope and .mlp; benchmarks/ARCHIVE.md, "Decode GEMM layouts").
 SMALL_BATCH_ROWS = 256
@@ -52,9 +59,9 @@ FP8_LINEARS = ("qkv.weight", "o.weight", "gate_up", "down")
 
 
 class Shape(ModelShape):
-    """A model shape the native engine runs: Llama, Qwen2 or Qwen3 (SwiGLU with silu, no MLP bias, no sliding
-    window) or Gemma 3 text; anything else is refused with the reason (`check_native_architecture` turns it
-    into one line)."""
+    """A model shape the native engine runs: Llama, Qwen2, Qwen3, Qwen2-MoE or Qwen3-MoE (SwiGLU with silu, no MLP
+    bias, no sliding window) or Gemma 3 text; anything else is refused with the reason
+    (`check_native_architecture` turns it into one line)."""
 
     @classmethod
     def from_hf(cls, cfg) -> Shape:
@@ -97,9 +104,12 @@ def hf_name_map(s: Shape) -> dict[str, Slot]:
         names[f"{hf}self_attn.o_proj.weight"] = (f"{own}o.weight", None, None)
         if s.o_bias:
             names[f"{hf}self_attn.o_proj.bias"] = (f"{own}o.bias", None, None)
-        names[f"{hf}mlp.gate_proj.weight"] = (f"{own}gate_up", 0, inter)
-        names[f"{hf}mlp.up_proj.weight"] = (f"{own}gate_up", inter, 2 * inter)
-        names[f"{hf}mlp.down_proj.weight"] = (f"{own}down", None, None)
+        if s.is_moe(i):
+            names |= moe_name_map(s, hf, own)
+        else:
+            names[f"{hf}mlp.gate_proj.weight"] = (f"{own}gate_up", 0, inter)
+            names[f"{hf}mlp.up_proj.weight"] = (f"{own}gate_up", inter, 2 * inter)
+            names[f"{hf}mlp.down_proj.weight"] = (f"{own}down", None, None)
         names[f"{hf}input_layernorm.weight"] = (f"{own}input_norm", None, None)
         if s.sandwich_norms:  # Gemma: post_attention_layernorm normalises attention's output, the MLP's input
             names[f"{hf}post_attention_layernorm.weight"] = (f"{own}attn_out_norm", None, None)
@@ -110,6 +120,34 @@ def hf_name_map(s: Shape) -> dict[str, Slot]:
     return names
 
 
+def moe_name_map(s: Shape, hf: str, own: str) -> dict[str, Slot]:
+    """One MoE block's HF names: the router, the fused experts as they are, Qwen2-MoE's shared expert and its gate."""
+    shared = s.shared_expert_intermediate_size
+    names: dict[str, Slot] = {f"{hf}mlp.gate.weight": (f"{own}router", None, None),
+                              f"{hf}mlp.experts.gate_up_proj": (f"{own}experts.gate_up", None, None),
+                              f"{hf}mlp.experts.down_proj": (f"{own}experts.down", None, None)}
+    if shared:
+        names |= {f"{hf}mlp.shared_expert.gate_proj.weight": (f"{own}shared.gate_up", 0, shared),
+                  f"{hf}mlp.shared_expert.up_proj.weight": (f"{own}shared.gate_up", shared, 2 * shared),
+                  f"{hf}mlp.shared_expert.down_proj.weight": (f"{own}shared.down", None, None),
+                  f"{hf}mlp.shared_expert_gate.weight": (f"{own}shared_gate", None, None)}
+    return names
+
+
+def mlp_shapes(s: Shape, layer: int) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s MLP tensors: the dense MLP's two, or a MoE block's router, experts and shared expert."""
+    h, own = s.hidden_size, f"layers.{layer}."
+    if not s.is_moe(layer):
+        return {f"{own}gate_up": (2 * s.intermediate_size, h), f"{own}down": (h, s.intermediate_size)}
+    inter, shared = s.moe_intermediate_size, s.shared_expert_intermediate_size
+    shapes = {f"{own}router": (s.num_experts, h), f"{own}experts.gate_up": (s.num_experts, 2 * inter, h),
+              f"{own}experts.down": (s.num_experts, h, inter)}
+    if shared:
+        shapes |= {f"{own}shared.gate_up": (2 * shared, h), f"{own}shared.down": (h, shared),
+                   f"{own}shared_gate": (1, h)}
+    return shapes
+
+
 def internal_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
     h, qkv = s.hidden_size, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     shapes = {"embed": (s.vocab_size, h), "norm": (h,)}
@@ -117,8 +155,7 @@ def internal_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
         shapes["lm_head"] = (s.vocab_size, h)
     for i in range(s.num_layers):
         shapes |= {f"layers.{i}.qkv.weight": (qkv, h), f"layers.{i}.o.weight": (h, s.num_heads * s.head_dim),
-                   f"layers.{i}.gate_up": (2 * s.intermediate_size, h), f"layers.{i}.down": (h, s.intermediate_size),
-                   f"layers.{i}.input_norm": (h,), f"layers.{i}.post_norm": (h,)}
+                   **mlp_shapes(s, i), f"layers.{i}.input_norm": (h,), f"layers.{i}.post_norm": (h,)}
         if s.qkv_bias:
             shapes[f"layers.{i}.qkv.bias"] = (qkv,)
         if s.o_bias:
@@ -178,6 +215,8 @@ class DecoderModel:
         self.device, self.dtype = torch.device(device), dtype
         if precision == "fp8" and batch_invariant:
             raise ValueError("FP8 weights cannot be batch-invariant with a bf16 trainer: turn one off")
+        if self.shape.moe_layers and batch_invariant:  # a grouped GEMM's rows per expert change with the batch
+            raise ValueError(f"{hf_config.model_type}: batch-invariant mode does not cover MoE blocks")
         self.fp8 = precision == "fp8"
         self.init_fp8(fp8_scale)
         # Triton kernels instead of the torch definitions below: on CUDA, and in batch-invariant mode
@@ -293,8 +332,9 @@ class DecoderModel:
 
     def layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
                attend: Callable[[int, torch.Tensor], torch.Tensor], decode: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Runs every decoder block over tokens (T,); returns (x, residual) before the final norm.
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Runs every decoder block over tokens (T,); returns (x, residual) before the final norm, and the expert
+        ids each token took in each MoE layer, (MoE layers, T, k) (None for a dense model).
 
         Each block writes its rotated keys and values to `slots` of `kv` (2, layers, slots, KV, D);
         `attend(layer, qkv)` returns the attention output (T, heads * D) from the rotated `qkv` (whose
@@ -304,7 +344,7 @@ class DecoderModel:
         x = F.embedding(tokens, w["embed"])
         if s.embed_scale != 1.0:  # Gemma: times sqrt(hidden), the factor rounded to the activation dtype as HF does
             x = x * torch.tensor(s.embed_scale, dtype=x.dtype)
-        residual = None
+        residual, experts = None, []
         for i in range(s.num_layers):
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.input_norm"])
             qk_norm = (w[f"layers.{i}.q_norm"], w[f"layers.{i}.k_norm"]) if s.qk_norm else None
@@ -314,10 +354,14 @@ class DecoderModel:
             if s.sandwich_norms:
                 x, _ = self.add_rms_norm(x, None, w[f"layers.{i}.attn_out_norm"])
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.post_norm"])
-            x = self.mlp(h, self.matrix(f"layers.{i}.gate_up"), self.matrix(f"layers.{i}.down"), decode)
+            if s.is_moe(i):
+                x, ids = self.moe(h, i)
+                experts.append(ids)
+            else:
+                x = self.mlp(h, self.matrix(f"layers.{i}.gate_up"), self.matrix(f"layers.{i}.down"), decode)
             if s.sandwich_norms:
                 x, _ = self.add_rms_norm(x, None, w[f"layers.{i}.mlp_out_norm"])
-        return x, residual
+        return x, residual, torch.stack(experts) if experts else None
 
     def decode_layouts(self, h: torch.Tensor, decode: bool) -> bool:
         """Whether this forward is a decode step on CUDA small enough for the split GEMM layouts (bf16 weights: FP8
@@ -358,6 +402,17 @@ class DecoderModel:
             return F.linear(act, down)
         return linear_split_k(act, down, DOWN_SPLITS)
 
+    def moe(self, h: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s MoE block over h (T, hidden): the routed experts' weighted sum (rl/moe.py's routing and
+        grouped experts), plus Qwen2-MoE's shared expert scaled by its sigmoid gate; and the ids (T, k) taken."""
+        s, w, own = self.shape, self.weights, f"layers.{layer}."
+        ids, weights, _ = route(self.linear(h, w[f"{own}router"]), s.experts_per_token, s.norm_topk_prob)
+        out = grouped_mlp(h, ids, weights.to(h.dtype), w[f"{own}experts.gate_up"], w[f"{own}experts.down"], F.silu)
+        if s.shared_expert_intermediate_size:
+            shared = self.matmul(self.silu_mul(self.matmul(h, w[f"{own}shared.gate_up"])), w[f"{own}shared.down"])
+            out = out + torch.sigmoid(self.linear(h, w[f"{own}shared_gate"])) * shared
+        return out, ids
+
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h, _ = self.add_rms_norm(x, residual, self.weights["norm"])
         logits = self.linear(h, self.weights.get("lm_head", self.weights["embed"]))  # (N, V) in the model dtype
@@ -365,8 +420,9 @@ class DecoderModel:
         return logits if not cap else torch.tanh(logits / cap) * cap
 
     def prefill(self, tokens: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor,
-                kv: torch.Tensor, page_size: int) -> torch.Tensor:
-        """Right-padded new tokens (N, L) of N sequences -> logits after each one's last token (N, V).
+                kv: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Right-padded new tokens (N, L) of N sequences -> logits after each one's last token (N, V), and the
+        expert ids every token took in each MoE layer, (MoE layers, N, L, k) (None for a dense model; pads' too).
 
         Sequence n has its first starts[n] tokens in the cache already (a sequence kept from an earlier call)
         and counts[n] new ones after them, on pages tables[n] (N, P); each new token attends to the whole
@@ -408,14 +464,16 @@ class DecoderModel:
             return out.transpose(1, 2).reshape(n * length, s.num_heads * s.head_dim)
 
         with sdpa_kernel(PREFILL_ATTENTION):
-            x, residual = self.layers(tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1), kv, attend)
+            x, residual, experts = self.layers(tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1), kv,
+                                               attend)
         last = torch.arange(n, device=tokens.device) * length + counts - 1
-        return self.logits(x[last], residual[last])
+        return self.logits(x[last], residual[last]), None if experts is None else experts.unflatten(1, (n, length))
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, num_splits: int
-               ) -> torch.Tensor:
-        """One new token per sequence (B,) -> next-token logits (B, V); graph-safe on CUDA."""
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One new token per sequence (B,) -> next-token logits (B, V), and the expert ids it took in each MoE
+        layer, (MoE layers, B, k) (None for a dense model); graph-safe on CUDA for a dense model."""
         s = self.shape
 
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
@@ -430,7 +488,8 @@ class DecoderModel:
             return paged_attention_reference(q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size,
                                              s.scale, s.window(layer))
 
-        return self.logits(*self.layers(tokens, positions, slots, kv, attend, decode=True))
+        x, residual, experts = self.layers(tokens, positions, slots, kv, attend, decode=True)
+        return self.logits(x, residual), experts
 
 
 def split_qkv(qkv: torch.Tensor, s: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,6 +22,13 @@ cache, level 2 frees both; `wake_up(tags)` restores what is asked. Graphs hold r
 CUDA driver with virtual memory management, weights and cache live in address ranges that survive
 sleep (rl/rollout/vmem.py), so the graphs are kept; elsewhere they are dropped at sleep and
 re-captured on first use.
+
+A mixture-of-experts model's forward returns the top-k expert ids each token took in each MoE layer: the prefill's
+for every prompt token, each decode step's for the token it fed, written into the row's columns as its token was.
+Each completion carries them for its prompt and response tokens (`Completion.routed_experts`), so the trainer can
+replay them; a kept sequence keeps its routing beside its KV, and a prompt continued from it (or from a shared
+base) takes the routing of the tokens it did not prefill from there. Such models decode without CUDA graphs:
+grouping tokens by expert reads the counts on the host.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ MAX_STOP_IDS = 512
 # memory, and the keys and values its attention reads back from the cache).
 PREFILL_TOKENS = 16384
 PAGE_SIZE = 64  # KV cache tokens per page
+EXPERT_IDS = torch.int16  # the recorded expert ids (MoE models have at most a few hundred experts)
 
 
 def kv_cache_pages(kv_cache_tokens: int, max_batch_size: int, max_context_len: int, page_size: int = PAGE_SIZE) -> int:
@@ -136,9 +144,13 @@ class Rows:
     max_new_tokens: torch.Tensor
     stop_ids: torch.Tensor  # (MAX_STOP_IDS,) padded with -1
     stop_state: torch.Tensor  # (R,) int32, each row's state in the call's stop text (STOPPED: it ended there)
+    # (R, width, MoE layers, k) the expert ids of each fed token, in its token's column (-1: not fed); None: dense
+    out_experts: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, rows: int, max_pages: int, width: int, device: torch.device) -> Rows:
+    def allocate(cls, rows: int, max_pages: int, width: int, device: torch.device,
+                 moe: tuple[int, int] | None = None) -> Rows:
+        """`moe`: (MoE layers, experts per token) of a model whose routing is recorded."""
         long = dict(dtype=torch.long, device=device)
         return cls(torch.zeros(rows, **long), torch.zeros(rows, **long), torch.zeros(rows, **long),
                    torch.ones(rows, dtype=torch.int32, device=device),
@@ -146,11 +158,13 @@ class Rows:
                    torch.ones(rows, dtype=torch.bool, device=device), torch.zeros(rows, **long),
                    torch.zeros(rows, width, **long), torch.zeros(rows, width, dtype=torch.float32, device=device),
                    torch.ones(1, device=device), torch.ones(1, device=device), torch.ones(1, **long),
-                   torch.full((MAX_STOP_IDS,), -1, **long), torch.zeros(rows, dtype=torch.int32, device=device))
+                   torch.full((MAX_STOP_IDS,), -1, **long), torch.zeros(rows, dtype=torch.int32, device=device),
+                   None if moe is None else torch.full((rows, width, *moe), -1, dtype=EXPERT_IDS, device=device))
 
     def per_row(self) -> list[torch.Tensor]:
         return [self.input_ids, self.positions, self.slots, self.context_lens, self.block_tables, self.done,
-                self.n_gen, self.out_tokens, self.out_logprobs, self.stop_state]
+                self.n_gen, self.out_tokens, self.out_logprobs, self.stop_state,
+                *([] if self.out_experts is None else [self.out_experts])]
 
     def clear(self, start: int, end: int) -> None:
         """Makes rows [start, end) idle: done, one token of context on the scratch page."""
@@ -174,7 +188,10 @@ class NativeEngine(Engine):
         self.page_size, self.steps_per_poll = page_size, steps_per_poll
         self.model = DecoderModel(hf_config, self.device, dtype, max_context_len, batch_invariant, precision, fp8_scale)
         self.on_gpu = self.device.type == "cuda"  # graphs, Triton sampling and bookkeeping, device syncs
-        self.use_graphs = cuda_graphs and self.on_gpu
+        s = self.model.shape
+        # A MoE block's grouped experts read each expert's token count on the host: not a step a graph can hold.
+        self.use_graphs = cuda_graphs and self.on_gpu and not s.moe_layers
+        self.moe = (len(s.moe_layers), s.experts_per_token) if s.moe_layers else None
         self.num_pages = kv_cache_pages(kv_cache_tokens, max_batch_size, max_context_len, page_size)
         self.buckets = sorted({*(b for b in (1, 2, 4, 8, *range(16, max_batch_size, 16)) if b < max_batch_size),
                                max_batch_size})
@@ -194,7 +211,6 @@ class NativeEngine(Engine):
         # where a level-1 sleep parks the weights, kept from one sleep to the next (None after a level-2 sleep)
         self.host_weights: dict[str, torch.Tensor] | None = None
         self.required = {(key, start) for key, start, _ in self.model.name_map.values()}
-        s = self.model.shape
         self.kv_shape = (2, s.num_layers, self.num_pages * page_size, s.num_kv_heads, s.head_dim)
         # Weights and KV cache at addresses that outlive sleep, so captured graphs stay valid
         # (`stable_memory=False`: torch allocations, graphs dropped at sleep and captured again).
@@ -208,6 +224,10 @@ class NativeEngine(Engine):
             self.kv_buffer = vmem.StableBuffer(torch.Size(self.kv_shape).numel() * dtype.itemsize, self.device)
         self.loaded: set[tuple] = set()
         self.kept: dict[Hashable, Kept] = {}  # finished sequences' KV, by the caller's key (see `generate`)
+        # A MoE model's routing: of each kept sequence's tokens (its tokens, their ids), by the same key; and of
+        # each prompt of the current call, every token of it (by the prompt's id()).
+        self.kept_experts: dict[Hashable, tuple[list[int], torch.Tensor]] = {}
+        self.prompt_experts: dict[int, torch.Tensor] = {}
         self.asleep = dict.fromkeys(TAGS, True)
         self.wake_up()
         self.calls.clear()
@@ -219,6 +239,7 @@ class NativeEngine(Engine):
         """Copies tensors in place by HF name. Buffers the HF model registers (rotary inv_freq, ...) are accepted and
         ignored: the engine computes its own rotary tables from the config."""
         self.kept.clear()  # computed under the weights being replaced
+        self.kept_experts.clear()
         for name, tensor in weights:
             if name in self.model.hf_buffers:
                 continue
@@ -240,6 +261,7 @@ class NativeEngine(Engine):
             self.rows = None
         self.kv = None
         self.kept.clear()
+        self.kept_experts.clear()
         if level == 1 and not self.asleep["weights"]:
             # into host buffers kept from one sleep to the next: pinning them anew at every sleep took ~1 s for
             # the 1 GB of a 0.5B model (in 10 of a run's first 12 rollouts), the copy alone ~0.03 s
@@ -278,7 +300,7 @@ class NativeEngine(Engine):
                 self.kv[:, :, : self.page_size] = 0  # the scratch page idle rows attend to must be finite
                 if self.rows is None:
                     self.rows = Rows.allocate(self.max_batch_size, cdiv(self.max_context_len, self.page_size),
-                                              self.max_context_len + 1, self.device)
+                                              self.max_context_len + 1, self.device, self.moe)
                 self.rows.clear(0, self.max_batch_size)  # kept rows (stable memory) start idle too
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
@@ -294,11 +316,13 @@ class NativeEngine(Engine):
     def _reset_prefix_cache(self) -> None:
         """Drops every kept sequence: the only KV that outlives a generate() call."""
         self.kept.clear()
+        self.kept_experts.clear()
 
     def _release(self, keys: Iterable[Hashable]) -> None:
         """Drops the sequences kept under `keys` (those it holds): their pages go back to the cache."""
         for key in keys:
             self.kept.pop(key, None)
+            self.kept_experts.pop(key, None)
 
     def kept_pages(self) -> int:
         """Pages of the KV cache that kept sequences hold between calls."""
@@ -338,6 +362,7 @@ class NativeEngine(Engine):
         "length"), and from which its prompt continues if that key holds the start of it; a request that ends
         early keeps nothing."""
         self._set_sampling(params)
+        self.prompt_experts.clear()
         sched = Scheduler(prompts, params.max_new_tokens, self.page_size, PagePool(self.num_pages, self.kept.values()),
                           self.max_batch_size, prior, keep, self.kept)
         results: list[Completion | None] = [None] * len(prompts)
@@ -377,6 +402,9 @@ class NativeEngine(Engine):
                 for request, completion in self._end_early(sched):
                     results[request.index] = completion
                 break
+        self.prompt_experts.clear()
+        # the routing of sequences the scheduler evicted goes with them
+        self.kept_experts = {key: self.kept_experts[key] for key in self.kept if key in self.kept_experts}
         return results
 
     def _set_sampling(self, params: SamplingParams) -> None:
@@ -416,10 +444,24 @@ class NativeEngine(Engine):
         counts = torch.tensor([len(p.tokens) - p.cached for p in prompts])
         self.stats.prefill_tokens += int(counts.sum())
         dev = self.device
-        logits = self.model.prefill(tokens.to(dev), starts.to(dev), counts.to(dev), tables.to(dev), self.kv,
-                                    self.page_size)
+        logits, experts = self.model.prefill(tokens.to(dev), starts.to(dev), counts.to(dev), tables.to(dev), self.kv,
+                                             self.page_size)
         for n, p in enumerate(prompts):
             p.logits = logits[n]
+            if experts is not None:
+                own = experts[:, n, : len(p.tokens) - p.cached].to(EXPERT_IDS)
+                self.prompt_experts[id(p)] = torch.cat([self._cached_experts(p), own], dim=1) if p.cached else own
+
+    def _cached_experts(self, prompt) -> torch.Tensor:
+        """The routing of the prompt's first `cached` tokens, whose KV it did not prefill: its base's, or the kept
+        sequence's it goes on from (-1 where neither holds them)."""
+        if prompt.base is not None:
+            return self.prompt_experts[id(prompt.base)][:, : prompt.cached]
+        for key in prompt.keys:
+            tokens, experts = self.kept_experts.get(key, ([], None))
+            if len(tokens) == prompt.cached and tokens == prompt.tokens[: prompt.cached]:
+                return experts.to(self.device)
+        return torch.full((*self.moe[:1], prompt.cached, self.moe[1]), -1, dtype=EXPERT_IDS, device=self.device)
 
     def _start_rows(self, sched: Scheduler, new: list[Request], first: int) -> None:
         """Fills rows [first, first + len(new)): block tables, prompt-tail copies, first sampled tokens."""
@@ -448,6 +490,8 @@ class NativeEngine(Engine):
         r.n_gen[rows] = prior + 1
         r.out_tokens[rows] = r.out_tokens[rows].scatter(1, prior[:, None], tokens[:, None])
         r.out_logprobs[rows] = r.out_logprobs[rows].scatter(1, prior[:, None], logprobs[:, None])
+        if r.out_experts is not None:
+            r.out_experts[rows] = -1
         r.done[rows] = (tokens[:, None] == r.stop_ids[None, :]).any(1) | (prior + 1 >= r.max_new_tokens)
         r.stop_state[rows] = 0
         if self.stop_table is not None:
@@ -479,11 +523,21 @@ class NativeEngine(Engine):
     def _decode_step(self, bucket: int) -> None:
         """One token for rows [0, bucket): forward, sample, record, stop checks, advance. No host syncs."""
         r = self.rows
-        logits = self.model.decode(r.input_ids[:bucket], r.positions[:bucket], r.slots[:bucket], self.kv,
-                                   r.block_tables[:bucket], r.context_lens[:bucket], self.page_size,
-                                   self._num_splits(bucket))
+        logits, experts = self.model.decode(r.input_ids[:bucket], r.positions[:bucket], r.slots[:bucket], self.kv,
+                                            r.block_tables[:bucket], r.context_lens[:bucket], self.page_size,
+                                            self._num_splits(bucket))
+        if experts is not None:
+            self._record_experts(bucket, experts)
         tokens, logprobs = self._sample(logits)
         self._advance(bucket, tokens, logprobs)
+
+    def _record_experts(self, bucket: int, experts: torch.Tensor) -> None:
+        """Writes the expert ids (MoE layers, bucket, k) of the tokens rows [0, bucket) fed into those tokens'
+        columns: the row's last sampled token, column n_gen - 1 (done rows into the last column, which swallows)."""
+        r = self.rows
+        column = torch.where(r.done[:bucket], r.out_experts.shape[1] - 1, r.n_gen[:bucket] - 1)  # (bucket,)
+        ids = experts.transpose(0, 1)[:, None].to(EXPERT_IDS)  # (bucket, 1, MoE layers, k)
+        r.out_experts[:bucket].scatter_(1, column[:, None, None, None].expand(ids.shape), ids)
 
     def _advance(self, bucket: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Records the sampled tokens of rows [0, bucket), applies the stop rules, moves live rows on."""
@@ -559,6 +613,7 @@ class NativeEngine(Engine):
         width = max(n_gen[i] for i in finished_rows)
         tokens = r.out_tokens[index, :width].cpu().tolist()
         logprobs = r.out_logprobs[index, :width].cpu().tolist()
+        experts = self._row_experts(index, width)
         keep = [i for i in range(n) if not done[i]]
         if keep != list(range(len(keep))):
             keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -566,10 +621,27 @@ class NativeEngine(Engine):
                 t[: len(keep)] = t[keep_index]
         r.clear(len(keep), n)
         finished = [(request, completion(request, toks, lps, "stop" if toks[request.generated - 1] in stops
-                                         or text_stop[i] else "length"))
-                    for i, request, toks, lps in zip(finished_rows, requests, tokens, logprobs)]
+                                         or text_stop[i] else "length", self._routing(request, experts, j)))
+                    for j, (i, request, toks, lps) in enumerate(zip(finished_rows, requests, tokens, logprobs))]
+        for request, out in finished:
+            if request.keep is not None and out.routed_experts is not None:  # the sequence the scheduler keeps
+                sequence = request.prompt.tokens + out.token_ids[:-1]
+                self.kept_experts[request.keep] = (sequence, out.routed_experts[:, : len(sequence)])
         sched.finish(finished_rows, [out.token_ids for _, out in finished])
         return finished
+
+    def _row_experts(self, index: torch.Tensor, width: int) -> torch.Tensor | None:
+        """The recorded expert ids of rows `index`' first `width` columns, on the host (None: a dense model)."""
+        return None if self.rows.out_experts is None else self.rows.out_experts[index, :width].cpu()
+
+    def _routing(self, request: Request, experts: torch.Tensor | None, j: int) -> torch.Tensor | None:
+        """A request's routing as its completion carries it: its prompt's, then that of the columns it generated in
+        this call (row j of `experts`)."""
+        if experts is None:
+            return None
+        prompt = self.prompt_experts[id(request.prompt)].cpu()
+        response = experts[j, request.prompt.prior : request.generated].transpose(0, 1)  # (MoE layers, tokens, k)
+        return torch.cat([prompt, response], dim=1)
 
     def _end_early(self, sched: Scheduler) -> list[tuple[Request, Completion]]:
         """Ends the call with requests unfinished: running ones hand back what they generated ("abort"),
@@ -580,17 +652,20 @@ class NativeEngine(Engine):
             width = max(request.generated for request in sched.running)
             tokens = self.rows.out_tokens[:n, :width].cpu().tolist()
             logprobs = self.rows.out_logprobs[:n, :width].cpu().tolist()
-            out += [(request, completion(request, toks, lps, "abort"))
-                    for request, toks, lps in zip(sched.running, tokens, logprobs)]
+            experts = self._row_experts(torch.arange(n, device=self.device), width)
+            out += [(request, completion(request, toks, lps, "abort", self._routing(request, experts, j)))
+                    for j, (request, toks, lps) in enumerate(zip(sched.running, tokens, logprobs))]
             self.rows.clear(0, n)
         return out
 
 
-def completion(request: Request, tokens: list[int], logprobs: list[float], reason: str) -> Completion:
+def completion(request: Request, tokens: list[int], logprobs: list[float], reason: str,
+               routed_experts: torch.Tensor | None = None) -> Completion:
     """A request's row read back as its completion: the columns it generated in this call (those before are the
     prior tokens its prompt already holds)."""
     start, end = request.prompt.prior, request.generated
-    return Completion(tokens[start:end], logprobs[start:end], reason, reused_tokens=request.prompt.cached)
+    return Completion(tokens[start:end], logprobs[start:end], reason, reused_tokens=request.prompt.cached,
+                      routed_experts=routed_experts)
 
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
