@@ -72,8 +72,8 @@ class Completion:
     reused_tokens: int | None = None
     # (MoE layers, prompt + response tokens, k) the expert ids each token took in each MoE layer, for routing replay;
     # -1 where no forward took the token (the last response token, never fed back). None: a dense model, or an
-    # engine that does not record them (vLLM).
-    routed_experts: torch.Tensor | None = None
+    # engine that does not record them (vLLM). Left out of ==: a tensor has no single truth value.
+    routed_experts: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclass
