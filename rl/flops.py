@@ -1,8 +1,9 @@
 """Model FLOPs of training, for `perf/train_mfu`: what the model must compute, not what a kernel happens to do.
 
 One training pass over a sequence is a forward and a backward, 3 forwards' worth of matmuls. Per
-token, a forward multiplies every weight matrix once (2 FLOPs per weight): the decoder's linear
-layers (q, k, v, o and the gated MLP's three) and the lm_head (hidden x vocab, tied or not; the
+token, a forward multiplies every weight matrix it uses once (2 FLOPs per weight): the decoder's linear
+layers (q, k, v, o and the gated MLP's three; in a mixture of experts the router, the top-k experts the token
+is routed to and any shared expert, not every expert) and the lm_head (hidden x vocab, tied or not; the
 embedding lookup is no matmul). Causal attention adds, per layer and sequence of length L, QK^T and
 AV over the L (L + 1) / 2 visible pairs: 2 x 2 x heads x head_dim FLOPs per pair. Norms, activations,
 RoPE and the softmax are left out (a few percent at these shapes), as in the usual MFU counts.
@@ -30,14 +31,14 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 
 
 def decoder_matmul_params(config) -> int:
-    """Weights of the decoder layers' matmuls (biases left out) of a Hugging Face config."""
-    return ModelShape.from_hf(config).decoder_matmul_params
+    """Weights of the decoder layers' matmuls (biases left out) one token computes with, of a Hugging Face config."""
+    return ModelShape.from_hf(config).active_matmul_params
 
 
 def forward_flops(config, seq_lens: list[int]) -> float:
     """Matmul FLOPs of one forward pass over sequences of these lengths."""
     s = ModelShape.from_hf(config)
-    weights = s.decoder_matmul_params + s.hidden_size * s.vocab_size
+    weights = s.active_matmul_params + s.hidden_size * s.vocab_size
     pairs = sum(n * (n + 1) // 2 for n in seq_lens)
     attention = s.num_layers * 4 * s.q_size * pairs
     return 2.0 * weights * sum(seq_lens) + attention

@@ -24,3 +24,16 @@ def test_decoder_matmul_params_are_the_models_linear_weights():
     model = tiny_model()
     linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
     assert decoder_matmul_params(model.config) == linear
+
+
+def test_moe_flops_count_the_routed_experts_only():
+    """A Qwen3-MoE block, hidden 64, 4 heads of 16, 2 KV heads, 8 experts of 32, 2 a token, no shared expert.
+    Per layer: q 64x64 + k 64x32 + v 64x32 + o 64x64 = 12,288; router 64 x 8 = 512; two experts 2 x 3 x 64 x 32
+    = 12,288 -> 25,088; 2 layers 50,176; lm_head 64 x 96 = 6,144; 56,320 weights. One sequence of 4 tokens:
+    2 x 56,320 x 4 = 450,560; 10 causal pairs, attention 2 layers x 4 x 64 x 10 = 5,120; forward 455,680."""
+    from transformers import Qwen3MoeConfig
+    config = Qwen3MoeConfig(vocab_size=96, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                            num_experts_per_tok=2)
+    assert decoder_matmul_params(config) == 50_176
+    assert forward_flops(config, [4]) == 455_680
