@@ -25,15 +25,17 @@ token (0 in the synchronous loop). No trained sample may exceed `max_staleness`.
 A group that still passes the bound (weights pushed more often than counted here) is dropped, never
 trained, and counted. Groups stay whole: a group trains once all its samples are finished.
 
-In a checkpoint the groups in flight are plain JSON (`sample_to_dict`, `to_json`): tuples, bytes and dicts
-with keys other than strings under a tag, so that a resumed run continues the very same samples and the file
-can hold nothing that runs code. A data row's value JSON cannot hold faithfully stops the run when its group
-is admitted (`check_plain`), not at the first save.
+In a checkpoint the groups in flight are plain JSON (`sample_to_dict`, `to_json`): tuples, bytes, integer
+tensors (a sample's routing, base64) and dicts with keys other than strings under a tag, so that a resumed run
+continues the very same samples and the file can hold nothing that runs code. A data row's value JSON cannot
+hold faithfully stops the run when its group is admitted (`check_plain`), not at the first save.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -165,13 +167,17 @@ def sample_to_dict(sample: Sample) -> dict[str, Any]:
 def sample_from_dict(d: dict[str, Any]) -> Sample:
     """The sample that sample_to_dict wrote; ValueError when `d` is not one (a damaged or foreign file)."""
     names = {f.name for f in dataclasses.fields(Sample)}
-    if isinstance(d, dict) and "scores" not in d:  # saved before samples kept each reward function's score
-        d = {**d, "scores": {}}
+    if isinstance(d, dict):  # saved before samples kept each reward function's score, or their routing
+        d = {"scores": {}, "routed_experts": None} | d
     if not isinstance(d, dict) or d.keys() != names:
         raise ValueError(f"a sample with the keys {sorted(d)[:20] if isinstance(d, dict) else type(d).__name__}, "
                          f"expected {sorted(names)}")
     sample = Sample(**{k: from_json(v) for k, v in d.items()} | {"status": Status(d["status"])})
     wrong = [k for k, kinds in _KINDS.items() if not _is(getattr(sample, k), kinds)]
+    routed = sample.routed_experts
+    if routed is not None and (type(routed).__name__ != "Tensor" or routed.dim() != 3
+                               or routed.shape[1] != len(sample.tokens)):
+        wrong.append("routed_experts")
     if wrong:
         raise ValueError(f"sample {sample.index}: {', '.join(wrong)} of the wrong type")
     return sample
@@ -192,13 +198,13 @@ def _is(value: Any, kind: type | tuple[type, type]) -> bool:
 # ---------------------------------------------------------------------------- a pickle-free form of Python values
 
 
-_TAGS = frozenset({"__tuple__", "__bytes__", "__items__"})
+_TAGS = frozenset({"__tuple__", "__bytes__", "__items__", "__tensor__"})
 
 
 def to_json(value: Any) -> Any:
     """`value` as plain JSON that from_json turns back into an equal value of the same types: JSON's own types as
-    they are, tuples, bytes and dicts with keys other than strings under a tag. TypeError for any other type, whose
-    faithful form JSON has not (a checkpoint never pickles)."""
+    they are, tuples, bytes, integer tensors and dicts with keys other than strings under a tag. TypeError for any
+    other type, whose faithful form JSON has not (a checkpoint never pickles)."""
     kind = type(value)
     if value is None or kind in (bool, int, float, str):
         return value
@@ -208,6 +214,9 @@ def to_json(value: Any) -> Any:
         return {"__tuple__": [to_json(v) for v in value]}
     if kind is bytes:
         return {"__bytes__": value.hex()}
+    if kind.__module__ == "torch" and kind.__name__ == "Tensor" and not value.is_floating_point():
+        return {"__tensor__": [str(value.dtype).removeprefix("torch."), list(value.shape),
+                               base64.b64encode(value.cpu().contiguous().numpy().tobytes()).decode()]}
     if kind is dict:
         if all(type(k) is str for k in value) and not _TAGS & value.keys():
             return {k: to_json(v) for k, v in value.items()}
@@ -226,5 +235,18 @@ def from_json(value: Any) -> Any:
             return tuple(from_json(v) for v in inner)
         if tag == "__bytes__":
             return bytes.fromhex(inner)
+        if tag == "__tensor__":
+            return _tensor(*inner)
         return {from_json(k): from_json(v) for k, v in inner}
     return {k: from_json(v) for k, v in value.items()}
+
+
+def _tensor(dtype: str, shape: list[int], data: str):
+    """An integer tensor of to_json's "__tensor__" form (a sample's routing), its bytes checked against its shape."""
+    import torch  # only a sample of a mixture of experts holds one
+
+    raw = bytearray(base64.b64decode(data))
+    kind = getattr(torch, dtype, None)
+    if not isinstance(kind, torch.dtype) or kind.is_floating_point or len(raw) != math.prod(shape) * kind.itemsize:
+        raise ValueError(f"a tensor of {dtype} {shape} held in {len(raw)} bytes")
+    return torch.frombuffer(raw, dtype=kind).reshape(shape) if raw else torch.zeros(shape, dtype=kind)

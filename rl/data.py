@@ -74,6 +74,10 @@ class Sample:
     # Each reward function's own score (reward.functions, reward.group_fn), by name, before its weight; None where
     # it passed on the sample
     scores: dict[str, float | None] = field(default_factory=dict)
+    # A mixture of experts' routing as the native engine recorded it: per MoE layer and token of `tokens`, the
+    # top-k expert ids it computed that token with, (MoE layers, len(tokens), k) int16; -1 where a token was never
+    # fed (the last one). None for dense models and the vLLM engine. Kept for routing replay at training time.
+    routed_experts: Any = field(default=None, compare=False)
 
     @property
     def prompt_length(self) -> int:

@@ -199,3 +199,51 @@ def test_the_trainer_replays_the_recorded_routing_as_its_own():
 def test_a_dense_model_records_no_routing():
     engine = make_engine(tiny_model(seed=0).eval())
     assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].routed_experts is None
+
+
+# ---------------------------------------------------------------------------- routing on the sample
+
+
+def test_a_continued_sample_keeps_the_routing_its_tokens_were_generated_with():
+    """A sample of a 3-token prompt takes 2 tokens, then is continued with 2 more (under new weights, say): the 4
+    tokens it had fed keep their first routing, the new record gives the rest (the 5th token, fed only now, too)."""
+    from rl.data import Sample
+    from rl.rollout import Completion, append_completions
+
+    class Text:  # decode_responses' slow path
+        def batch_decode(self, ids, skip_special_tokens):
+            return ["" for _ in ids]
+
+    sample = Sample(prompt="p", tokens=[1, 2, 3])
+    first = torch.arange(2 * 5 * 2, dtype=torch.int16).reshape(2, 5, 2)
+    first[:, -1] = -1
+    append_completions([sample], [Completion([4, 5], [-0.5, -0.5], "abort", routed_experts=first)], 0, Text())
+    assert torch.equal(sample.routed_experts, first)
+    second = 100 + torch.arange(2 * 7 * 2, dtype=torch.int16).reshape(2, 7, 2)
+    append_completions([sample], [Completion([6, 7], [-0.5, -0.5], "length", routed_experts=second)], 1, Text())
+    assert sample.tokens == [1, 2, 3, 4, 5, 6, 7]
+    assert torch.equal(sample.routed_experts[:, :4], first[:, :4])
+    assert torch.equal(sample.routed_experts[:, 4:], second[:, 4:])
+    with pytest.raises(RuntimeError, match="sample -1: the engine recorded routing for 7 tokens of its 9"):
+        append_completions([sample], [Completion([8, 9], [-0.5, -0.5], "length", routed_experts=second)], 2, Text())
+
+
+def test_a_samples_routing_survives_the_checkpoints_json_and_a_wrong_one_is_named():
+    import json
+
+    from rl.buffer import from_json, sample_from_dict, sample_to_dict, to_json
+    from rl.data import Sample
+
+    routed = torch.tensor([[[0, 7], [3, 1], [-1, -1]]], dtype=torch.int16)
+    sample = Sample(prompt="p", tokens=[1, 2, 3], response_length=1, loss_mask=[1], rollout_log_probs=[-0.25],
+                    token_versions=[0], routed_experts=routed)
+    back = sample_from_dict(json.loads(json.dumps(sample_to_dict(sample))))
+    assert back == sample and back.routed_experts.dtype == torch.int16 and torch.equal(back.routed_experts, routed)
+    assert sample_from_dict({k: v for k, v in sample_to_dict(sample).items() if k != "routed_experts"}) == sample
+    short = sample_to_dict(Sample(prompt="p", tokens=[1, 2], routed_experts=routed))
+    with pytest.raises(ValueError, match="routed_experts of the wrong type"):
+        sample_from_dict(short)
+    with pytest.raises(ValueError, match=r"a tensor of int16 \[1, 3, 2\] held in 9 bytes"):
+        from_json({"__tensor__": ["int16", [1, 3, 2], to_json(routed)["__tensor__"][2][:-4]]})
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        to_json(torch.zeros(2))

@@ -39,12 +39,29 @@ def append_completions(samples: list[Sample], completions: list[Completion], wei
     """Appends each completion to its sample: tokens, logprobs, the weight version and the status it ends in, and
     the response's text (`decode_responses`)."""
     for sample, out in zip(samples, completions, strict=True):
+        fed = len(sample.tokens) - 1  # the tokens the sample's routing already covers as inputs
         sample.append_response_tokens(out.token_ids, out.logprobs, version=weight_version)
+        if out.routed_experts is not None:
+            sample.routed_experts = merge_routing(sample.routed_experts, out.routed_experts, fed, sample)
         sample.status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}.get(out.finish_reason, Status.ABORTED)
         if out.token_ids:
             sample.weight_version = weight_version
     for sample, text in zip(samples, decode_responses(tokenizer, samples), strict=True):
         sample.response = text
+
+
+def merge_routing(kept, recorded, fed: int, sample: Sample):
+    """A continued sample's routing: the tokens it had already fed keep the experts they were generated with
+    (`kept`, the routing that sampled them: what the trainer replays), the rest take the engine's new record, which
+    covers the whole sequence. RuntimeError when the record does not cover the sample's tokens."""
+    if recorded.shape[1] != len(sample.tokens):
+        raise RuntimeError(f"sample {sample.index}: the engine recorded routing for {recorded.shape[1]} tokens of "
+                           f"its {len(sample.tokens)}")
+    if kept is None or fed <= 0:
+        return recorded
+    merged = recorded.clone()
+    merged[:, :fed] = kept[:, :fed]
+    return merged
 
 
 def decode_responses(tokenizer, samples: list[Sample]) -> list[str]:
