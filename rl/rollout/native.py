@@ -42,7 +42,7 @@ from rl.kernels.attention import invariant_num_splits
 from rl.rollout import vmem
 from rl.rollout.engine import TAGS, Completion, Engine, SamplingParams
 from rl.rollout.model import DecoderModel
-from rl.rollout.scheduler import Kept, PagePool, Request, Scheduler, cdiv
+from rl.rollout.scheduler import Kept, PagePool, PromptKV, Request, Scheduler, cdiv
 from rl.rollout.stop_text import STOPPED
 
 # Stop ids a call may pass: the torch bookkeeping compares each token with all the slots, the fused GPU step
@@ -224,10 +224,6 @@ class NativeEngine(Engine):
             self.kv_buffer = vmem.StableBuffer(torch.Size(self.kv_shape).numel() * dtype.itemsize, self.device)
         self.loaded: set[tuple] = set()
         self.kept: dict[Hashable, Kept] = {}  # finished sequences' KV, by the caller's key (see `generate`)
-        # A MoE model's routing: of each kept sequence's tokens (its tokens, their ids), by the same key; and of
-        # each prompt of the current call, every token of it (by the prompt's id()).
-        self.kept_experts: dict[Hashable, tuple[list[int], torch.Tensor]] = {}
-        self.prompt_experts: dict[int, torch.Tensor] = {}
         self.asleep = dict.fromkeys(TAGS, True)
         self.wake_up()
         self.calls.clear()
@@ -239,7 +235,6 @@ class NativeEngine(Engine):
         """Copies tensors in place by HF name. Buffers the HF model registers (rotary inv_freq, ...) are accepted and
         ignored: the engine computes its own rotary tables from the config."""
         self.kept.clear()  # computed under the weights being replaced
-        self.kept_experts.clear()
         for name, tensor in weights:
             if name in self.model.hf_buffers:
                 continue
@@ -261,7 +256,6 @@ class NativeEngine(Engine):
             self.rows = None
         self.kv = None
         self.kept.clear()
-        self.kept_experts.clear()
         if level == 1 and not self.asleep["weights"]:
             # into host buffers kept from one sleep to the next: pinning them anew at every sleep took ~1 s for
             # the 1 GB of a 0.5B model (in 10 of a run's first 12 rollouts), the copy alone ~0.03 s
@@ -316,13 +310,11 @@ class NativeEngine(Engine):
     def _reset_prefix_cache(self) -> None:
         """Drops every kept sequence: the only KV that outlives a generate() call."""
         self.kept.clear()
-        self.kept_experts.clear()
 
     def _release(self, keys: Iterable[Hashable]) -> None:
         """Drops the sequences kept under `keys` (those it holds): their pages go back to the cache."""
         for key in keys:
             self.kept.pop(key, None)
-            self.kept_experts.pop(key, None)
 
     def kept_pages(self) -> int:
         """Pages of the KV cache that kept sequences hold between calls."""
@@ -362,7 +354,6 @@ class NativeEngine(Engine):
         "length"), and from which its prompt continues if that key holds the start of it; a request that ends
         early keeps nothing."""
         self._set_sampling(params)
-        self.prompt_experts.clear()
         sched = Scheduler(prompts, params.max_new_tokens, self.page_size, PagePool(self.num_pages, self.kept.values()),
                           self.max_batch_size, prior, keep, self.kept)
         results: list[Completion | None] = [None] * len(prompts)
@@ -402,9 +393,6 @@ class NativeEngine(Engine):
                 for request, completion in self._end_early(sched):
                     results[request.index] = completion
                 break
-        self.prompt_experts.clear()
-        # the routing of sequences the scheduler evicted goes with them
-        self.kept_experts = {key: self.kept_experts[key] for key in self.kept if key in self.kept_experts}
         return results
 
     def _set_sampling(self, params: SamplingParams) -> None:
@@ -450,17 +438,15 @@ class NativeEngine(Engine):
             p.logits = logits[n]
             if experts is not None:
                 own = experts[:, n, : len(p.tokens) - p.cached].to(EXPERT_IDS)
-                self.prompt_experts[id(p)] = torch.cat([self._cached_experts(p), own], dim=1) if p.cached else own
+                p.experts = torch.cat([self._cached_experts(p), own], dim=1) if p.cached else own
 
-    def _cached_experts(self, prompt) -> torch.Tensor:
+    def _cached_experts(self, prompt: PromptKV) -> torch.Tensor:
         """The routing of the prompt's first `cached` tokens, whose KV it did not prefill: its base's, or the kept
         sequence's it goes on from (-1 where neither holds them)."""
         if prompt.base is not None:
-            return self.prompt_experts[id(prompt.base)][:, : prompt.cached]
-        for key in prompt.keys:
-            tokens, experts = self.kept_experts.get(key, ([], None))
-            if len(tokens) == prompt.cached and tokens == prompt.tokens[: prompt.cached]:
-                return experts.to(self.device)
+            return prompt.base.experts[:, : prompt.cached]
+        if prompt.kept_experts is not None:
+            return prompt.kept_experts.to(self.device)
         return torch.full((*self.moe[:1], prompt.cached, self.moe[1]), -1, dtype=EXPERT_IDS, device=self.device)
 
     def _start_rows(self, sched: Scheduler, new: list[Request], first: int) -> None:
@@ -623,11 +609,11 @@ class NativeEngine(Engine):
         finished = [(request, completion(request, toks, lps, "stop" if toks[request.generated - 1] in stops
                                          or text_stop[i] else "length", self._routing(request, experts, j)))
                     for j, (i, request, toks, lps) in enumerate(zip(finished_rows, requests, tokens, logprobs))]
-        for request, out in finished:
-            if request.keep is not None and out.routed_experts is not None:  # the sequence the scheduler keeps
-                sequence = request.prompt.tokens + out.token_ids[:-1]
-                self.kept_experts[request.keep] = (sequence, out.routed_experts[:, : len(sequence)])
         sched.finish(finished_rows, [out.token_ids for _, out in finished])
+        for request, out in finished:
+            if request.keep is not None and out.routed_experts is not None:  # the sequence the scheduler kept
+                kept = self.kept[request.keep]
+                kept.experts = out.routed_experts[:, : len(kept.tokens)]
         return finished
 
     def _row_experts(self, index: torch.Tensor, width: int) -> torch.Tensor | None:
@@ -639,7 +625,7 @@ class NativeEngine(Engine):
         this call (row j of `experts`)."""
         if experts is None:
             return None
-        prompt = self.prompt_experts[id(request.prompt)].cpu()
+        prompt = request.prompt.experts.cpu()
         response = experts[j, request.prompt.prior : request.generated].transpose(0, 1)  # (MoE layers, tokens, k)
         return torch.cat([prompt, response], dim=1)
 

@@ -43,6 +43,7 @@ class Kept:
 
     tokens: list[int]
     pages: list[int]
+    experts: torch.Tensor | None = None  # a MoE model's routing of `tokens`, (MoE layers, tokens, k), set by the engine
 
 
 class PagePool:
@@ -85,6 +86,9 @@ class PromptKV:
     # A continued sample's original prompt, whose full pages it shares with the call's other samples of that
     # prompt: prefilled once (first), its pages the first of this one's.
     base: PromptKV | None = None
+    # A MoE model's routing: of every token, set by prefill; and of the kept sequence it continues, if any
+    experts: torch.Tensor | None = None
+    kept_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -151,7 +155,7 @@ class Scheduler:
                 if key is not None:
                     kept = self.kept.pop(key)
                     prompt.pages = kept.pages + self.pool.take(self.prompt_pages(prompt) - held)
-                    prompt.cached = len(kept.tokens)
+                    prompt.cached, prompt.kept_experts = len(kept.tokens), kept.experts
                 elif base is not None:
                     if not base.pages:
                         base.pages = self.pool.take(self.prompt_pages(base))
