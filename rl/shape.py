@@ -114,11 +114,6 @@ class ModelShape:
         return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + self.mlp_matmul_params(layer, active)
 
     @property
-    def block_matmul_params(self) -> int:
-        """The largest block's matmul weights (every block's, in a dense model)."""
-        return max(self.layer_matmul_params(i) for i in range(self.num_layers))
-
-    @property
     def decoder_matmul_params(self) -> int:
         """Every block's matmul weights (the lm_head apart)."""
         return sum(self.layer_matmul_params(i) for i in range(self.num_layers))
@@ -177,5 +172,6 @@ def moe_fields(c) -> dict:
     layers = tuple(i for i in range(c.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
     return dict(moe_layers=layers, num_experts=experts, experts_per_token=c.num_experts_per_tok,
                 moe_intermediate_size=c.moe_intermediate_size,
-                shared_expert_intermediate_size=c.shared_expert_intermediate_size if c.model_type in SHARED_EXPERT else 0,
+                shared_expert_intermediate_size=(c.shared_expert_intermediate_size if c.model_type in SHARED_EXPERT
+                                                 else 0),
                 norm_topk_prob=bool(getattr(c, "norm_topk_prob", False)))

@@ -409,7 +409,7 @@ class DecoderModel:
         ids, weights, _ = route(self.linear(h, w[f"{own}router"]), s.experts_per_token, s.norm_topk_prob)
         out = grouped_mlp(h, ids, weights.to(h.dtype), w[f"{own}experts.gate_up"], w[f"{own}experts.down"], F.silu)
         if s.shared_expert_intermediate_size:
-            shared = self.matmul(self.silu_mul(self.matmul(h, w[f"{own}shared.gate_up"])), w[f"{own}shared.down"])
+            shared = self.mlp(h, w[f"{own}shared.gate_up"], w[f"{own}shared.down"], decode=False)
             out = out + torch.sigmoid(self.linear(h, w[f"{own}shared_gate"])) * shared
         return out, ids
 
