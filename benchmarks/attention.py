@@ -5,7 +5,7 @@
 The trainer's attention is SDPA, causal, over right-padded (rows, heads, width, head_dim) bf16 micro-batches
 of ~32k tokens, forward and backward. cuDNN's backend builds an execution graph for every shape it has not
 seen; flash attention has nothing to build. For the 0.5B (14/2 heads, d=64) and 1.5B (12/2, d=128) shapes,
-each backend, and widths drawn at random or rounded up to a multiple of 64 (`rl.train.width_multiple`), it
+each backend, and widths drawn at random or rounded up to a multiple of 64 (`rl.train.step.width_multiple`), it
 prints the mean time of the first forward + backward of each new shape, of the same shapes once more, and
 the first call under the backend (any shape).
 """

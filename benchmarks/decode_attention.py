@@ -1,4 +1,4 @@
-"""Paged decode attention (rl/kernels/attention_triton.py) on the seed's batch layout, over kernel settings.
+"""Paged decode attention (rl/model/kernels/attention_triton.py) on the seed's batch layout, over kernel settings.
 
     python benchmarks/decode_attention.py [--out FILE.json]
 
@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rl.kernels.attention_triton import decode_attention  # noqa: E402
-from rl.kernels.attention import paged_attention_reference  # noqa: E402
+from rl.model.kernels.attention import paged_attention_reference  # noqa: E402
+from rl.model.kernels.attention_triton import decode_attention  # noqa: E402
 from rl.rollout.native import decode_splits  # noqa: E402
 
 

@@ -6,7 +6,7 @@ environment whose every step sleeps STEP_S (0.05) seconds in one of the reward w
 
 Prints the medians (after the first rollout, which also starts the workers) of the rollout's seconds and of
 `perf/env_s`, the wait after the engine's turn that generation did not hide: an episode's step starts as soon as
-the engine has its turn (rl/episodes.py), so only the steps of the turns that finish last are waited for.
+the engine has its turn (rl/rollout/episodes.py), so only the steps of the turns that finish last are waited for.
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from rl.collect import Collector
     from rl.config import EnvConfig, RewardConfig, RolloutConfig
     from rl.data import Sample
+    from rl.env.reward import RewardPool
     from rl.parallel import Dist
-    from rl.reward import RewardPool
     from rl.rollout import SamplingParams
+    from rl.rollout.collect import Collector
     from rl.rollout.native import NativeEngine
     from tests.test_engine import full_weights
     from tests.tiny import tiny_model, tiny_tokenizer

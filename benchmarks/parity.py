@@ -11,7 +11,7 @@ when only its attention kernel changes (SDPA vs eager): when the engine is as cl
 the trainer is, what remains is bf16 rounding in two different kernel orders, not an engine error.
 
 `--batch-invariant` runs the engine in that mode and scores with the trainer's forward in that mode
-(`model.batch_invariant`, rl/invariant.py); on a CPU its Triton kernels run only under
+(`model.batch_invariant`, rl/model/invariant.py); on a CPU its Triton kernels run only under
 TRITON_INTERPRET=1, in float32 (`--dtype float32`).
 """
 

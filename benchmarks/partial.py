@@ -168,6 +168,7 @@ def tail(out: Path, model: str, modes: list[str], rollouts: int, stop_ids: int, 
 
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
     from loop_breakdown import write_tokenizer
+
     from tests.tiny import write_arithmetic_jsonl
 
     out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ weights: ~200 samples of 300 to 4,000 tokens, in padded chunks whose shapes diff
 Each set here is such a rollout's worth (48 prompts x 5 samples, responses of 300 tokens plus a geometric tail of
 mean 500, up to 4,000), new lengths every set, so every set brings new shapes. Per attention kernel the table gives
 the first prefill of each new set (what a rollout pays) and a second of the same set (shapes seen before): `cudnn`
-is torch's default choice on Hopper, `engine` the engine's own choice (rl/rollout/model.py PREFILL_ATTENTION).
+is torch's default choice on Hopper, `engine` the engine's own choice (rl/model/decoder.py PREFILL_ATTENTION).
 The samples of a prompt share its full pages, prefilled once (rl/rollout/scheduler.py `share_bases`); `engine, own
 copies` prefills every sample's prompt for itself, as the engine did before. `--prompt-tokens LOW HIGH`: the prompts'
 lengths (40-90 by default; a bundle of several problems runs to ~1,300). Random weights of the config: the work is
@@ -30,9 +30,9 @@ from torch.nn.attention import SDPBackend
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import rl.rollout.model as model_module  # noqa: E402
-from rl.rollout.native import NativeEngine  # noqa: E402
+import rl.model.decoder as model_module  # noqa: E402
 from rl.rollout import scheduler  # noqa: E402
+from rl.rollout.native import NativeEngine  # noqa: E402
 from rl.rollout.scheduler import PagePool, Scheduler  # noqa: E402
 
 KERNELS = {"cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,

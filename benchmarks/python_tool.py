@@ -7,7 +7,7 @@
 
 The run itself: `torchrun --nproc-per-node 1 -m rl.main --config configs/python_tool.toml` (one GPU), after
 `python -m rl.prepare --model qwen2.5-coder-0.5b --out models/qwen2.5-coder-0.5b`. Each row carries the tool's
-system prompt (rl/envs/python_tool.py's SYSTEM_PROMPT), so the model reads the tool described as Qwen2.5's chat
+system prompt (rl/env/python_tool.py's SYSTEM_PROMPT), so the model reads the tool described as Qwen2.5's chat
 template describes tools.
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from rl.envs.python_tool import SYSTEM_PROMPT  # noqa: E402
+from rl.env.python_tool import SYSTEM_PROMPT  # noqa: E402
 
 # Step phases as metrics.jsonl names them; env_s is the part of rollout_s spent waiting on the tool.
 PHASES = ["perf/rollout_s", "perf/env_s", "perf/reward_s", "perf/train_s", "perf/weight_sync_s", "perf/step_s"]

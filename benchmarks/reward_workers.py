@@ -21,7 +21,7 @@ import torch  # noqa: F401  # the trainer's heavy imports, present in the parent
 import transformers  # noqa: F401
 
 from rl.config import RewardConfig
-from rl.reward import Failures, RewardInput, RewardPool
+from rl.env.reward import Failures, RewardInput, RewardPool
 
 
 def proc_status(pid: int) -> dict[str, str]:

@@ -26,7 +26,7 @@ without logprobs, with vLLM's per-token logprob dicts, with a generator per requ
     python benchmarks/rollout.py --batch-invariant --hf-steps -1   # the same in model.batch_invariant mode
 
 measures the engine in batch-invariant mode and its logprobs against the trainer's forward in that
-mode (rl/invariant.py), the HF forward then being a reference column.
+mode (rl/model/invariant.py), the HF forward then being a reference column.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rl.config import RolloutConfig, VllmEngineConfig  # noqa: E402
-from rl.invariant import make_batch_invariant  # noqa: E402
+from rl.model.invariant import make_batch_invariant  # noqa: E402
 from rl.rollout import SamplingParams, derive_seed, vmem  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
-from rl.weights import iter_full_weights  # noqa: E402
+from rl.train.weights import iter_full_weights  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

@@ -2,8 +2,8 @@
 
     python benchmarks/sandbox.py [--callers 1 2] [--seconds 10]
 
-Each caller is a thread calling rl/sandbox.py's run_python on a short program (the Python tool's typical call:
-arithmetic and a print) back to back; `code reward` is rl/code_reward.py's `passes` on a right HumanEval-style
+Each caller is a thread calling rl/env/sandbox.py's run_python on a short program (the Python tool's typical call:
+arithmetic and a print) back to back; `code reward` is rl/env/code_reward.py's `passes` on a right HumanEval-style
 solution (two sandboxes a call, the candidate's and the tests'). The reward workers are processes, not threads,
 but a call spends its time in the child interpreters, so threads load the machine the same way. The CPU column is
 what the children spent per call, which a busy machine changes less than the rate.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rl import sandbox  # noqa: E402
-from rl.code_reward import passes  # noqa: E402
+from rl.env import sandbox  # noqa: E402
+from rl.env.code_reward import passes  # noqa: E402
 
 PROGRAM = "x = 48 / 2 + 48\nprint(x)\n"
 SETUP = 'def total(xs):\n    """The sum of xs."""\n'

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from partial import rows as metrics  # noqa: E402
+
 SEED = ["--train.offload=false", "--train.packing=true", "--reward.user_fn=tests.reward_fns:spread"]
 EAGER = ["--model.compile=false", "--train.packing=false", "--train.micro_batch_tokens=16384"]  # the recipe before
 LENGTHS = "benchmarks/lengths/gsm8k-qwen2.5-0.5b-instruct.json"

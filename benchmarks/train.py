@@ -10,14 +10,14 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
 --variants it runs the trainer as it was before these options, then the defaults:
 
     mbt=32768          train.micro_batch_tokens
-    compile=on|off     model.compile (torch.compile of the decoder blocks, RoPE as rl/rope.py's op)
+    compile=on|off     model.compile (torch.compile of the decoder blocks, RoPE as rl/model/rope.py's op)
     checkpointing=off|on   model.gradient_checkpointing
     logprobs=fused|chunked the Triton log-prob kernels (CUDA) or the chunked torch path
     mask=none|causal|padding   `none`: the trainer's forward (no mask, the mask mapping prepared);
                        `causal`: no mask, the model builds its own (a host sync per forward);
                        `padding`: the padding mask, as the trainer ran before right-padded rows went without one
     cold=off|on        `on` empties torch's allocator cache before each step, as the RL loop's policy offload does
-    width=64|1         what micro-batch widths are rounded up to on CUDA (`rl.train.width_multiple`)
+    width=64|1         what micro-batch widths are rounded up to on CUDA (`rl.train.step.width_multiple`)
     fresh=off|on       `on` draws new lengths for every step, as every rollout of the loop brings (new shapes:
                        cuDNN attention builds a graph for each one it has not seen)
     adamw=fused|foreach    torch's AdamW implementation (the trainer's is fused on CUDA)
@@ -25,7 +25,7 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
                        to its last (model.reshard_after_forward=false); `off` gathers them for every forward and
                        every backward
     packing=off|on     train.packing: samples back to back in one row per micro-batch, attention within each
-    skip=off|on        `on` skips the samples of zero-advantage groups (`rl.train.skippable_samples`); with
+    skip=off|on        `on` skips the samples of zero-advantage groups (`rl.train.step.skippable_samples`); with
                        --lengths, the histogram's zero_std_group_frac of the groups have zero advantage
     context=2048       rollout.max_context_len: padded rows' widest, and the bound on a document's length that
                        packed rows give the attention kernel (it sizes the kernel's grid)
@@ -33,10 +33,10 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
                        the query's heads first and the queries copied to contiguous rows, as packed rows ran on
                        torch without `enable_gqa` before
     layout=views|select    packed rows: q, k and v handed to the varlen kernels as views (`views`,
-                       `rl.packing.kernel_layout`), or through a select of the row (`t[0]`), as before: its
+                       `rl.train.packing.kernel_layout`), or through a select of the row (`t[0]`), as before: its
                        backward copies each gradient into new buffers in the compiled blocks
     lora=0|RANK        > 0: LoRA adapters of that rank (alpha 2 x rank) on the default target layers, the base
-                       frozen (rl/lora.py); the MFU still counts the full model's FLOPs a token
+                       frozen (rl/train/lora.py); the MFU still counts the full model's FLOPs a token
 
 --lengths FILE replays a real run's length distribution instead (benchmarks/lengths/*.json: prompt lengths per
 group, response lengths per sample, the share of groups with zero reward variance, the batch's size):
@@ -46,9 +46,9 @@ group, response lengths per sample, the share of groups with zero reward varianc
 
 For each model x variant it prints the step time (median of --repeats after one warm-up step, and each one),
 the graphs torch.compile compiled during those steps (recompiles: 0 once warm), tokens/s, MFU
-(the model FLOPs of rl/flops.py over the device's dense bf16 peak), the forward-only time of the same
+(the model FLOPs of rl/model/flops.py over the device's dense bf16 peak), the forward-only time of the same
 micro-batches, the peak memory and, with --profile, one step's wall time and largest device- and host-time
-entries (`rl.metrics.profiled`, what `log.profile_rollout` writes).
+entries (`rl.train.measure.profiled`, what `log.profile_rollout` writes).
 On a CPU (`--models tiny`) it runs a small model as a smoke test.
 """
 
@@ -56,8 +56,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import itertools
+import json
 import math
 import random
 import statistics
@@ -73,15 +73,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, LoraConfig, ModelConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
-from rl.flops import peak_bf16_flops, train_flops  # noqa: E402
-from rl.memory import choose_allocator  # noqa: E402
-from rl.metrics import graphs_compiled, profiled  # noqa: E402
-from rl.policy import build_optimizer, build_policy  # noqa: E402
-from rl.rope import unfuse_rope  # noqa: E402
-from rl import train as train_module  # noqa: E402
-from rl import packing as packing_module  # noqa: E402
-from rl.packing import use_packed_attention  # noqa: E402
-from rl.train import build_schedule, skippable_samples, token_logprobs, train_on_rollout  # noqa: E402
+from rl.model.flops import peak_bf16_flops, train_flops  # noqa: E402
+from rl.model.rope import unfuse_rope  # noqa: E402
+from rl.run.memory import choose_allocator  # noqa: E402
+from rl.train import packing as packing_module  # noqa: E402
+from rl.train import step as train_module  # noqa: E402
+from rl.train.measure import graphs_compiled, profiled  # noqa: E402
+from rl.train.packing import use_packed_attention  # noqa: E402
+from rl.train.policy import build_optimizer, build_policy  # noqa: E402
+from rl.train.step import build_schedule, skippable_samples, token_logprobs, train_on_rollout  # noqa: E402
 
 
 def seed_batch(vocab: int, samples: int, max_response: int, seed: int = 0) -> list[Sample]:

@@ -29,10 +29,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from rollout import random_prompts  # noqa: E402
+
 from rl import parallel  # noqa: E402
 from rl.config import RolloutConfig, VllmEngineConfig  # noqa: E402
 from rl.rollout import SamplingParams  # noqa: E402
-from rollout import random_prompts  # noqa: E402
 
 
 class StackSampler:

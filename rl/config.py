@@ -49,7 +49,7 @@ class ModelConfig:
     # first micro-batches of a run compile (seconds to a minute), every later one runs the compiled code.
     compile: bool = False
     # The native engine and the trainer compute each token with the same batch-invariant kernels, so
-    # rollout and training logprobs agree bit for bit (rl/invariant.py); slower decode, CUDA only.
+    # rollout and training logprobs agree bit for bit (rl/model/invariant.py); slower decode, CUDA only.
     batch_invariant: bool = False
 
 
@@ -105,7 +105,7 @@ MOVED_KEYS = {**{f"rollout.{k}": f"rollout.vllm.{k}" for k in ("gpu_memory_utili
 
 
 # The names of rollout.engine and rollout.dynamic_filter and one line on each; the code they pick is
-# rl/rollout/__init__.py's engine and rl/collect.py's keep_group. choices() gathers every key's table.
+# rl/rollout/__init__.py's engine and rl/rollout/collect.py's keep_group. choices() gathers every key's table.
 ROLLOUT_ENGINES = {
     "native": "rl's own PyTorch engine: paged KV cache, continuous batching, CUDA-graph decode, one rank per engine",
     "vllm": "vLLM in the trainer's processes (rollout.vllm), rollout.tensor_parallel_size ranks per engine",
@@ -156,7 +156,7 @@ class RolloutConfig:
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # The engine's linear weights: "fp8" holds each block's matrices (not the embedding, norms or lm_head) in FP8,
     # quantized from the trainer's weights at every push: half their memory, logprobs further from the trainer's
-    # (rl/fp8.py; vLLM: its online fp8_per_channel / fp8_per_block quantization; docs/engines.md)
+    # (rl/model/fp8.py; vLLM: its online fp8_per_channel / fp8_per_block quantization; docs/engines.md)
     precision: str = "bf16"
     fp8_scale: str = "channel"  # FP8 weight scales (rollout.precision = "fp8")
     seed: int = 1234  # engines of one TP group share seed + group index
@@ -193,7 +193,7 @@ class RewardConfig:
     memory_limit_mb: int = 2048  # address-space limit of each worker; an input past it scores 0 (counted)
     # steps in a row in which every reward failed (raised, timed out, worker died) before the run stops
     max_failed_steps: int = 3
-    # How model-written code runs (rl/sandbox.py: a code reward, a tool): "jail" (namespaces, a read-only root,
+    # How model-written code runs (rl/env/sandbox.py: a code reward, a tool): "jail" (namespaces, a read-only root,
     # nobody; a run whose functions use the sandbox stops at start-up where it cannot be built), or "barrier"
     # (limits and seccomp only, as your user with your files in reach): accept that knowingly.
     sandbox: str = "jail"
@@ -201,7 +201,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class EnvConfig:
-    """Multi-turn episodes (rl/env.py): the model's turns alternate with an environment's, which runs in the
+    """Multi-turn episodes (rl/env/__init__.py): the model's turns alternate with an environment's, which runs in the
     reward workers (reward.num_workers, reward.memory_limit_mb) and decides the episode's reward."""
     fn: str = ""  # "pkg.module:function" making an episode from a row: fn(prompt, label, columns); "": one turn
     max_turns: int = 4  # model turns per episode
@@ -213,7 +213,7 @@ class EnvConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    """The RL algorithm; docs/algorithms.md maps each key to TRL's and verl's names, rl/algo.py has the maths."""
+    """The RL algorithm; docs/algorithms.md maps each key to TRL's and verl's names, rl/train/algo.py has the maths."""
     advantage_estimator: str = "grpo"  # each sample's advantage from the rewards
     grpo_std_normalization: bool = True
     gamma: float = 1.0  # gae: discount
@@ -276,7 +276,7 @@ class TrainConfig:
     clip_grad: float = 1.0
     offload: bool = False  # park parameters and optimizer state in host memory while the engine runs
     # AdamW's moments (8 bytes per trained parameter) live in pinned host memory and stream through the device in
-    # chunks at each optimizer step (rl/host_adamw.py): 7B full-parameter training on one H200 (docs/memory.md)
+    # chunks at each optimizer step (rl/train/host_adamw.py): 7B full-parameter training on one H200 (docs/memory.md)
     optimizer_offload: bool = False
     # On CUDA the start-up memory plan (docs/memory.md) refuses a run whose estimated peak does not fit one
     # device, naming the keys that would make it fit; false prints the plan and runs anyway (an estimate is wrong)
@@ -294,7 +294,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """LoRA (rl/lora.py): low-rank adapters trained on the policy's linear layers, the base weights frozen."""
+    """LoRA (rl/train/lora.py): low-rank adapters trained on the policy's linear layers, the base weights frozen."""
     rank: int = 0  # > 0: adapters of this rank on target_modules; 0: full-parameter training
     alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
     dropout: float = 0.0  # dropout on the adapters' input, in the passes that train (never in no-grad logprob passes)
@@ -817,7 +817,7 @@ def validate_reward_functions(rw: RewardConfig) -> None:
                        ("reward.group_fn", [rw.group_fn] if rw.group_fn else [])):
         for path in paths:
             try:
-                from rl.reward import function_call  # the reader of factory calls, beside their importer
+                from rl.functions import function_call  # the reader of factory calls, beside their importer
 
                 target = function_call(path)[0] if key == "reward.functions" else path
             except ValueError as e:
@@ -917,8 +917,8 @@ def validate_layout(ro: RolloutConfig, tr: TrainConfig, world_size: int) -> None
 
 def choices() -> dict[str, dict[str, str]]:
     """Each key that picks a variant -> its names and one line on each, read from the tables that hold the
-    variants (rl/algo.py's for the maths), so validation, --help and the docs list exactly those."""
-    from rl import algo  # imports torch: only here, so that the reward workers import this module without it
+    variants (rl/train/algo.py's for the maths), so validation, --help and the docs list exactly those."""
+    from rl.train import algo  # imports torch: only here, so that the reward workers import this module without it
 
     tables = {"algo.advantage_estimator": algo.ADVANTAGE_ESTIMATORS, "algo.policy_loss": algo.POLICY_LOSSES,
               "algo.loss_agg": algo.LOSS_AGGREGATIONS, "algo.kl_estimator": algo.KL_ESTIMATORS,
@@ -934,7 +934,7 @@ def _one_of(key: str, value: str) -> None:
 
 
 def validate_algo(algo: AlgoConfig, model: ModelConfig, ro: RolloutConfig) -> None:
-    from rl.algo import ADVANTAGE_ESTIMATORS  # imports torch (see choices)
+    from rl.train.algo import ADVANTAGE_ESTIMATORS  # imports torch (see choices)
 
     _one_of("algo.advantage_estimator", algo.advantage_estimator)
     _one_of("algo.policy_loss", algo.policy_loss)

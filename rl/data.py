@@ -313,7 +313,7 @@ def _call_builder(target: str, cfg: DataConfig, keys: SourceKeys) -> list[dict[s
     """Rows returned by `fn(split=<split>, **task_config)` for "python:pkg.module:fn": what a dataset loading
     script did before `datasets` stopped running them. Any iterable of row tables will do (a list of dicts, a
     generator, a `datasets.Dataset`). Every rank calls it and must get the same rows, as from any other source."""
-    from rl.reward import load_function  # the one importer of "pkg.module:function" paths
+    from rl.functions import load_function
 
     fn = load_function(target, keys.source)
     try:

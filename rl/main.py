@@ -2,16 +2,16 @@
 
 Every rank runs this same program: it generates its share of prompt groups with its own engine, scores them,
 gathers the rollout, trains its length-balanced share with FSDP2, and pushes the new weights into its engine.
-Each phase has one home: `Collector` (generate -> score -> gather, rl/collect.py), `Learner` (the policy,
-its optimizer, reference and critic: train and push, rl/learner.py), `RunCheckpointer` (the run folder,
-resume, saves and the final export, rl/checkpointer.py); stop requests, restarts and the CLI are rl/launch.py's.
+Each phase has one home: `Collector` (generate -> score -> gather, rl/rollout/collect.py), `Learner` (the policy,
+its optimizer, reference and critic: train and push, rl/train/learner.py), `RunCheckpointer` (the run folder,
+resume, saves and the final export, rl/run/checkpointer.py); stop requests, restarts and the CLI are rl/launch.py's.
 """
 
 from __future__ import annotations
 
 import sys
 
-from rl.finished import exit_if_finished
+from rl.run.finished import exit_if_finished
 
 if __name__ == "__main__":  # a finished run says so before torch and transformers load (seconds of imports)
     exit_if_finished(sys.argv[1:])
@@ -23,21 +23,22 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer
 
 from rl import launch, parallel
-from rl.buffer import RolloutBuffer
-from rl.checkpointer import RunCheckpointer
-from rl.checks import check_model_and_tokenizer
-from rl.collect import Collector, dump_rollout, rollout_metrics
 from rl.config import Config, ConfigError, check_paths, dump, load_config, resolve
 from rl.data import PromptDataset
-from rl.evaluate import evaluate, held_out_prompts
-from rl.health import Health, RunStopped
-from rl.learner import Learner, TrainResult
-from rl.memory import check_disk_space, check_memory_plan, choose_allocator, stop_on_oom
-from rl.metrics import StepRecord, make_logger, profile_path, profiled
+from rl.env.reward import RewardPool
 from rl.parallel import print0
-from rl.reward import RewardPool
 from rl.rollout import SamplingParams, build_engine
-from rl.weights import sync_weights
+from rl.rollout.buffer import RolloutBuffer
+from rl.rollout.collect import Collector, dump_rollout, rollout_metrics
+from rl.rollout.evaluate import evaluate, held_out_prompts
+from rl.run.checkpointer import RunCheckpointer
+from rl.run.checks import check_model_and_tokenizer
+from rl.run.health import Health, RunStopped
+from rl.run.memory import check_disk_space, check_memory_plan, choose_allocator, stop_on_oom
+from rl.run.metrics import make_logger
+from rl.train.learner import Learner, TrainResult
+from rl.train.measure import StepRecord, profile_path, profiled
+from rl.train.weights import sync_weights
 
 STARTUP_TIMEOUT_S = 1800.0  # the process group's own timeout while models load and kernels compile
 

@@ -39,7 +39,7 @@ matplotlib.use("Agg")  # no display: runs on headless machines and in tests
 import matplotlib.pyplot as plt  # noqa: E402
 
 from rl.config import RewardConfig  # noqa: E402
-from rl.reward import built_in_weights, function_names, function_weights  # noqa: E402
+from rl.env.reward import built_in_weights, function_names, function_weights  # noqa: E402
 
 # The phases of one step in the order they run, so the stack reads bottom-up like the loop.
 TIME_PHASES = ["rollout", "reward", "offload", "onload_train", "train", "onload_weights",

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch.distributed.checkpoint.filesystem import FileSystem  # noqa: E402
 
-from rl import checkpoint, launch, main  # noqa: E402
+from rl import launch, main
+from rl.run import checkpoint  # noqa: E402
 
 
 def save_then_die_on_rank_1(crash_at: int, dcp_save):

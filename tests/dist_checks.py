@@ -11,11 +11,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
-from rl.policy import HostOffloader, build_optimizer, shard_policy  # noqa: E402
 from rl.rollout import SamplingParams  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
-from rl.train import Schedule, collate, token_logprobs, train_on_rollout  # noqa: E402
-from rl.weights import iter_full_weights, sync_weights  # noqa: E402
+from rl.train.policy import HostOffloader, build_optimizer, shard_policy  # noqa: E402
+from rl.train.step import Schedule, collate, token_logprobs, train_on_rollout  # noqa: E402
+from rl.train.weights import iter_full_weights, sync_weights  # noqa: E402
 from tests.tiny import tiny_model, training_state  # noqa: E402
 
 
@@ -99,8 +99,8 @@ def host_adamw_checks(d, out: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from rl.checkpoint import _options, _state_dicts
-    from rl.host_adamw import HostAdamW
+    from rl.run.checkpoint import _options, _state_dicts
+    from rl.train.host_adamw import HostAdamW
 
     def fresh(host: bool):
         model = shard_policy(tiny_model(seed=3, vocab_size=259), d.mesh, d.device, gradient_checkpointing=False)

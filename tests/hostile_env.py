@@ -7,7 +7,7 @@ whose command line names rl.main (its rank, which launch.sh then restarts from t
 
 import os
 
-from rl.sandbox import run_python
+from rl.env.sandbox import run_python
 
 ATTACK = """
 import glob, os, pickle, shutil, signal

@@ -4,7 +4,7 @@ Qwen2 model, or `qwen3` / `gemma3` for tests/test_families.py's tiny Qwen3 (QK-n
 sandwich norms, GeGLU)).
 
 The native engine (batch_invariant=True) generates; the trainer's forward of the same sequences,
-patched by `make_batch_invariant`, scores them through `rl.train.token_logprobs` in one
+patched by `make_batch_invariant`, scores them through `rl.train.step.token_logprobs` in one
 right-padded micro-batch. Splits are cut every 64 tokens here (512 in production) so that short
 contexts already cross split bounds and exercise the merge.
 """
@@ -18,17 +18,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import rl.kernels.attention  # noqa: E402
+import rl.model.kernels.attention  # noqa: E402
 from rl.data import Sample  # noqa: E402
-from rl.invariant import make_batch_invariant  # noqa: E402
+from rl.model.invariant import make_batch_invariant  # noqa: E402
 from rl.rollout import SamplingParams  # noqa: E402
 from rl.rollout.native import NativeEngine  # noqa: E402
-from rl.train import collate, token_logprobs  # noqa: E402
+from rl.train.step import collate, token_logprobs  # noqa: E402
 from tests.test_engine import full_weights  # noqa: E402
 from tests.test_families import gemma3_config, qwen3_config, random_model  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
-rl.kernels.attention.INVARIANT_SPLIT_TOKENS = 64
+rl.model.kernels.attention.INVARIANT_SPLIT_TOKENS = 64
 MAX_CONTEXT = 192
 PROMPTS = [[1, 5, 9, 13] * 18, [1, 7], [1, 3, 3, 3, 3, 3, 8] * 9, [2]]  # 72, 2, 63 and 1 tokens
 

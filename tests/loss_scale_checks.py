@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, TrainConfig  # noqa: E402
 from rl.data import Sample  # noqa: E402
-from rl.policy import build_optimizer, shard_policy  # noqa: E402
-from rl.train import build_schedule, train_metrics, train_on_rollout  # noqa: E402
+from rl.train.policy import build_optimizer, shard_policy  # noqa: E402
+from rl.train.step import build_schedule, train_metrics, train_on_rollout  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
 RESPONSE_LENGTHS = [40, 3, 3, 3, 38, 3, 3, 36]  # on 2 ranks with 45 tokens: [5, 5, 5] [42] | [5, 5] [38] [40]

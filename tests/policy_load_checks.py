@@ -21,9 +21,10 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from rl import parallel  # noqa: E402
 from rl.config import ConfigError, ModelConfig  # noqa: E402
-from rl.invariant import make_batch_invariant  # noqa: E402
-from rl.policy import build_policy, init_non_persistent_buffers, init_random_weights, shard_policy, weight_files  # noqa: E402,E501
-from rl.weights import iter_full_weights  # noqa: E402
+from rl.model.invariant import make_batch_invariant  # noqa: E402
+from rl.train.policy import (build_policy, init_non_persistent_buffers, init_random_weights,  # noqa: E402
+                             shard_policy, weight_files)
+from rl.train.weights import iter_full_weights  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 9, 13, 20, 40, 7, 2, 250, 258], [3, 3, 100, 101, 102, 17, 9, 1, 0, 4]])
 

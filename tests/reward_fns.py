@@ -133,6 +133,6 @@ def longest_in_group(prompt, completions, answer, **kwargs):
 
 def runs_in_the_barrier(prompt, response, label, metadata):
     """1.0 when the sandbox of this worker runs code behind the barrier (reward.sandbox reached it), else 0.0."""
-    from rl import sandbox
+    from rl.env import sandbox
 
     return 1.0 if sandbox.isolation() == "barrier" else 0.0

@@ -3,10 +3,19 @@ import math
 import pytest
 import torch
 
-from rl.algo import (advantages, aggregate, approx_kl_k3, can_reuse_old_logprobs, gae, kl_penalty, policy_loss,
-                     tis_weights, value_loss)
 from rl.config import AlgoConfig, TrainConfig
-from rl.train import TokenLogprobs
+from rl.train.algo import (
+    advantages,
+    aggregate,
+    approx_kl_k3,
+    can_reuse_old_logprobs,
+    gae,
+    kl_penalty,
+    policy_loss,
+    tis_weights,
+    value_loss,
+)
+from rl.train.step import TokenLogprobs
 
 
 def test_grpo_seed_group():

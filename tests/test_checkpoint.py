@@ -184,7 +184,7 @@ def test_metrics_without_a_checkpoint_are_not_overwritten(inputs, tmp_path):
 
 
 def test_a_second_run_into_a_busy_folder_is_refused(inputs, tmp_path):
-    from rl.checkpointer import lock_output_dir
+    from rl.run.checkpointer import lock_output_dir
 
     out = tmp_path / "run"
     held = lock_output_dir(out)  # as a running job holds it
@@ -261,7 +261,7 @@ def test_vllm_loads_the_exported_folder(inputs, tmp_path):
 
 
 def test_old_checkpoints_are_renamed_at_once_and_deleted_in_the_background(tmp_path):
-    from rl import checkpoint
+    from rl.run import checkpoint
 
     root = tmp_path / "checkpoints"
     for n in (0, 1, 2):
@@ -275,8 +275,8 @@ def test_old_checkpoints_are_renamed_at_once_and_deleted_in_the_background(tmp_p
 
 def test_a_resume_applies_this_runs_optimizer_settings():
     from rl.config import TrainConfig
-    from rl.learner import apply_optimizer_config
-    from rl.policy import build_optimizer
+    from rl.train.learner import apply_optimizer_config
+    from rl.train.policy import build_optimizer
 
     model = torch.nn.Linear(2, 2)
     saved = TrainConfig(lr=1e-3, lr_warmup_steps=4, weight_decay=0.0)

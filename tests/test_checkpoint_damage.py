@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from rl import checkpoint, checkpointer
 from rl.config import ConfigError
+from rl.run import checkpoint, checkpointer
 from tests.test_checkpoint import final_weights, launch
 from tests.test_checkpoint_safety import Planted, planted_pickle
 from tests.test_faults import one_line, rank_exit_code
@@ -41,7 +41,7 @@ def trained(inputs, tmp_path_factory) -> Path:
 
 def copy_of(trained: Path, tmp_path: Path) -> tuple[Path, Path]:
     """The trained run's folder before its export: a run with its policy in final/ has nothing left to load, and a
-    relaunch of it stops before reading a checkpoint (rl/finished.py)."""
+    relaunch of it stops before reading a checkpoint (rl/run/finished.py)."""
     out = tmp_path / "run"
     shutil.copytree(trained, out, ignore=lambda folder, names: ["final"] if Path(folder) == trained else [])
     return out, out / "checkpoints"

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rl.checkpointer import RunCheckpointer
 from rl.config import ConfigError, config_from_dict
 from rl.parallel import Dist
+from rl.run.checkpointer import RunCheckpointer
 
 ONE_RANK = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
 

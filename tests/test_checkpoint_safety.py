@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from rl import checkpoint
-from rl.buffer import RolloutBuffer, check_plain, from_json, sample_from_dict, sample_to_dict, to_json
 from rl.config import ConfigError
 from rl.data import Sample, Status
+from rl.rollout.buffer import RolloutBuffer, check_plain, from_json, sample_from_dict, sample_to_dict, to_json
+from rl.run import checkpoint
 from tests.test_checkpoint import launch, rows
 from tests.test_faults import one_line, rank_exit_code
 from tests.tiny import save_tiny_model_dir, write_arithmetic_jsonl
@@ -103,7 +103,7 @@ def test_metadata_that_sends_reads_out_of_its_folder_is_refused(runs, tmp_path, 
 
 
 def test_the_export_of_a_checkpoint_reads_it_safely_too(runs, tmp_path):
-    from rl.export import export_checkpoint
+    from rl.run.export import export_checkpoint
 
     folder = tmp_path / "rollout_0"
     shutil.copytree(runs["full"], folder)

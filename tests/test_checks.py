@@ -1,10 +1,10 @@
-"""Start-up checks of rl.checks: each bad combination stops with one line naming the cause."""
+"""Start-up checks of rl.run.checks: each bad combination stops with one line naming the cause."""
 
 import pytest
 from transformers import GenerationConfig
 
-from rl.checks import check_model_and_tokenizer
 from rl.config import ConfigError, ModelConfig, RolloutConfig
+from rl.run.checks import check_model_and_tokenizer
 from tests.tiny import tiny_config, tiny_tokenizer
 
 

@@ -1,5 +1,5 @@
-"""The code task: rl/code_reward.py runs a response's code against its row's tests in the sandbox and scores
-all-pass; a hang or a crash scores 0 inside its worker and the run goes on; rl/code_tasks.py writes HumanEval-format
+"""The code task: rl/env/code_reward.py runs a response's code against its row's tests in the sandbox and scores
+all-pass; a hang or a crash scores 0 inside its worker and the run goes on; rl/env/code_tasks.py writes HumanEval-format
 problems as rows whose own solutions pass and whose bare statements do not."""
 
 import gzip
@@ -8,10 +8,11 @@ import zipfile
 
 import pytest
 
-from rl.code_reward import TIMEOUT_S, extract_code, all_tests_pass
-from rl.code_tasks import MEMBER, main as build, reference_response, rows, to_row
 from rl.config import ConfigError, RewardConfig
-from rl.reward import RewardInput, RewardPool
+from rl.env.code_reward import TIMEOUT_S, all_tests_pass, extract_code
+from rl.env.code_tasks import MEMBER, reference_response, rows, to_row
+from rl.env.code_tasks import main as build
+from rl.env.reward import RewardInput, RewardPool
 
 ROW = {"setup": "from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    \"\"\"The sum of xs.\"\"\"\n",
        "tests": "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n\n"
@@ -91,7 +92,7 @@ def test_the_two_reward_hacks_score_0():
 def test_answers_cross_as_plain_data_with_their_types():
     import collections
 
-    from rl.code_harness import NotPlainData, decode, encode
+    from rl.env.code_harness import NotPlainData, decode, encode
 
     values = [None, True, 3, -2**80, 10**5000, 1.5, float("inf"), 2j, "é\ud800", b"\x00", [1, (2, {3})],
               {(1, 2): frozenset({4})}]
@@ -113,7 +114,7 @@ def test_answers_cross_as_plain_data_with_their_types():
 
 
 def test_the_functions_to_write_are_the_tests_free_names_not_setups_helpers():
-    from rl.code_reward import functions_to_write
+    from rl.env.code_reward import functions_to_write
 
     setup = ("import math\n\ndef poly(xs, x):\n    return sum(c * x ** i for i, c in enumerate(xs))\n\n"
              "def find_zero(xs):\n    \"\"\"A zero of poly.\"\"\"\n")
@@ -182,13 +183,14 @@ def test_reward_sandbox_reaches_the_workers_and_a_missing_jail_stops_the_start(m
     for isolation, expected in (("jail", 0.0), ("barrier", 1.0)):
         with RewardPool(RewardConfig(user_fn="tests.reward_fns:runs_in_the_barrier", sandbox=isolation)) as pool:
             assert pool.score(inputs).rewards == [expected]
-    from rl import sandbox
+    from rl.env import sandbox
 
     monkeypatch.setattr(sandbox, "jail_problem", lambda: "sandbox: the jail could not be built: Operation refused")
     with pytest.raises(ConfigError, match=r"Operation refused.*reward\.sandbox = \"barrier\"") as refused:
-        RewardPool(RewardConfig(user_fn="rl.code_reward:all_tests_pass"))
+        RewardPool(RewardConfig(user_fn="rl.env.code_reward:all_tests_pass"))
     assert "\n" not in str(refused.value)
-    RewardPool(RewardConfig(user_fn="rl.code_reward:all_tests_pass", sandbox="barrier")).close()  # accepted knowingly
+    # accepted knowingly
+    RewardPool(RewardConfig(user_fn="rl.env.code_reward:all_tests_pass", sandbox="barrier")).close()
 
 
 def test_a_row_without_tests_is_an_error_not_a_zero():
@@ -197,7 +199,7 @@ def test_a_row_without_tests_is_an_error_not_a_zero():
 
 
 def test_hangs_and_crashes_score_0_inside_their_worker_and_the_pool_goes_on():
-    cfg = RewardConfig(user_fn="rl.code_reward:all_tests_pass", num_workers=4, timeout_s=TIMEOUT_S + 10)
+    cfg = RewardConfig(user_fn="rl.env.code_reward:all_tests_pass", num_workers=4, timeout_s=TIMEOUT_S + 10)
     bomb = "```python\nimport os\nwhile True:\n    os.fork()\n```"
     memory = "```python\nx = bytearray(2 ** 34)\n```"
     responses = [HANGS, CRASHES, bomb, memory, RIGHT, WRONG, RIGHT]
@@ -244,7 +246,7 @@ def test_a_two_rank_run_scores_with_the_code_reward(tmp_path):
                                                  for i, p in enumerate(problems)))
     inputs = (save_tiny_model_dir(tmp_path / "model"), tmp_path / "code.jsonl")
     proc = run(inputs, tmp_path / "run", "--data.prompt_key=prompt", "--data.answer_key=",
-               "--reward.user_fn=rl.code_reward:all_tests_pass", f"--reward.timeout_s={TIMEOUT_S + 10}",
+               "--reward.user_fn=rl.env.code_reward:all_tests_pass", f"--reward.timeout_s={TIMEOUT_S + 10}",
                "--reward.num_workers=2", "--rollout.rollout_batch_size=2", "--train.num_rollout=1",
                "--log.sample_interval=1", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]

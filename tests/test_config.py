@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.config import (Config, ConfigError, check_paths, config_from_dict, load_config, parse_overrides,
-                       resolve)
+from rl.config import Config, ConfigError, check_paths, config_from_dict, load_config, parse_overrides, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,7 +180,7 @@ def test_help_lists_every_key_of_every_section_with_its_default_and_comment():
 
 
 def test_a_variant_key_is_checked_and_explained_from_its_table():
-    """Validation and --help list what the variant tables hold (rl/algo.py's and rl/config.py's), row for row."""
+    """Validation and --help list what the variant tables hold (rl/train/algo.py's and rl/config.py's), row for row."""
     from rl.config import choices, help_text
 
     with pytest.raises(ConfigError, match=r"^rollout.engine must be one of native, vllm; got 'sglang'$"):

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from rl.algo import approx_kl_k3, tis_weights
 from rl.config import ConfigError, config_from_dict
-from rl.train import SUM_KEYS, add_mismatch
+from rl.train.algo import approx_kl_k3, tis_weights
+from rl.train.step import SUM_KEYS, add_mismatch
 
 E = torch.zeros(2, 3)  # the engine's logprobs: the ratios are exp(old)
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])

@@ -11,7 +11,7 @@ import pytest
 
 from rl.config import ConfigError, DataConfig, EvalConfig
 from rl.data import EVAL_KEYS, PromptDataset, load_prompts, read_source_rows
-from rl.evaluate import load_eval_prompts
+from rl.rollout.evaluate import load_eval_prompts
 from tests.data_builders import additions
 from tests.tiny import tiny_tokenizer
 

@@ -7,7 +7,7 @@ import pytest
 
 from rl.config import ConfigError, DataConfig, EvalConfig
 from rl.data import EVAL_KEYS, load_prompts, read_source_rows
-from rl.evaluate import load_eval_prompts
+from rl.rollout.evaluate import load_eval_prompts
 from tests.tiny import tiny_tokenizer
 
 datasets = pytest.importorskip("datasets")

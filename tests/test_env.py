@@ -1,5 +1,5 @@
-"""Multi-turn episodes (rl/env.py, rl/episodes.py): the trained sequence is exactly the engine's tokens and
-the environment's (and the sample dump shows which is which), environment tokens train nothing, a failing
+"""Multi-turn episodes (rl/env/__init__.py, rl/rollout/episodes.py): the trained sequence is exactly the engine's
+tokens and the environment's (and the sample dump shows which is which), environment tokens train nothing, a failing
 environment costs its episode and a count, the calculator tool, episodes that continue from the KV the native
 engine kept, and a 2-rank loop with the native engine."""
 
@@ -11,22 +11,33 @@ import time
 import pytest
 import torch
 
-from rl.collect import Collector, dump_rollout
-from rl.config import AlgoConfig, Config, ConfigError, DataConfig, EnvConfig, EvalConfig, ModelConfig, \
-    RewardConfig, RolloutConfig, load_config, resolve
+from rl.config import (
+    AlgoConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    EnvConfig,
+    EvalConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    load_config,
+    resolve,
+)
 from rl.data import Prompt, Sample, Status
-from rl.envs import guess_number, python_tool
-from rl.envs.calculator import evaluate, make_env
-from rl.evaluate import evaluate as run_eval
+from rl.env import guess_number, python_tool
+from rl.env.calculator import evaluate, make_env
+from rl.env.reward import RewardPool
 from rl.parallel import Dist
-from rl.reward import RewardPool
 from rl.rollout import Completion, SamplingParams
+from rl.rollout.collect import Collector, dump_rollout
+from rl.rollout.evaluate import evaluate as run_eval
 from rl.rollout.native import NativeEngine
-from rl.train import collate, micro_batch_loss, token_logprobs
+from rl.train.step import collate, micro_batch_loss, token_logprobs
+from tests.stand_in import StandInEngine
 from tests.test_distributed import ROOT, run_loop
 from tests.test_engine import full_weights
 from tests.test_vllm import GAP, RANKS, needs_vllm
-from tests.stand_in import StandInEngine
 from tests.tiny import tiny_model, tiny_tokenizer
 
 ONE_RANK = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
@@ -253,7 +264,7 @@ def test_python_tool_runs_calls_in_the_sandbox():
 def test_python_tool_episode_in_the_reward_workers():
     call = TOKENIZER.encode(python_call("print(6 * 7)"))
     answer = TOKENIZER.encode(r"\boxed{42}") + [TOKENIZER.eos_token_id]
-    scored, _ = episodes("rl.envs.python_tool:make_env", [call, answer], ["42"], max_new_tokens=256)
+    scored, _ = episodes("rl.env.python_tool:make_env", [call, answer], ["42"], max_new_tokens=256)
     (s,) = scored.samples
     appended = TOKENIZER.encode(python_tool.chat_tool_response("42"), add_special_tokens=False)
     assert s.tokens == [40, 41, 42] + call + appended + answer
@@ -293,7 +304,7 @@ def test_python_code_block_episode_stops_at_the_fence():
     answer = TOKENIZER.encode("\\boxed{42}") + [TOKENIZER.eos_token_id]
     engine = ScriptedEngine([turn, answer])
     sample = Sample(prompt="q", tokens=[40, 41, 42], label="42", raw_prompt="q", group_index=0)
-    env = EnvConfig(fn="rl.envs.python_tool:make_code_block_env", stop=["```\n"])
+    env = EnvConfig(fn="rl.env.python_tool:make_code_block_env", stop=["```\n"])
     with RewardPool(RewardConfig(num_workers=1), env.fn) as pool:
         collector = Collector(engine, pool, TOKENIZER, RolloutConfig(max_new_tokens=256), ONE_RANK, env=env)
         scored = collector.generate_and_score([[sample]], SamplingParams(max_new_tokens=256, seed=0), 1, (0,), 60.0)
@@ -308,7 +319,7 @@ def test_eval_reports_accuracy_with_tools_and_the_tool_call_rate():
     call = TOKENIZER.encode(python_call("print(6 * 7)"))
     answer = TOKENIZER.encode(r"\boxed{42}") + [TOKENIZER.eos_token_id]
     prompts = [Prompt(text="q", token_ids=[40, 41, 42], label=label, metadata={}, raw="q") for label in ("42", "41")]
-    env = EnvConfig(fn="rl.envs.python_tool:make_env")
+    env = EnvConfig(fn="rl.env.python_tool:make_env")
     with RewardPool(RewardConfig(num_workers=2), env.fn) as pool:
         collector = Collector(ScriptedEngine([call, call, answer]), pool, TOKENIZER, RolloutConfig(max_new_tokens=256),
                               ONE_RANK, env=env)
@@ -337,7 +348,7 @@ def test_guess_number_answers_each_guess(tmp_path):
 
 def test_guess_number_episode_in_the_reward_workers():
     first, second = TOKENIZER.encode("50") + [TOKENIZER.eos_token_id], TOKENIZER.encode("37") + [TOKENIZER.eos_token_id]
-    scored, _ = episodes("rl.envs.guess_number:make_env", [first, second], ["37"])
+    scored, _ = episodes("rl.env.guess_number:make_env", [first, second], ["37"])
     (s,) = scored.samples
     feedback = TOKENIZER.encode(guess_number.user_turn("50 is too high. 6 guesses left."), add_special_tokens=False)
     assert s.tokens == [40, 41, 42] + first + feedback + second

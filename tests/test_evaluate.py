@@ -8,13 +8,13 @@ import torch
 
 from rl.config import ConfigError, DataConfig, EvalConfig, RewardConfig, RolloutConfig
 from rl.data import Prompt, PromptDataset
-from rl.collect import Collector
-from rl.evaluate import evaluate, load_eval_prompts, pass_at_k
+from rl.env.reward import RewardPool
 from rl.parallel import Dist, engine_share
-from rl.reward import RewardPool
 from rl.rollout import Completion, SamplingParams
-from tests.test_faults import run, strict_rows
+from rl.rollout.collect import Collector
+from rl.rollout.evaluate import evaluate, load_eval_prompts, pass_at_k
 from tests.stand_in import StandInEngine
+from tests.test_faults import run, strict_rows
 from tests.tiny import save_tiny_model_dir, tiny_tokenizer, write_arithmetic_jsonl
 
 
@@ -130,7 +130,7 @@ def test_eval_and_sample_dumps_in_the_loop(tmp_path):
 
 def test_an_eval_source_that_is_all_training_prompts_is_one_line_naming_it(tmp_path):
     from rl.config import load_config, resolve
-    from rl.evaluate import held_out_prompts
+    from rl.rollout.evaluate import held_out_prompts
 
     rows = write_arithmetic_jsonl(tmp_path / "train.jsonl")
     cfg = resolve(load_config([f"--model.path={tmp_path}", f"--data.source={rows}", f"--eval.source={rows}",

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from rl.config import ConfigError
-from rl.export import MARKER, export_policy, write_hf_folder
+from rl.run.export import MARKER, export_policy, write_hf_folder
 from tests.tiny import save_tiny_model_dir, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config
 
-from rl.checks import check_native_architecture
 from rl.config import ConfigError
+from rl.model.shape import ModelShape
 from rl.rollout import SamplingParams
 from rl.rollout.native import NativeEngine
-from rl.shape import ModelShape
+from rl.run.checks import check_native_architecture
 from tests.test_engine import full_weights, reference_logprobs
 
 PROMPTS = [list(range(1, 70)), [3, 4, 5], [7] * 20 + [9, 11, 13]]
@@ -125,8 +125,8 @@ def test_a_family_the_engine_does_not_run_is_one_line_naming_it_and_vllm():
 @pytest.mark.parametrize("make", [qwen3_config, gemma3_config], ids=["qwen3", "gemma3"])
 def test_a_lora_policy_of_the_family_pushes_its_merged_weights_into_the_engine(make):
     from rl.config import LoraConfig
-    from rl.lora import apply_lora, init_adapters
-    from rl.weights import sync_weights
+    from rl.train.lora import apply_lora, init_adapters
+    from rl.train.weights import sync_weights
     from tests.test_lora import engine_vs_trainer, randomize_b
 
     model = random_model(make())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.checkpoint import complete_checkpoints
+from rl.run.checkpoint import complete_checkpoints
 from tests.test_distributed import ROOT
 from tests.tiny import save_tiny_model_dir, write_arithmetic_jsonl
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rl.flops import decoder_matmul_params, forward_flops, train_flops
+from rl.model.flops import decoder_matmul_params, forward_flops, train_flops
 from tests.tiny import tiny_config, tiny_model
 
 

@@ -1,4 +1,4 @@
-"""FP8 rollouts (rollout.precision = "fp8"): rl/fp8.py's quantization maths against e4m3's error bound, its linear
+"""FP8 rollouts (rollout.precision = "fp8"): rl/model/fp8.py's quantization maths against e4m3's error bound, its linear
 against F.linear, the native engine on FP8 weights against the fp32 forward, and the keys' validation."""
 
 import dataclasses
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rl import fp8
 from rl.config import ConfigError
+from rl.model import fp8
 from rl.rollout import SamplingParams
 from rl.rollout.native import NativeEngine
 from rl.rollout.vllm import engine_kwargs
@@ -99,7 +99,7 @@ def test_fp8_linear_is_the_dequantized_weight_s_linear_and_near_the_original(blo
 
 
 def test_the_scaled_mm_arithmetic_quantizes_each_token_on_its_own():
-    """What torch._scaled_mm computes on CUDA (rl/fp8.py's scaled_mm_reference): per-token activation scales, then
+    """What torch._scaled_mm computes on CUDA (rl/model/fp8.py's scaled_mm_reference): per-token activation scales, then
     both errors carried through the product."""
     w, x = weight(256, 320), torch.randn(9, 320) * torch.logspace(-2, 2, 9)[:, None]
     xq, x_scale = fp8.quantize_rows(x)
@@ -218,16 +218,16 @@ def test_vllm_gets_its_online_fp8_of_the_same_scales(fp8_scale, quantization):
 
 @pytest.mark.parametrize("fp8_scale", ["channel", "block"])
 def test_the_memory_plan_counts_the_engine_s_fp8_tensors(models, fp8_scale):
-    """rl/memory.py's engine weights with FP8: the bytes of every tensor the native engine holds (1 byte a matrix
+    """rl/run/memory.py's engine weights with FP8: the bytes of every tensor the native engine holds (1 byte a matrix
     parameter, float32 scales, the rest in the engine dtype), here at fp32 and at a Llama shape with 128-row tiles
     cut short; a bf16 engine's are 2 bytes a parameter."""
     from math import prod
 
     from transformers import AutoConfig
 
-    from rl.memory import engine_weight_bytes
-    from rl.rollout.model import Shape, internal_tensors
-    from rl.shape import ModelShape
+    from rl.model.decoder import Shape, internal_tensors
+    from rl.model.shape import ModelShape
+    from rl.run.memory import engine_weight_bytes
 
     llama = AutoConfig.for_model("llama", vocab_size=300, hidden_size=320, intermediate_size=500, num_hidden_layers=2,
                                  num_attention_heads=5, num_key_value_heads=1)

@@ -1,10 +1,10 @@
-"""train.optimizer_offload's AdamW (rl/host_adamw.py) in one process: its chunks, its numbers, its resume. The
+"""train.optimizer_offload's AdamW (rl/train/host_adamw.py) in one process: its chunks, its numbers, its resume. The
 sharded steps and checkpoints across both optimizers are in tests/dist_checks.py; the device streams in
 tests/test_offload_gpu.py."""
 
 import torch
 
-from rl.host_adamw import HostAdamW, element_chunks
+from rl.train.host_adamw import HostAdamW, element_chunks
 
 
 def test_chunks_cover_every_element_once_within_the_width():

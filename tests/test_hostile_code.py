@@ -1,4 +1,4 @@
-"""Hostile programs against rl/sandbox.py's jail: each reach below worked against the earlier sandbox (limits and
+"""Hostile programs against rl/env/sandbox.py's jail: each reach below worked against the earlier sandbox (limits and
 seccomp around a process of the caller's user, in a temporary folder of the host; `reward.sandbox = "barrier"` is
 that barrier still) and must fail in the jail. Run with RL_SANDBOX=barrier to watch them fail.
 
@@ -22,8 +22,8 @@ import uuid
 
 import pytest
 
-from rl import sandbox
-from rl.sandbox import run_python
+from rl.env import sandbox
+from rl.env.sandbox import run_python
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the jail is Linux's")
 
@@ -94,7 +94,7 @@ for path in glob.glob('/proc/*/environ'):
         pass
 print('\\n'.join(found))
 """
-    caller = ("import sys\nfrom rl.sandbox import run_python\n"
+    caller = ("import sys\nfrom rl.env.sandbox import run_python\n"
               "print(run_python(sys.stdin.read(), timeout_s=10).stdout)")
     out = subprocess.run([sys.executable, "-c", caller], input=code, capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, RL_HOSTILE_KEY=secret))
@@ -130,7 +130,7 @@ for sig in (signal.SIGSTOP, signal.SIGKILL):
 def test_the_caller_cannot_be_stopped_or_killed():
     """A stopped caller hung for good (the sandbox's timer runs in it). The caller here is a worker process that
     runs the code and then reports; the code aims at its parent, its process group and the worker's pid."""
-    caller = ("import os, sys\nfrom rl.sandbox import run_python\n"
+    caller = ("import os, sys\nfrom rl.env.sandbox import run_python\n"
               "r = run_python(sys.stdin.read().replace('CALLER', str(os.getpid())), timeout_s=5)\n"
               "print('caller alive after', r.stdout.split())")
     code = """
@@ -266,7 +266,7 @@ for attempt in (os.fork, lambda: subprocess.run(['true']), lambda: os.posix_spaw
 SUBMOUNT = """
 import sys
 sys.path.insert(0, {root!r})
-from rl import sandbox
+from rl.env import sandbox
 sandbox.JAIL_PROGRAM = {program!r}
 r = sandbox.run_python("open('/usr/share/rl-planted', 'w').write('x')")
 print('refused' if 'Read-only file system' in r.stderr else r)
@@ -317,7 +317,7 @@ def descendants(pid: int) -> set[int]:
 def test_a_worker_killed_mid_call_leaves_no_process_folder_or_mount():
     mounts_before = open("/proc/self/mountinfo").read()
     folders_before = set(os.listdir(tempfile.gettempdir()))
-    caller = ("import sys\nfrom rl.sandbox import run_python\n"
+    caller = ("import sys\nfrom rl.env.sandbox import run_python\n"
               "run_python(\"open('work.txt', 'w').write('x')\\nprint('running', flush=True)\\n"
               "import time\\ntime.sleep(60)\", timeout_s=60)")
     worker = subprocess.Popen([sys.executable, "-c", caller], stdout=subprocess.PIPE, text=True)

@@ -5,10 +5,10 @@ interpreter the other kernel tests run under does not type-check what the compil
 from tests.test_logprob_kernels import compile_for_hopper
 
 KERNELS = """
-import rl.kernels.attention_triton as a
-import rl.kernels.rms_norm_triton as r
-import rl.kernels.rope_triton as p
-import rl.kernels.silu_triton as s
+import rl.model.kernels.attention_triton as a
+import rl.model.kernels.rms_norm_triton as r
+import rl.model.kernels.rope_triton as p
+import rl.model.kernels.silu_triton as s
 
 decode = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
           "context_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "scale_log2": "fp32",

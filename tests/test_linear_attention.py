@@ -1,4 +1,4 @@
-"""The gated delta rule, the short convolution and the Gated DeltaNet layer (rl/linear_attention.py): the chunked
+"""The gated delta rule, the short convolution and the Gated DeltaNet layer (rl/model/linear_attention.py): the chunked
 form against the token-by-token step and transformers' torch references, packed rows against each sequence
 alone, continued sequences against one pass, the layer against transformers' Qwen3-Next and Qwen3.5 modules."""
 
@@ -10,8 +10,15 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_next import modeling_qwen3_next
 from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
 
-from rl.linear_attention import (causal_conv1d, causal_conv1d_step, chunk_gated_delta_rule, gated_delta_step,
-                                 gated_deltanet_forward, gated_deltanet_step, weights_from_module)
+from rl.model.linear_attention import (
+    causal_conv1d,
+    causal_conv1d_step,
+    chunk_gated_delta_rule,
+    gated_delta_step,
+    gated_deltanet_forward,
+    gated_deltanet_step,
+    weights_from_module,
+)
 
 HEADS, KEY_DIM, VALUE_DIM, CHANNELS, WIDTH = 2, 8, 6, 5, 4
 LENGTHS = [70, 5, 131]  # a packed row: one sequence past a chunk boundary, one shorter than the conv, one of 3 chunks

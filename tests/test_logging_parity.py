@@ -12,15 +12,15 @@ import types
 
 import pytest
 
-from rl import metrics as metrics_module
 from rl import plot
-from rl.collect import Collector, dump_rollout
 from rl.config import RewardConfig, RolloutConfig, load_config
 from rl.data import Sample, Status
-from rl.finished import finished_line
-from rl.metrics import MetricsLogger, NullLogger
-from rl.reward import RewardResult, gather
-from rl.reward import metrics as reward_metrics
+from rl.env.reward import RewardResult, gather
+from rl.env.reward import metrics as reward_metrics
+from rl.rollout.collect import Collector, dump_rollout
+from rl.run import metrics as metrics_module
+from rl.run.finished import finished_line
+from rl.run.metrics import MetricsLogger, NullLogger
 from tests.test_distributed import ROOT
 from tests.test_faults import rl_main
 from tests.tiny import save_tiny_model_dir, write_arithmetic_jsonl
@@ -262,7 +262,7 @@ def test_a_run_dumps_and_tables_each_functions_score(tmp_path):
 
 
 def test_a_sample_saved_before_scores_were_kept_still_resumes():
-    from rl.buffer import sample_from_dict, sample_to_dict
+    from rl.rollout.buffer import sample_from_dict, sample_to_dict
 
     s = sample(0, 0, {})
     older = {k: v for k, v in sample_to_dict(s).items() if k != "scores"}  # a checkpoint's groups in flight

@@ -1,4 +1,4 @@
-"""The trainer's fused log-prob kernels (rl/kernels/logprobs_triton.py) against autograd through log_softmax.
+"""The trainer's fused log-prob kernels (rl/model/kernels/logprobs_triton.py) against autograd through log_softmax.
 
 On a machine without a GPU they run through Triton's interpreter (imported for it by tests/conftest.py), on a
 private copy of the module imported under it, as tests/test_native_gpu.py does with the engine's kernels.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.train import TokenLogprobs
+from rl.train.step import TokenLogprobs
 from tests.test_native_gpu import ON_GPU, interpreted_triton, interpreter, kernel_module  # noqa: F401 (a fixture)
 
 if not ON_GPU and not interpreted_triton():
@@ -22,7 +22,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
 def kernels():
-    module = kernel_module("rl.kernels.logprobs_triton")
+    module = kernel_module("rl.model.kernels.logprobs_triton")
     if not ON_GPU:
         module.BLOCK_V = 64  # several loop steps over the small vocabulary, the last one short
     return module
@@ -95,7 +95,7 @@ for fn, signature, constants in kernels:
 """
 
 LOGPROB_KERNELS = """
-import rl.kernels.logprobs_triton as k
+import rl.model.kernels.logprobs_triton as k
 
 common = {"logits_ptr": "*bf16", "target_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "vocab": "i32",
           "row_stride": "i32", "inv_t": "fp32", "BLOCK": "constexpr"}

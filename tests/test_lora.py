@@ -1,4 +1,4 @@
-"""LoRA (rl/lora.py): the adapted layer against a hand-built LoRA forward, the frozen base, the merged weights the
+"""LoRA (rl/train/lora.py): the adapted layer against a hand-built LoRA forward, the frozen base, the merged weights the
 engine receives, and a 2-rank run that resumes exactly and exports a merged folder and a PEFT adapter."""
 
 import dataclasses
@@ -11,13 +11,13 @@ from safetensors.torch import load_file
 
 from rl.config import ConfigError, LoraConfig, TrainConfig
 from rl.data import Sample
-from rl.export import export_checkpoint
-from rl.lora import ADAPTER_WEIGHTS, LoRALinear, adapted_layers, apply_lora, init_adapters, merge
-from rl.policy import build_optimizer
 from rl.rollout import SamplingParams
 from rl.rollout.native import NativeEngine
-from rl.train import collate, token_logprobs
-from rl.weights import iter_merged_weights, sync_weights
+from rl.run.export import export_checkpoint
+from rl.train.lora import ADAPTER_WEIGHTS, LoRALinear, adapted_layers, apply_lora, init_adapters, merge
+from rl.train.policy import build_optimizer
+from rl.train.step import collate, token_logprobs
+from rl.train.weights import iter_merged_weights, sync_weights
 from tests.test_checkpoint import launch, rows
 from tests.tiny import save_tiny_model_dir, tiny_model, write_arithmetic_jsonl
 
@@ -119,8 +119,8 @@ def test_the_optimizer_holds_the_adapters_alone_and_the_base_never_moves():
 
 
 def test_bad_lora_keys_and_a_resume_into_other_adapters_are_one_line_each(tmp_path):
-    from rl.checkpoint import check_lora
     from rl.config import config_from_dict
+    from rl.run.checkpoint import check_lora
 
     base = {"model": {"path": "m"}, "data": {"source": "d.jsonl"}}
     for lora, key in (({"rank": -1}, "lora.rank"), ({"rank": 4, "dropout": 1.0}, "lora.dropout"),
@@ -141,8 +141,8 @@ def test_bad_lora_keys_and_a_resume_into_other_adapters_are_one_line_each(tmp_pa
 
 
 def test_the_kl_reference_of_a_lora_policy_is_its_own_base_with_the_adapters_off():
-    from rl.reference import BaseOfPolicy
-    from rl.train import logprob_rows
+    from rl.train.reference import BaseOfPolicy
+    from rl.train.step import logprob_rows
 
     model = lora_model()
     samples = []
@@ -304,8 +304,8 @@ def test_peft_loads_the_exported_adapter(runs):
 
 
 def test_the_memory_plan_counts_gradients_and_moments_of_the_adapters_alone():
-    from rl import memory
     from rl.config import config_from_dict
+    from rl.run import memory
     from tests.test_memory import H200, TINY, seed_batch, shapes
 
     cfg = config_from_dict({"model": {"path": "m"}, "data": {"source": "d.jsonl"}, "lora": {"rank": 2}})
@@ -342,11 +342,11 @@ def test_compiled_lora_blocks_compile_no_more_graphs_than_full_parameter_ones():
     against 12 s. LoRA's compiled blocks now compile as many graphs as full-parameter ones, and train the same
     adapters' gradients as uncompiled blocks."""
     from rl.config import AlgoConfig
-    from rl.metrics import graphs_compiled
-    from rl.packing import use_packed_attention
-    from rl.policy import compile_blocks
-    from rl.rope import unfuse_rope
-    from rl.train import build_schedule, train_on_rollout
+    from rl.model.rope import unfuse_rope
+    from rl.train.measure import graphs_compiled
+    from rl.train.packing import use_packed_attention
+    from rl.train.policy import compile_blocks
+    from rl.train.step import build_schedule, train_on_rollout
     from tests.test_train_options import samples
     from tests.test_zero_advantage_skip import RecordingSGD
 
@@ -386,8 +386,8 @@ def test_compiled_blocks_take_their_floats_as_constants():
     epsilon) into the compiled graph as a float64 CPU tensor input: on an H200, Inductor's code generation for the
     0.5B LoRA block took 43 s against 3 s with them as constants, and the first train step 62 s against 21 s.
     Compiled blocks now meet no float64 input, with adapters or without."""
-    from rl.policy import compile_blocks
-    from rl.rope import unfuse_rope
+    from rl.model.rope import unfuse_rope
+    from rl.train.policy import compile_blocks
 
     inputs: list[torch.dtype] = []
 

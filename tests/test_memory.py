@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from rl import launch, main, memory
+from rl import launch, main
 from rl.config import ConfigError, RunStopped, config_from_dict
-from rl.memory import FP32, GB, Models
+from rl.model.shape import ModelShape
 from rl.rollout import vmem
-from rl.shape import ModelShape
+from rl.run import memory
+from rl.run.memory import FP32, GB, Models
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = 141e9
@@ -55,13 +56,13 @@ def test_parameter_counts_are_the_published_ones():
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
 def test_one_shape_counts_the_parameters_of_the_model_and_of_the_engine(model_type):
-    """rl/shape.py's counts against a real model of each layout the native engine runs (a Llama with attention_bias
-    has q, k, v and o biases, and a tied head here), and against the native engine's own tensors."""
+    """rl/model/shape.py's counts against a real model of each layout the native engine runs (a Llama with
+    attention_bias has q, k, v and o biases, and a tied head here), and against the native engine's own tensors."""
     from math import prod
 
     from transformers import AutoModelForCausalLM
 
-    from rl.rollout.model import Shape, internal_shapes
+    from rl.model.decoder import Shape, internal_shapes
 
     config = AutoConfig.for_model(model_type, vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=model_type == "llama",
@@ -122,7 +123,7 @@ def test_reference_and_critic_phases():
     assert critic.num_params == 40 + 4 + 4 + 3 * 152 == 504
     assert plan["reference"]["reference"] == 4 * 388 + 2 * 388 + 128 * 2 * (2 * 4 + 3 * 8 + 10)
     assert plan["train"]["critic"] == 3 * 4 * 504  # its parameters and moments wait on the device
-    # its state, gradients (one block reduced), its whole bf16 copy (rl/critic.py keeps it gathered), its
+    # its state, gradients (one block reduced), its whole bf16 copy (rl/train/critic.py keeps it gathered), its
     # activations and one value per token with its gradient
     assert plan["critic"]["critic"] == (3 * 4 * 504 + 4 * 504 + 152 * 6 + 2 * 504
                                         + 128 * (3 * 168 + 32) + 2 * 128 * 1 * 2)
@@ -414,7 +415,7 @@ def test_the_plan_against_what_the_tiny_model_holds():
     """The plan's counts against the tensors a real model holds: its parameters, AdamW's state after a step (16
     bytes a parameter in fp32), and the activations its forward saves for backward (by PyTorch's own hooks, every
     storage once), within 20% (no gradient checkpointing, fp32 on the CPU, SDPA attention)."""
-    from rl.memory import activation_bytes
+    from rl.run.memory import activation_bytes
     from tests.tiny import tiny_model
 
     model = tiny_model(0)
@@ -487,7 +488,7 @@ def test_a_disk_without_room_for_a_checkpoint_and_the_export_stops_the_run_befor
 
 
 def test_checkpoint_interval_minus_one_saves_nothing_not_even_the_last_rollout_or_on_a_stop():
-    from rl.checkpointer import RunCheckpointer
+    from rl.run.checkpointer import RunCheckpointer
 
     saved = []
     for interval, want in ((-1, []), (0, [3]), (2, [1, 3])):

@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from rl.health import Health, RunStopped
-from rl.metrics import MetricsLogger
+from rl.run.health import Health, RunStopped
+from rl.run.metrics import MetricsLogger
 
 
 def logger(tmp_path, start=0):
@@ -232,7 +232,7 @@ def test_health_bands_warn_and_count(capsys):
 
 def test_zero_std_group_frac_counts_groups_of_equal_rewards_including_groups_of_one():
     from rl.data import Sample
-    from rl.collect import rollout_metrics
+    from rl.rollout.collect import rollout_metrics
 
     def samples(rewards):
         out = []

@@ -1,5 +1,5 @@
-"""The grouped MoE forward (rl/moe.py) against transformers' own Qwen3-MoE and Qwen2-MoE blocks: outputs, the whole
-model's logits and every gradient; routing replay (own ids change nothing, other ids are used with this forward's
+"""The grouped MoE forward (rl/model/moe.py) against transformers' own Qwen3-MoE and Qwen2-MoE blocks: outputs, the
+whole model's logits and every gradient; routing replay (own ids change nothing, other ids are used with this forward's
 router weights, the mismatch fraction); the auxiliary load-balancing loss; the policy built with its blocks, loaded
 from fused or per-expert checkpoints (each rank stacking its own experts) and exported to a folder transformers
 loads."""
@@ -14,11 +14,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-import rl.moe
+import rl.model.moe
 from rl.config import ModelConfig
-from rl.moe import (load_balancing_loss, moe_forward, moe_routing, recorded_experts, route, router_aux_loss,
-                    routing_mismatch, set_routing_replay, use_grouped_moe)
-from rl.policy import build_policy
+from rl.model.moe import (
+    load_balancing_loss,
+    moe_forward,
+    moe_routing,
+    recorded_experts,
+    route,
+    router_aux_loss,
+    routing_mismatch,
+    set_routing_replay,
+    use_grouped_moe,
+)
+from rl.train.policy import build_policy
 from tests.tiny import tiny_model
 
 FAMILIES = {"qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig}
@@ -94,7 +103,7 @@ def test_the_whole_model_is_transformers_own_in_logits_and_gradients(family):
 def test_the_grouped_mm_path_computes_the_same(family, monkeypatch):
     """torch._grouped_mm runs on the CPU in float32 too (torch 2.9 and later, 16-byte aligned rows): the kernel the
     GPU takes in bf16, with the same offsets and weight layout, against transformers' loop."""
-    monkeypatch.setattr(rl.moe, "_grouped_mm_supported", lambda x, weight: True)
+    monkeypatch.setattr(rl.model.moe, "_grouped_mm_supported", lambda x, weight: True)
     reference, patched = pair(family)
     x = hidden(tokens=40)
     expected, out = block(reference)(x), block(patched)(x)
@@ -360,7 +369,7 @@ def test_an_expert_the_model_does_not_have_is_unexpected(one_rank, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_export_of_a_per_expert_policy_loads_in_transformers_to_the_same_logits(one_rank, tmp_path, family):
-    from rl.export import export_policy
+    from rl.run.export import export_policy
     reference = tiny_moe(family)
     reference.save_pretrained(tmp_path / "model")
     policy = policy_of(tmp_path / "model", one_rank)

@@ -1,4 +1,4 @@
-"""The native engine's MoE blocks (rl/rollout/model.py over rl/moe.py) against transformers' Qwen2-MoE and
+"""The native engine's MoE blocks (rl/model/decoder.py over rl/model/moe.py) against transformers' Qwen2-MoE and
 Qwen3-MoE on CPU in float32: the logprobs of what it samples, greedy decoding token for token, and the expert ids
 it records for every prompt and response token against those transformers' routers pick for the same tokens,
 through continuous batching, continued samples and kept sequences."""
@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
-from rl.checks import check_native_architecture
-from rl.moe import routing_mismatch, set_routing_replay, use_grouped_moe
+from rl.model.decoder import Shape
+from rl.model.moe import routing_mismatch, set_routing_replay, use_grouped_moe
 from rl.rollout import SamplingParams, scheduler
-from rl.rollout.model import Shape
 from rl.rollout.native import NativeEngine
+from rl.run.checks import check_native_architecture
 from tests.test_engine import full_weights, reference_logprobs
 from tests.tiny import tiny_model
 
@@ -177,8 +177,8 @@ def test_an_early_end_hands_back_the_routing_of_what_was_generated():
 
 
 def test_the_trainer_replays_the_recorded_routing_as_its_own():
-    """The completion's routing in the layout rl/moe.py's replay takes: the grouped trainer forward of the sequence
-    with it replayed disagrees with its own choice on no token, and gives transformers' logits."""
+    """The completion's routing in the layout rl/model/moe.py's replay takes: the grouped trainer forward of the
+    sequence with it replayed disagrees with its own choice on no token, and gives transformers' logits."""
     model = tiny_moe("qwen2_moe", seed=5)
     engine = make_engine(model)
     prompt = PROMPTS[0]
@@ -231,8 +231,8 @@ def test_a_continued_sample_keeps_the_routing_its_tokens_were_generated_with():
 def test_a_samples_routing_survives_the_checkpoints_json_and_a_wrong_one_is_named():
     import json
 
-    from rl.buffer import from_json, sample_from_dict, sample_to_dict, to_json
     from rl.data import Sample
+    from rl.rollout.buffer import from_json, sample_from_dict, sample_to_dict, to_json
 
     routed = torch.tensor([[[0, 7], [3, 1], [-1, -1]]], dtype=torch.int16)
     sample = Sample(prompt="p", tokens=[1, 2, 3], response_length=1, loss_mask=[1], rollout_log_probs=[-0.25],

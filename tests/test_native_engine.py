@@ -6,10 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from rl.rollout import SamplingParams
-from rl.rollout import native
+from rl.rollout import SamplingParams, native, scheduler
 from rl.rollout.native import NativeEngine, decode_splits, prefill_chunks
-from rl.rollout import scheduler
 from rl.rollout.scheduler import PagePool, Scheduler
 from tests.test_engine import full_weights, reference_logprobs
 from tests.tiny import tiny_config, tiny_model

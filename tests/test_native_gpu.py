@@ -1,8 +1,8 @@
 """The native engine's Triton kernels against their torch definitions, and the CUDA engine against the CPU one.
 
 Without a GPU the kernel tests run on the CPU through Triton's interpreter: tests/conftest.py imports
-Triton for it, and this module imports its own copy of the kernel modules (rl/kernels/) under it. The interpreter runs
-every program in Python, so there the decode-attention grid is cut to a Latin square and the sampler
+Triton for it, and this module imports its own copy of the kernel modules (rl/model/kernels/) under it. The
+interpreter runs every program in Python, so there the decode-attention grid is cut to a Latin square and the sampler
 draws fewer rows; its `tl.dot` multiplies bfloat16 tiles wrongly (Triton 3.9), so the bfloat16 cases
 of the kernels built on it run on a GPU only, as do the tests of the whole CUDA engine.
 """
@@ -15,11 +15,11 @@ import sys
 import pytest
 import torch
 
-from rl.kernels.attention import paged_attention_reference, paged_prefill_reference
-from rl.kernels.rms_norm import rms_norm_reference
-from rl.kernels.silu import gelu_mul_reference
+from rl.model.decoder import DecoderModel, split_qkv
+from rl.model.kernels.attention import paged_attention_reference, paged_prefill_reference
+from rl.model.kernels.rms_norm import rms_norm_reference
+from rl.model.kernels.silu import gelu_mul_reference
 from rl.rollout import SamplingParams
-from rl.rollout.model import DecoderModel, split_qkv
 from rl.rollout.native import NativeEngine
 from rl.rollout.stop_text import StopText
 from tests.test_engine import PROMPTS, full_weights
@@ -66,18 +66,18 @@ def interpreter():
 def kernel_module(name: str):
     """The module of Triton kernels `name`; on the CPU a private copy, imported under the interpreter (Triton
     picks compiled or interpreted when `@triton.jit` decorates a function) whatever imported it before, with
-    private copies of the rl.kernels modules it imports (a kernel calls another module's jitted helpers)."""
+    private copies of the rl.model.kernels modules it imports (a kernel calls another module's jitted helpers)."""
     if ON_GPU:
         return importlib.import_module(name)
-    package = importlib.import_module("rl.kernels")
-    shared = {n: m for n, m in sys.modules.items() if n.startswith("rl.kernels.")}
+    package = importlib.import_module("rl.model.kernels")
+    shared = {n: m for n, m in sys.modules.items() if n.startswith("rl.model.kernels.")}
     attributes = dict(vars(package))
     for n in shared:
         del sys.modules[n]
     try:
         return importlib.import_module(name)
     finally:  # the session's modules back in place, the copies held only by the returned module
-        for n in [n for n in sys.modules if n.startswith("rl.kernels.")]:
+        for n in [n for n in sys.modules if n.startswith("rl.model.kernels.")]:
             del sys.modules[n]
         sys.modules.update(shared)
         for n in set(vars(package)) - set(attributes):
@@ -86,8 +86,8 @@ def kernel_module(name: str):
 
 
 def kernels(op: str):
-    """The Triton kernels of one operation, rl/kernels/<op>_triton.py."""
-    return kernel_module(f"rl.kernels.{op}_triton")
+    """The Triton kernels of one operation, rl/model/kernels/<op>_triton.py."""
+    return kernel_module(f"rl.model.kernels.{op}_triton")
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -574,7 +574,7 @@ def test_batch_invariant_engine_and_trainer_forward_agree_bit_for_bit(family):
     order of the two log-softmaxes (the default engine is ~1e-2 away from the HF bf16 forward)."""
     import copy
 
-    from rl.invariant import make_batch_invariant
+    from rl.model.invariant import make_batch_invariant
 
     hf = family_model(family, seed=3, layers=4).to(DEVICE, torch.bfloat16).eval()
     engine = NativeEngine(hf.config, DEVICE, torch.bfloat16, max_batch_size=16, seed=0, max_context_len=1024,

@@ -8,8 +8,8 @@ import torch
 
 from rl import parallel
 from rl.config import TrainConfig
-from rl.host_adamw import PinnedArena
-from rl.policy import HostOffloader, build_optimizer, shard_policy
+from rl.train.host_adamw import PinnedArena
+from rl.train.policy import HostOffloader, build_optimizer, shard_policy
 from tests.tiny import local_tensor, tiny_model, training_state
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="offload moves state off a CUDA device")
@@ -76,7 +76,7 @@ def test_offload_round_trip_is_exact_and_frees_the_gpu():
 
 @needs_cuda
 def test_host_adamw_streams_moments_from_pinned_memory_as_fused_adamw_steps():
-    from rl.host_adamw import HostAdamW
+    from rl.train.host_adamw import HostAdamW
 
     os.environ.setdefault("MASTER_PORT", "29532")
     d = parallel.init_distributed()

@@ -10,12 +10,12 @@ from torch._inductor.utils import run_and_get_code
 from transformers import AttentionInterface
 
 from rl.config import AlgoConfig, TrainConfig
-from rl.metrics import graphs_compiled
-from rl import packing
-from rl.packing import cut_packed, documents, kernel_layout, packed_width, use_packed_attention
-from rl.policy import compile_blocks
-from rl.rope import unfuse_rope
-from rl.train import build_schedule, collate, collate_packed, token_logprobs, train_on_rollout
+from rl.model.rope import unfuse_rope
+from rl.train import packing
+from rl.train.measure import graphs_compiled
+from rl.train.packing import cut_packed, documents, kernel_layout, packed_width, use_packed_attention
+from rl.train.policy import compile_blocks
+from rl.train.step import build_schedule, collate, collate_packed, token_logprobs, train_on_rollout
 from tests.test_train_options import samples
 from tests.test_zero_advantage_skip import RecordingSGD, max_rel_err
 from tests.tiny import tiny_model
@@ -138,7 +138,7 @@ def test_grouped_kv_heads_go_to_the_kernel_unrepeated_and_match_repeated_ones():
     traces through the custom ops)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    from rl.packing import VARLEN_PARAMS, causal_gqa
+    from rl.train.packing import VARLEN_PARAMS, causal_gqa
 
     torch.manual_seed(0)
     docs = documents([37, 200, 5, 64], 384, 128, 1, torch.device("cuda"))

@@ -1,5 +1,5 @@
-"""Partial rollouts and the staleness bound (rl/buffer.py, Collector.rollout_buffered): the admission rule, every
-trained token scored by the weights of its recorded version, whole groups trained once, and an exact resume."""
+"""Partial rollouts and the staleness bound (rl/rollout/buffer.py, Collector.rollout_buffered): the admission rule,
+every trained token scored by the weights of its recorded version, whole groups trained once, and an exact resume."""
 
 import json
 import shutil
@@ -7,19 +7,26 @@ import shutil
 import pytest
 import torch
 
-from rl.buffer import FINISHED, RolloutBuffer, due_in, on_schedule, resume_problem, sample_from_dict, sample_to_dict
-from rl.collect import Collector, sequences_per_engine
 from rl.config import Config, DataConfig, ModelConfig, RewardConfig, RolloutConfig, resolve
 from rl.data import Prompt, PromptDataset, Sample, Status
+from rl.env.reward import RewardPool
 from rl.parallel import Dist
-from rl.reward import RewardPool
-from rl.rollout import Completion, SamplingParams
-from rl.rollout import scheduler
+from rl.rollout import Completion, SamplingParams, scheduler
+from rl.rollout.buffer import (
+    FINISHED,
+    RolloutBuffer,
+    due_in,
+    on_schedule,
+    resume_problem,
+    sample_from_dict,
+    sample_to_dict,
+)
+from rl.rollout.collect import Collector, sequences_per_engine
 from rl.rollout.native import NativeEngine
+from tests.stand_in import StandInEngine
 from tests.test_checkpoint import checkpoints, final_weights, launch, rows
 from tests.test_engine import full_weights, reference_logprobs
 from tests.test_faults import one_line, rank_exit_code
-from tests.stand_in import StandInEngine
 from tests.tiny import save_tiny_model_dir, tiny_model, tiny_tokenizer, write_arithmetic_jsonl
 
 ONE_RANK = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)

@@ -68,7 +68,7 @@ def test_batch_invariant_patch_on_the_meta_model(results):
 
 def test_random_init_of_a_model_with_saved_buffers_is_one_line():
     from rl.config import ConfigError
-    from rl.policy import init_random_weights
+    from rl.train.policy import init_random_weights
 
     with pytest.raises(ConfigError, match=r"^model.random_init: the model has a saved buffer running_mean"):
         init_random_weights(torch.nn.BatchNorm1d(3), 0, 0.02)

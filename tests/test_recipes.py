@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rl.answers import math_correct
 from rl.config import load_config
 from rl.data import load_prompts, read_source_rows
+from rl.env.answers import math_correct
 from tests.tiny import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,8 +82,8 @@ def test_the_readme_path_from_rows_and_a_reward_function_to_a_run_holds_together
     import sys
 
     from rl.data import expand_groups
-    from rl.reward import RewardInput
-    from rl.reward_groups import score_group
+    from rl.env.groups import score_group
+    from rl.env.reward import RewardInput
 
     readme = (ROOT / "README.md").read_text()
     start = readme.index("## Your own data and reward")
@@ -108,13 +108,14 @@ def test_the_readme_path_from_rows_and_a_reward_function_to_a_run_holds_together
 def test_the_code_recipe_reads_the_built_rows_and_runs_their_tests_inside_the_workers_limits(tmp_path):
     import gzip
 
-    from rl.code_reward import MEMORY_MB, TIMEOUT_S
-    from rl.code_tasks import main as build, reference_response
-    from rl.reward import RewardInput, score_one
+    from rl.env.code_reward import MEMORY_MB, TIMEOUT_S
+    from rl.env.code_tasks import main as build
+    from rl.env.code_tasks import reference_response
+    from rl.env.reward import RewardInput, score_one
     from tests.test_code_reward import fake_humaneval
 
     cfg = recipe("code_tests")
-    assert cfg.reward.user_fn == "rl.code_reward:all_tests_pass" and cfg.data.answer_key == ""
+    assert cfg.reward.user_fn == "rl.env.code_reward:all_tests_pass" and cfg.data.answer_key == ""
     # The sandbox's limits sit inside the worker's: a hang scores 0 in the sandbox before the worker is killed
     # (a few seconds for the interpreter to start), and the program's memory fits in the worker's.
     assert cfg.reward.timeout_s >= TIMEOUT_S + 5 and cfg.reward.memory_limit_mb > MEMORY_MB

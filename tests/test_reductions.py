@@ -2,8 +2,8 @@
 
 import pytest
 
-from rl.reward import reduce_metrics
-from rl.train import train_metrics
+from rl.env.reward import reduce_metrics
+from rl.train.step import train_metrics
 
 
 def rank_stats(**values: float) -> dict[str, float]:
@@ -69,7 +69,7 @@ def test_derived_seeds_do_not_collide():
 
 
 def test_skipped_runs_count_the_start_the_end_and_the_longest_run():
-    from rl.train import skipped_runs
+    from rl.train.step import skipped_runs
 
     assert skipped_runs([True, False, True, True, True, False, True]) == {
         "skipped_steps": 5, "leading_skipped_steps": 1, "trailing_skipped_steps": 1, "longest_skipped_run": 3}

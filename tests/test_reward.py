@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rl.config import ConfigError, RewardConfig
-from rl.health import RunStopped
-from rl.answers import extract_answer, format_score, length_penalty, math_correct
-from rl.reward import OUTPUT_LIMIT_BYTES, RewardInput, RewardPool, RewardResult, metrics, reduce_metrics, score_one
+from rl.env.answers import extract_answer, format_score, length_penalty, math_correct
+from rl.env.reward import OUTPUT_LIMIT_BYTES, RewardInput, RewardPool, RewardResult, metrics, reduce_metrics, score_one
+from rl.run.health import RunStopped
 
 
 def make_input(response, label, kind="good", length=10, max_new_tokens=1000):
@@ -184,7 +184,7 @@ def test_reward_function_that_raises_or_hangs_yields_zero_and_a_count(caplog):
     with RewardPool(cfg) as pool:
         pool.score([make_input("a", "a")])  # workers started, so the timing below is the batch alone
         start = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="rl.reward"):
+        with caplog.at_level(logging.WARNING, logger="rl.env.reward"):
             result = pool.score(inputs)
         elapsed = time.monotonic() - start
         assert result.rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
@@ -211,7 +211,7 @@ def test_workers_import_nothing_of_the_trainer(monkeypatch, caplog):
     main.__file__ = main.__spec__.origin
     monkeypatch.setitem(sys.modules, "__main__", main)
     with (RewardPool(RewardConfig(user_fn="tests.reward_fns:trainer_modules", num_workers=1)) as pool,
-          caplog.at_level(logging.WARNING, logger="rl.reward")):
+          caplog.at_level(logging.WARNING, logger="rl.env.reward")):
         result = pool.score([make_input("a", "a")])
     assert result.rewards == [1.0], caplog.text
 
@@ -222,7 +222,7 @@ def test_input_past_the_memory_limit_scores_zero_and_is_counted(caplog):
     inputs = [make_input("a", "a", kind=f"{mb} MB") for mb in sizes_mb]
     for inp, mb in zip(inputs, sizes_mb):
         inp.metadata["mb"] = mb
-    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="rl.reward"):
+    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="rl.env.reward"):
         result = pool.score(inputs)
     # each input after a MemoryError runs in a fresh worker, never in the one that is exiting
     assert result.rewards == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0], caplog.text
@@ -248,7 +248,7 @@ def test_what_workers_print_is_captured_and_capped(capfd, caplog):
     inputs = [make_input(r, "a") for r in ("a", "b", "c")]
     for inp in inputs:
         inp.metadata["lines"] = 2000
-    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="rl.reward"):
+    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="rl.env.reward"):
         result = pool.score(inputs)
     assert result.rewards == [1.0, 0.0, 0.0]
     assert (result.num_errors, result.num_timeouts) == (0, 0)
@@ -266,7 +266,7 @@ def test_a_hung_worker_dies_with_the_trainer():
     parent = subprocess.run([sys.executable, "-c", """
 import os, time
 from rl.config import RewardConfig
-from rl.reward import RewardInput, RewardPool
+from rl.env.reward import RewardInput, RewardPool
 pool = RewardPool(RewardConfig(user_fn="tests.reward_fns:by_kind", num_workers=1, timeout_s=1000))
 pool.score([RewardInput("q", "a", "a", 1, 10)])
 worker = pool.workers[0]
@@ -321,7 +321,7 @@ def test_all_failed():
 
 
 def test_a_run_whose_first_scored_step_fails_every_reward_stops_there():
-    from rl.health import Health
+    from rl.run.health import Health
 
     health = Health(max_bad_steps=3, max_failed_steps=3, vocab_size=100)
     health.after_rewards(scored=0, failed=0)  # nothing scored (trained on groups scored before): no verdict

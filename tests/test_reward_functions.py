@@ -1,4 +1,4 @@
-"""TRL-style batched reward functions and the group hook (rl/reward_groups.py): how they are called, how their
+"""TRL-style batched reward functions and the group hook (rl/env/groups.py): how they are called, how their
 values combine (weights, None), how their failures are counted, and runs scored by them."""
 
 import json
@@ -8,8 +8,8 @@ import math
 import pytest
 
 from rl.config import ConfigError, DataConfig, RewardConfig, config_from_dict
-from rl.reward import RewardInput, RewardPool, TrainerState, function_names, metrics, reduce_metrics
-from rl.reward_groups import score_group
+from rl.env.groups import score_group
+from rl.env.reward import RewardInput, RewardPool, TrainerState, function_names, metrics, reduce_metrics
 from tests import reward_fns
 
 
@@ -57,7 +57,7 @@ def test_weights_sum_the_functions_and_none_is_left_out_as_trl_leaves_it(caplog)
     assert [s["functions"]["from_column"] for s in scored] == [1.0, 1.0, None, None]
 
     with RewardPool(RewardConfig(functions=["tests.reward_fns:from_column"], num_workers=1)) as pool:
-        with caplog.at_level(logging.WARNING, logger="rl.reward"):
+        with caplog.at_level(logging.WARNING, logger="rl.env.reward"):
             result = pool.score(inputs)
     # No function scored inputs 2 and 3 and no other term weighs: no reward at all (NaN), as TRL's NaN row.
     assert result.rewards[:2] == [1.0, 1.0] and all(math.isnan(r) for r in result.rewards[2:])
@@ -83,7 +83,7 @@ def test_a_batched_function_that_raises_hangs_or_miscounts_costs_its_group_and_i
     cfg = RewardConfig(functions=["tests.reward_fns:batched_by_kind"], num_workers=2, timeout_s=1.0)
     rows = [{"prompt": "p", "kind": kind} for kind in ("ok", "raise", "hang", "short", "ok")]
     inputs = inputs_of(rows, n=2, responses=["1", "a1", "2", "3", "4", "5", "6", "7", "89", "x"])
-    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="rl.reward"):
+    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="rl.env.reward"):
         result = pool.score(inputs)
         assert result.rewards == [1.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
         assert (result.num_errors, result.num_timeouts) == (4, 2)  # raise, short; hang: whole groups

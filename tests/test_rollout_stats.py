@@ -1,7 +1,7 @@
-"""RolloutStats (rl/rollout_stats.py): rounds add field by field, ranks combine as each field declares, and the
+"""RolloutStats (rl/rollout/stats.py): rounds add field by field, ranks combine as each field declares, and the
 metrics come from the counters, against numbers worked out by hand."""
 
-from rl.rollout_stats import RolloutStats
+from rl.rollout.stats import RolloutStats
 
 
 def test_rounds_add_every_field():

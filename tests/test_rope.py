@@ -1,4 +1,4 @@
-"""RoPE as one op (rl/rope.py) and its float32 Triton kernel (rl/kernels/rope_triton.py) against HF's
+"""RoPE as one op (rl/model/rope.py) and its float32 Triton kernel (rl/model/kernels/rope_triton.py) against HF's
 apply_rotary_pos_emb.
 
 On a machine without a GPU the kernel runs through Triton's interpreter (imported for it by tests/conftest.py),
@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers.models.qwen2 import modeling_qwen2
 
-import rl.rope
-from rl.policy import compile_blocks
-from rl.rope import computes_rope, fuse_rope, rope, unfuse_rope
+import rl.model.rope
+from rl.model.rope import computes_rope, fuse_rope, rope, unfuse_rope
+from rl.train.policy import compile_blocks
 from tests.test_logprob_kernels import compile_for_hopper
 from tests.test_native_gpu import ON_GPU, interpreter, kernel_module  # noqa: F401 (a fixture)
 from tests.test_train_options import close, loss_and_grads, samples
@@ -26,8 +26,8 @@ HF = getattr(modeling_qwen2.apply_rotary_pos_emb, "original", modeling_qwen2.app
 @pytest.fixture
 def kernels(monkeypatch, hf_rope):
     """The op runs the Triton kernel (interpreted on a CPU)."""
-    module = kernel_module("rl.kernels.rope_triton")
-    monkeypatch.setattr(rl.rope, "kernels", lambda x: module)
+    module = kernel_module("rl.model.kernels.rope_triton")
+    monkeypatch.setattr(rl.model.rope, "kernels", lambda x: module)
     return module
 
 
@@ -118,7 +118,7 @@ def test_only_standard_rope_is_swapped(monkeypatch, hf_rope):
 
 def test_kernel_compiles_for_hopper(tmp_path):
     kernels = """
-import rl.kernels.rope_triton as k
+import rl.model.kernels.rope_triton as k
 ints = ["length", "heads", "half", "xb", "xh", "xt", "ob", "oh", "ot", "cb", "ct"]
 signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
              "INVERSE": "constexpr", "BLOCK_H": "constexpr", "BLOCK_D": "constexpr"}

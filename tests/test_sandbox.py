@@ -1,4 +1,4 @@
-"""rl/sandbox.py: output and exit codes, the wall-clock and memory limits, no new processes, no network, the
+"""rl/env/sandbox.py: output and exit codes, the wall-clock and memory limits, no new processes, no network, the
 caller's files beside the code, in the jail and behind the weaker barrier; a jail that cannot be built is one line
 naming the setting, never a silent downgrade. The attacks on the jail are tests/test_hostile_code.py's."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rl import sandbox
-from rl.sandbox import MAX_OUTPUT_BYTES, SandboxResult, run_python
+from rl.env import sandbox
+from rl.env.sandbox import MAX_OUTPUT_BYTES, SandboxResult, run_python
 
 pytestmark = pytest.mark.skipif(not os.uname().sysname == "Linux", reason="the sandbox's limits are Linux's")
 

@@ -2,11 +2,10 @@
 
 import torch
 
-import rl.train
-
+import rl.train.step
 from rl.config import TrainConfig
 from rl.data import Sample
-from rl.train import build_schedule, cut_micro_batches
+from rl.train.step import build_schedule, cut_micro_batches
 
 
 def sample(index: int, prompt_len: int, response_len: int) -> Sample:
@@ -40,7 +39,7 @@ def test_every_rank_runs_the_same_number_of_micro_batches():
 
 
 def test_widths_round_up_to_repeat_shapes_within_the_budget_and_the_context(monkeypatch):
-    monkeypatch.setattr(rl.train, "width_multiple", lambda device: 8)
+    monkeypatch.setattr(rl.train.step, "width_multiple", lambda device: 8)
     samples = [sample(i, 2, n) for i, n in enumerate([1, 3, 3, 6, 10, 17])]  # 3, 5, 5, 8, 12, 19 tokens
     cfg = TrainConfig(global_batch_size=6, micro_batch_tokens=24)
     steps = build_schedule(samples, cfg, 0, 1, torch.device("cpu"), max_width=22).steps

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from rl.config import EnvConfig, RewardConfig, RolloutConfig
-from rl.collect import Collector
 from rl.data import Sample
-from rl.reward import RewardPool
+from rl.env.reward import RewardPool
 from rl.rollout import Completion, SamplingParams
+from rl.rollout.collect import Collector
 from rl.rollout.native import NativeEngine
 from rl.rollout.stop_text import STOPPED, StopText
+from tests.stand_in import StandInEngine
 from tests.test_engine import full_weights
 from tests.test_env import ONE_RANK, TOKENIZER
-from tests.stand_in import StandInEngine
 from tests.tiny import tiny_model
 
 

@@ -12,13 +12,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from rl import parallel
-from rl.algo import policy_loss
 from rl.config import AlgoConfig, TrainConfig
 from rl.data import Sample
-from rl.metrics import graphs_compiled
-from rl.policy import build_optimizer, compile_blocks, shard_policy
-from rl.rope import unfuse_rope
-from rl.train import Schedule, collate, fill_old_logprobs, token_logprobs, train_on_rollout
+from rl.model.rope import unfuse_rope
+from rl.train.algo import policy_loss
+from rl.train.measure import graphs_compiled
+from rl.train.policy import build_optimizer, compile_blocks, shard_policy
+from rl.train.step import Schedule, collate, fill_old_logprobs, token_logprobs, train_on_rollout
 from tests.tiny import tiny_model
 
 
@@ -85,7 +85,7 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients():
     eager = tiny_model(seed=2, layers=3)
     wants = [loss_and_grads(eager, batch) for batch in (samples(3, seed=1), samples(4, seed=2))]
     compiled = copy.deepcopy(eager)
-    compile_blocks(compiled)  # RoPE as rl/rope.py's op from here, for every Qwen2 model of the process
+    compile_blocks(compiled)  # RoPE as rl/model/rope.py's op from here, for every Qwen2 model of the process
     try:
         for batch, (want_loss, want) in zip((samples(3, seed=1), samples(4, seed=2)), wants):
             got_loss, got = loss_and_grads(compiled, batch)
@@ -100,7 +100,7 @@ def test_compiled_blocks_keep_compiling_past_dynamos_default_limit(monkeypatch):
     are ten variants, past Dynamo's default limit of 8 after which it runs new ones eager. Every one must
     compile. (Dynamo's eager backend: the variants and the limit are Dynamo's, Inductor is not needed.)"""
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default, put back afterwards
-    monkeypatch.setattr("rl.policy.torch.compile", functools.partial(torch.compile, backend="eager"))
+    monkeypatch.setattr("rl.train.policy.torch.compile", functools.partial(torch.compile, backend="eager"))
     torch._dynamo.reset()
     ids = torch.randint(3, 256, (2, 8))
     compiled = []

@@ -7,11 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from rl.algo import advantages, policy_loss
 from rl.config import AlgoConfig, TrainConfig
 from rl.data import Status
-from rl.train import (build_schedule, fill_old_logprobs, mask_truncated, skippable_samples, token_logprobs,
-                      train_on_rollout)
+from rl.train.algo import advantages, policy_loss
+from rl.train.step import (
+    build_schedule,
+    fill_old_logprobs,
+    mask_truncated,
+    skippable_samples,
+    token_logprobs,
+    train_on_rollout,
+)
 from tests.test_train_options import samples
 from tests.test_zero_advantage_skip import RecordingSGD
 from tests.tiny import tiny_model
@@ -53,7 +59,7 @@ def gradients(batch: list, algo: AlgoConfig, packing: bool = False) -> tuple[lis
     model = tiny_model(seed=1)
     train = TrainConfig(global_batch_size=len(batch), micro_batch_tokens=64, clip_grad=0.0, packing=packing)
     if packing:
-        from rl.packing import use_packed_attention
+        from rl.train.packing import use_packed_attention
         use_packed_attention(model)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -126,7 +132,7 @@ def test_throughput_counts_every_pass_of_num_iterations(monkeypatch):
     """Two passes over the same samples in the same seconds are twice the tokens a second and twice the FLOPs."""
     import types
 
-    from rl import learner
+    from rl.train import learner
     monkeypatch.setattr(learner, "peak_bf16_flops", lambda device: 1e12)
     dist = types.SimpleNamespace(device=CPU, world_size=1)
     config, batch, times = tiny_model(seed=0).config, samples(4), {"perf/train_s": 2.0}

@@ -10,10 +10,9 @@ import math
 import pytest
 import torch
 
-from rl.algo import advantages, aggregate, policy_loss
 from rl.config import ConfigError, RewardConfig, TrainConfig, config_from_dict
-from rl.reward import RewardPool, metrics
-
+from rl.env.reward import RewardPool, metrics
+from rl.train.algo import advantages, aggregate, policy_loss
 
 # ---------------------------------------------------------------------------- CISPO
 
@@ -99,7 +98,7 @@ def test_unscored_responses_are_left_out_of_the_batch_whitening():
 
 
 def test_gae_counts_an_unscored_response_as_reward_zero():
-    from rl.algo import gae
+    from rl.train.algo import gae
 
     mask = torch.ones(1, 2)
     nan_adv, nan_ret = gae(torch.tensor([[0.0, NAN]]), torch.tensor([[0.5, 0.25]]), mask, 1.0, 1.0)
@@ -108,8 +107,8 @@ def test_gae_counts_an_unscored_response_as_reward_zero():
 
 
 def test_rollout_metrics_and_the_dynamic_filter_leave_unscored_responses_out():
-    from rl.collect import keep_group, rollout_metrics
     from rl.data import Sample
+    from rl.rollout.collect import keep_group, rollout_metrics
 
     def group(*rewards):
         return [Sample("p", [0, 1], reward=r, response_length=1) for r in rewards]
@@ -181,7 +180,7 @@ def test_a_response_every_function_passes_on_gets_trls_advantage_through_the_poo
 
 def test_a_failing_async_function_and_a_misused_helper_cost_their_group_naming_the_function(caplog):
     cfg = RewardConfig(functions=["tests.trl_rewards:async_judge", "tests.trl_rewards:bad_helper_use"], num_workers=1)
-    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="rl.reward"):
+    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="rl.env.reward"):
         result = pool.score(chat_inputs([({"prompt": "p", "kind": "metric"}, ["a", "b"]),
                                          ({"prompt": "q", "kind": "extra"}, ["c", "d"]),
                                          ({"prompt": "r", "kind": "raise"}, ["e", "f"])]))
@@ -284,10 +283,10 @@ def rl_config(**sections):
 
 
 def rl_step_loss(algo, logprobs, old, adv, mask, rollout=None, ref=None, entropy=None):
-    """rl's loss of a one-micro-batch step (rl.train.micro_batch_loss), adv (B, 1) broadcast to the tokens."""
+    """rl's loss of a one-micro-batch step (rl.train.step.micro_batch_loss), adv (B, 1) broadcast to the tokens."""
     from collections import defaultdict
 
-    from rl.train import MicroBatch, micro_batch_loss
+    from rl.train.step import MicroBatch, micro_batch_loss
 
     mb = MicroBatch(torch.zeros_like(mask), mask, adv.expand_as(mask), old if rollout is None else rollout, [])
     entropy = torch.zeros_like(mask) if entropy is None else entropy
@@ -430,7 +429,7 @@ def test_trl_batch_sizes_are_rls_prompts_samples_and_steps(per_device, world, ac
 def test_trl_warmup_is_rls_lr_warmup_steps_one_step_earlier():
     # transformers' constant_with_warmup: lr x step / W before step W (0 at the first step), then lr.
     from rl.config import TrainConfig
-    from rl.policy import build_optimizer
+    from rl.train.policy import build_optimizer
 
     optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), TrainConfig(lr=1e-3, lr_warmup_steps=4), fused=False)
     lrs = []

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rl.config import AlgoConfig, TrainConfig
-from rl.packing import use_packed_attention
-from rl.train import build_schedule, skippable_samples, train_on_rollout
+from rl.train.packing import use_packed_attention
+from rl.train.step import build_schedule, skippable_samples, train_on_rollout
 from tests.test_train_options import samples
 from tests.tiny import tiny_model
 

@@ -15,9 +15,9 @@ from rl import parallel  # noqa: E402
 from rl.config import AlgoConfig, RolloutConfig, TrainConfig, VllmEngineConfig  # noqa: E402
 from rl.data import Sample, Status  # noqa: E402
 from rl.rollout import SamplingParams, build_engine, generate_rollout  # noqa: E402
-from rl.policy import build_optimizer, shard_policy  # noqa: E402
-from rl.train import Schedule, collate, token_logprobs, train_on_rollout  # noqa: E402
-from rl.weights import sync_weights  # noqa: E402
+from rl.train.policy import build_optimizer, shard_policy  # noqa: E402
+from rl.train.step import Schedule, collate, token_logprobs, train_on_rollout  # noqa: E402
+from rl.train.weights import sync_weights  # noqa: E402
 from tests.tiny import tiny_tokenizer  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 13], [1, 7, 7], [1, 3, 3, 3, 8], [2, 40]]

@@ -1,8 +1,8 @@
 """The pure-PyTorch rollout engine: paged KV cache, continuous batching, CUDA-graph decode steps.
 
-The engine holds its own copy of the policy (rl/rollout/model.py) in the engine dtype, built
+The engine holds its own copy of the policy (rl/model/decoder.py) in the engine dtype, built
 empty and filled by `load_weights` with the HF names the trainer pushes; with `precision="fp8"` each block's
-matrices are quantized to FP8 as they arrive (rl/fp8.py), the rest copied as they are. A generate() call keeps
+matrices are quantized to FP8 as they arrive (rl/model/fp8.py), the rest copied as they are. A generate() call keeps
 up to `max_batch_size` sequences in fixed rows of device-resident state (last token, position,
 block table, ...). One decode step — forward, sampling, recording the token and its logprob,
 stop checks, advancing the row — runs entirely on the device, so on CUDA it is captured once per
@@ -38,15 +38,15 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.kernels.attention import invariant_num_splits
+from rl.model.decoder import DecoderModel
+from rl.model.kernels.attention import invariant_num_splits
 from rl.rollout import vmem
 from rl.rollout.engine import TAGS, Completion, Engine, SamplingParams
-from rl.rollout.model import DecoderModel
 from rl.rollout.scheduler import Kept, PagePool, PromptKV, Request, Scheduler, cdiv
 from rl.rollout.stop_text import STOPPED
 
 # Stop ids a call may pass: the torch bookkeeping compares each token with all the slots, the fused GPU step
-# with the call's ids alone (rl/kernels/advance_triton.py).
+# with the call's ids alone (rl/model/kernels/advance_triton.py).
 MAX_STOP_IDS = 512
 # Padded prompt tokens per prefill forward, the kept ones of a continued prompt included (bounds its activation
 # memory, and the keys and values its attention reads back from the cache).
@@ -243,7 +243,7 @@ class NativeEngine(Engine):
             if self.model.hf_shapes.get(name, tuple(tensor.shape)) != tuple(tensor.shape):
                 raise ValueError(f"{name}: engine shape {self.model.hf_shapes[name]} != pushed {tuple(tensor.shape)}")
             key, start, end = self.model.name_map[name]
-            if key in self.model.fp8_ranges:  # quantized on arrival (rl/fp8.py)
+            if key in self.model.fp8_ranges:  # quantized on arrival (rl/model/fp8.py)
                 self.model.load_fp8(key, start, end, tensor)
             else:
                 target = self.model.weights[key]
@@ -490,7 +490,7 @@ class NativeEngine(Engine):
         p, r = self.params, self.rows
         if not self.on_gpu:
             return sample_tokens(logits, p.temperature, p.top_p, p.top_k, self.generator)
-        from rl.kernels.sampling_triton import sample
+        from rl.model.kernels.sampling_triton import sample
 
         if p.top_k <= 0 and p.top_p >= 1.0:
             return sample(logits, r.inv_temperature, self.seed)
@@ -529,7 +529,7 @@ class NativeEngine(Engine):
         """Records the sampled tokens of rows [0, bucket), applies the stop rules, moves live rows on."""
         r = self.rows
         if self.on_gpu:  # the same bookkeeping in one launch
-            from rl.kernels.advance_triton import advance
+            from rl.model.kernels.advance_triton import advance
 
             advance(tokens, logprobs, r.done[:bucket], r.n_gen[:bucket], r.out_tokens[:bucket],
                     r.out_logprobs[:bucket], r.input_ids[:bucket], r.positions[:bucket], r.context_lens[:bucket],

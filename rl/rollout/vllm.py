@@ -72,7 +72,6 @@ from rl.config import RolloutConfig
 from rl.rollout import vmem
 from rl.rollout.engine import Completion, Engine, SamplingParams, prompt_groups
 
-
 # rollout.fp8_scale -> vLLM's online FP8 quantization of the same scales (module docstring)
 FP8_QUANTIZATION = {"channel": "fp8_per_channel", "block": "fp8_per_block"}
 

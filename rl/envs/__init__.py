@@ -1,1 +1,0 @@
-"""Built-in environments for `env.fn` (rl/env.py)."""

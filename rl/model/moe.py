@@ -1,0 +1,282 @@
+"""Mixture-of-experts blocks for training: grouped expert matmuls, routing replay and the router's auxiliary loss.
+
+`transformers` computes a sparse MoE block (`Qwen3MoeSparseMoeBlock`, `Qwen2MoeSparseMoeBlock`) with a Python
+loop over the experts that the batch hits: per expert a gather of its tokens, two matmuls and an `index_add_`
+back, about ten small kernels for every expert the batch hits. `use_grouped_moe(model)` replaces each block's
+forward (in place, before FSDP2 wraps the model, as rl/model/invariant.py patches its modules) with one that
+
+- routes as the block does: softmax over the experts in float32, top-k, the top-k weights renormalised to sum
+  to 1 where the config says `norm_topk_prob`; Qwen2-MoE's shared expert is added, scaled by its sigmoid gate;
+- sorts the (token, slot) pairs by expert, so each expert's tokens are one contiguous segment, runs one grouped
+  GEMM per projection (gate_up, then down) over the sorted rows, and puts every row back in its (token, slot)
+  place before the k slots of a token are summed with their weights.
+
+The grouped GEMM is `torch._grouped_mm` on CUDA in bf16 (compute capability 8.0 and up from torch 2.9, where
+torch has the kernel for it; 9.x only before), one kernel per projection. Anywhere else (CPU, float32) it is
+a loop over the experts' contiguous segments of the sorted rows (`split` then one `F.linear` each): still one
+pass, no gather per expert, and its backward stacks the experts' weight gradients once (`unbind`).
+The block's own parameters are used as they are (transformers 5 holds the experts fused, `experts.gate_up_proj`
+(E, 2 * I, H) with the gate half first and `experts.down_proj` (E, H, I)), so FSDP2, LoRA targeting and
+checkpoints see the same names. The router is called as its module (`block.gate`), so transformers' output
+recorders (`output_router_logits`) still see its logits.
+
+Routing replay: the rollout engine picks each token's experts in its own forward; the trainer's forward of the
+same tokens can pick others (bf16 noise near a top-k boundary), and then its logprobs are those of another
+network. `set_routing_replay(model, experts)` hands the blocks, per MoE layer and token, the top-k expert ids to
+use; the weights of those experts still come from this forward's router softmax (gathered at the replayed ids,
+renormalised as `norm_topk_prob` says), so the router keeps its gradient. `routing_mismatch(model)` is the
+fraction of (layer, token) routings whose own top-k set differs from the replayed one.
+
+The state lives in one `MoeRouting` per model (`moe_routing(model)`), shared by its blocks. Its settings stay
+until they are set again, not for one call: activation checkpointing runs a block's forward again in the
+backward, and the recomputation must route as the forward did. What the blocks record (router logits, the
+experts they used, the mismatch counts) is kept per layer and overwritten, so a recomputation records nothing
+twice.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.torch_version import TorchVersion
+
+MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
+
+
+@dataclass
+class MoeRouting:
+    """What the patched MoE blocks of one model share.
+
+    `replay`: (layers, tokens, k) expert ids the blocks use instead of their own top-k (None: their own); a
+    negative id means no record, and that token takes its own choice whole (such tokens are not counted in the
+    mismatch). `mask`: (tokens,) the tokens the mismatch counts (None: all). `record_logits`: keep each layer's
+    router logits for `router_aux_loss` (on where the config sets `output_router_logits`). `record_experts`: keep
+    the expert ids each layer used (`recorded_experts`: the layout `replay` takes)."""
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    replay: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    record_logits: bool = False
+    record_experts: bool = False
+    router_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    experts: dict[int, torch.Tensor] = field(default_factory=dict)
+    mismatch: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def layer_replay(self, layer: int, tokens: int, device: torch.device) -> torch.Tensor | None:
+        """The replayed ids of one layer, (tokens, k), or None without replay."""
+        if self.replay is None:
+            return None
+        ids = self.replay[layer]
+        if ids.shape[0] != tokens:
+            raise ValueError(f"routing replay holds {ids.shape[0]} tokens per layer, the forward has {tokens}: "
+                             f"set it for each micro-batch (set_routing_replay)")
+        return ids.to(device, non_blocking=True)
+
+    def note_mismatch(self, layer: int, own: torch.Tensor, replay: torch.Tensor) -> None:
+        """Counts the tokens of one layer whose own top-k set is not the replayed one (two device scalars, no sync)."""
+        with torch.no_grad():
+            counted = (replay >= 0).all(-1)
+            if self.mask is not None:
+                counted &= self.mask.to(counted.device)
+            differ = (own.sort(-1).values != replay.sort(-1).values).any(-1) & counted
+            self.mismatch[layer] = differ.sum(), counted.sum()
+
+
+def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's sparse MoE blocks (Qwen2-MoE, Qwen3-MoE), in layer order."""
+    return [m for m in model.modules() if type(m).__name__ in MOE_BLOCKS]
+
+
+def use_grouped_moe(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Patches every sparse MoE block of a `transformers` causal LM to `moe_forward` (grouped expert matmuls,
+    routing replay; see the module docstring) and gives the model its `MoeRouting`; returns the blocks patched,
+    none for a dense model (which is left as it is). Works on a meta model: only forwards and attributes change."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return blocks
+    for block in blocks:
+        experts = block.experts
+        layout = (getattr(experts, "has_gate", True), getattr(experts, "has_bias", False),
+                  getattr(experts, "is_transposed", False), getattr(experts, "is_concatenated", True))
+        if layout != (True, False, False, True):
+            raise ValueError(f"{type(block).__name__}: experts with (gate, bias, transposed, concatenated) = {layout}, "
+                             f"the grouped forward knows (True, False, False, True) only")
+    state = MoeRouting(num_layers=len(blocks), num_experts=blocks[0].gate.num_experts, top_k=blocks[0].gate.top_k,
+                       record_logits=bool(getattr(model.config, "output_router_logits", False)))
+    for layer, block in enumerate(blocks):
+        block.moe_routing, block.moe_layer = state, layer
+        block.forward = types.MethodType(moe_forward, block)
+    model.moe_routing = state
+    return blocks
+
+
+def moe_routing(model: torch.nn.Module) -> MoeRouting:
+    """The routing state use_grouped_moe gave the model (its settings and what its blocks recorded)."""
+    state = getattr(model, "moe_routing", None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} has no grouped MoE blocks (use_grouped_moe)")
+    return state
+
+
+def set_routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
+    """Replays `experts`, (MoE layers, batch, seq, k) or (MoE layers, tokens, k) integer expert ids recorded by the
+    rollout engine (negative: no record), in every forward from now on, until set again; None turns replay off.
+    The tokens are the forward's batch flattened row by row. `mask` (batch, seq) or (tokens,): the tokens that
+    `routing_mismatch` counts (the response tokens; None: all)."""
+    state = moe_routing(model)
+    state.mismatch.clear()
+    if experts is None:
+        state.replay = state.mask = None
+        return
+    if experts.dim() < 3 or experts.shape[0] != state.num_layers or experts.shape[-1] != state.top_k:
+        raise ValueError(f"routing replay: expert ids of shape {list(experts.shape)}, the model wants "
+                         f"({state.num_layers} MoE layers, ..., {state.top_k})")
+    if experts.numel() and int(experts.max()) >= state.num_experts:
+        raise ValueError(f"routing replay: expert id {int(experts.max())}, the model has {state.num_experts} experts")
+    state.replay = experts.reshape(state.num_layers, -1, state.top_k).long()
+    state.mask = None if mask is None else mask.reshape(-1).bool()
+
+
+def routing_mismatch(model: torch.nn.Module) -> float:
+    """The fraction of (MoE layer, token) routings of the last replayed forward whose own top-k set differs from
+    the replayed one: how often the trainer would have picked other experts without replay (0.0 without replay)."""
+    counts = moe_routing(model).mismatch.values()
+    if not counts:
+        return 0.0
+    differ = sum(int(d) for d, _ in counts)
+    total = sum(int(n) for _, n in counts)
+    return differ / total if total else 0.0
+
+
+def recorded_experts(model: torch.nn.Module) -> torch.Tensor:
+    """The expert ids every MoE layer used in the last forward, (MoE layers, tokens, k): what `set_routing_replay`
+    takes. Needs `moe_routing(model).record_experts = True` before that forward."""
+    state = moe_routing(model)
+    if len(state.experts) != state.num_layers:
+        raise ValueError("no experts recorded: set moe_routing(model).record_experts = True before the forward")
+    return torch.stack([state.experts[layer] for layer in range(state.num_layers)])
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router's choice from its logits (tokens, E): (experts, weights, own) with experts and own (tokens, k)
+    ids and weights (tokens, k) float32. Without replay the experts are the softmax's own top-k; with replay the
+    replayed ids, weighted by this softmax at those ids, so the router gets a gradient; a token whose record has a
+    negative id takes its own choice whole (mixing the two could pick one expert twice)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    own_weights, own = torch.topk(probs, top_k, dim=-1)
+    if replay is None:
+        experts, weights = own, own_weights
+    else:
+        experts = torch.where((replay >= 0).all(-1, keepdim=True), replay, own)
+        weights = probs.gather(-1, experts)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights, own
+
+
+def _grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM kernel runs these operands: CUDA, bf16, and a GPU torch has the kernel for."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type != "cuda":
+        return False
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return False
+    capability = torch.cuda.get_device_capability(x.device)
+    return capability >= (8, 0) if TorchVersion(torch.__version__) >= "2.9" else capability[0] == 9
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, segments: torch.Tensor | list[int]) -> torch.Tensor:
+    """x (rows, in) sorted by expert times each expert's weight (E, out, in), transposed: (rows, out).
+    `segments` is the int32 running end of each expert's rows for `torch._grouped_mm`, or their counts as a
+    list for the loop over the segments."""
+    if isinstance(segments, torch.Tensor):
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=segments)
+    return torch.cat([F.linear(part, w) for part, w in zip(x.split(segments), weight.unbind(0))])
+
+
+def grouped_experts(experts: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output for x (tokens, H) routed to ids (tokens, k) with weights (tokens, k) in x's dtype:
+    sum over the k slots of weight * down(act(gate) * up)(x) of that slot's expert."""
+    return grouped_mlp(x, ids, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)
+
+
+def grouped_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`grouped_experts` over the fused expert tensors themselves, gate_up (E, 2 * I, H) with the gate half first
+    and down (E, H, I): the trainer's blocks and the rollout engine's (rl/model/decoder.py) compute their experts
+    here."""
+    tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert; pair p is token p // k, slot p % k
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    if _grouped_mm_supported(x, down):
+        segments = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    else:
+        segments = counts.tolist()
+    rows = x[order // k]
+    gate, up = _grouped_linear(rows, gate_up, segments).chunk(2, dim=-1)
+    out = _grouped_linear(act(gate) * up, down, segments)
+    out = out.new_empty(out.shape).index_copy(0, order, out)  # sorted row i back to pair order[i]
+    return (out.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The sparse MoE block's forward (bound to the block by use_grouped_moe): route, replay, grouped experts,
+    and Qwen2-MoE's gated shared expert."""
+    batch, seq, hidden = hidden_states.shape
+    x = hidden_states.reshape(-1, hidden)
+    state, layer = self.moe_routing, self.moe_layer
+    logits = self.gate(x)[0]  # the router's module call: transformers' recorders of router logits see it
+    replay = state.layer_replay(layer, x.shape[0], x.device)
+    experts, weights, own = route(logits, self.gate.top_k, self.gate.norm_topk_prob, replay)
+    if replay is not None:
+        state.note_mismatch(layer, own, replay)
+    if state.record_logits:
+        state.router_logits[layer] = logits
+    if state.record_experts:
+        state.experts[layer] = experts.detach()
+    out = grouped_experts(self.experts, x, experts, weights.to(x.dtype))
+    if hasattr(self, "shared_expert"):  # Qwen2-MoE: one dense expert every token takes, scaled by its gate
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+    return out.view(batch, seq, hidden)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch Transformer's auxiliary load-balancing loss over the layers' router logits (each (tokens, E)), as
+    transformers' `load_balancing_loss_func` computes it: E * sum_e f_e * P_e, with f_e the top-k assignments to
+    expert e per token and P_e its mean router probability, both over all layers' (unmasked) tokens. Unscaled:
+    the caller multiplies by the config's `router_aux_loss_coef`. The top-k is the router's own (not a replay)."""
+    if not router_logits:
+        return torch.zeros(())
+    device = router_logits[0].device
+    assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for logits in router_logits:
+        probs = torch.softmax(logits.to(device).float(), dim=-1)
+        keep = torch.ones(probs.shape[0], device=device) if attention_mask is None else \
+            attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        assigned = assigned.index_add(0, chosen.reshape(-1), keep.repeat_interleave(top_k))
+        prob_sum = prob_sum + (probs * keep.unsqueeze(-1)).sum(dim=0)
+        rows = rows + keep.sum()
+    return num_experts * torch.sum((assigned / rows) * (prob_sum / rows))
+
+
+def router_aux_loss(model: torch.nn.Module, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`load_balancing_loss` over the router logits the model's MoE layers recorded in its last forward (on with
+    the config's `output_router_logits`, or `moe_routing(model).record_logits = True`), unscaled."""
+    state = moe_routing(model)
+    if len(state.router_logits) != state.num_layers:
+        raise ValueError("no router logits recorded: set moe_routing(model).record_logits = True before the forward")
+    logits = [state.router_logits[layer] for layer in range(state.num_layers)]
+    gate = moe_blocks(model)[0].gate
+    return load_balancing_loss(logits, gate.num_experts, gate.top_k, attention_mask)
