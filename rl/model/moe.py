@@ -25,7 +25,8 @@ same tokens can pick others (bf16 noise near a top-k boundary), and then its log
 network. `set_routing_replay(model, experts)` hands the blocks, per MoE layer and token, the top-k expert ids to
 use; the weights of those experts still come from this forward's router softmax (gathered at the replayed ids,
 renormalised as `norm_topk_prob` says), so the router keeps its gradient. `routing_mismatch(model)` is the
-fraction of (layer, token) routings whose own top-k set differs from the replayed one.
+fraction of (layer, token) routings whose own top-k set differs from the replayed one. With `replace=False` the
+blocks keep their own choice and only count that fraction against the record: what a run without replay measures.
 
 The state lives in one `MoeRouting` per model (`moe_routing(model)`), shared by its blocks. Its settings stay
 until they are set again, not for one call: activation checkpointing runs a block's forward again in the
@@ -53,7 +54,8 @@ class MoeRouting:
 
     `replay`: (layers, tokens, k) expert ids the blocks use instead of their own top-k (None: their own); a
     negative id means no record, and that token takes its own choice whole (such tokens are not counted in the
-    mismatch). `mask`: (tokens,) the tokens the mismatch counts (None: all). `record_logits`: keep each layer's
+    mismatch). `mask`: (tokens,) the tokens the mismatch counts (None: all). `replace`: False keeps each block's own
+    choice and only counts the mismatch against `replay`. `record_logits`: keep each layer's
     router logits for `router_aux_loss` (on where the config sets `output_router_logits`). `record_experts`: keep
     the expert ids each layer used (`recorded_experts`: the layout `replay` takes)."""
 
@@ -62,6 +64,7 @@ class MoeRouting:
     top_k: int
     replay: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    replace: bool = True
     record_logits: bool = False
     record_experts: bool = False
     router_logits: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -124,13 +127,18 @@ def moe_routing(model: torch.nn.Module) -> MoeRouting:
     return state
 
 
-def set_routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
+def set_routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, mask: torch.Tensor | None = None,
+                       replace: bool = True, device: torch.device | None = None) -> None:
     """Replays `experts`, (MoE layers, batch, seq, k) or (MoE layers, tokens, k) integer expert ids recorded by the
     rollout engine (negative: no record), in every forward from now on, until set again; None turns replay off.
     The tokens are the forward's batch flattened row by row. `mask` (batch, seq) or (tokens,): the tokens that
-    `routing_mismatch` counts (the response tokens; None: all)."""
+    `routing_mismatch` counts (the response tokens; None: all). `replace=False`: the blocks route by their own
+    choice and only count how often it differs from `experts` (the mismatch of a run without replay). `device`:
+    where the forward runs, when `experts` and `mask` are elsewhere (the host): they are checked where they are,
+    with no device sync, and copied there once."""
     state = moe_routing(model)
     state.mismatch.clear()
+    state.replace = replace
     if experts is None:
         state.replay = state.mask = None
         return
@@ -139,19 +147,47 @@ def set_routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, mas
                          f"({state.num_layers} MoE layers, ..., {state.top_k})")
     if experts.numel() and int(experts.max()) >= state.num_experts:
         raise ValueError(f"routing replay: expert id {int(experts.max())}, the model has {state.num_experts} experts")
-    state.replay = experts.reshape(state.num_layers, -1, state.top_k).long()
-    state.mask = None if mask is None else mask.reshape(-1).bool()
+    state.replay = experts.reshape(state.num_layers, -1, state.top_k).to(device, non_blocking=True).long()
+    state.mask = None if mask is None else mask.reshape(-1).to(device, non_blocking=True).bool()
 
 
 def routing_mismatch(model: torch.nn.Module) -> float:
     """The fraction of (MoE layer, token) routings of the last replayed forward whose own top-k set differs from
     the replayed one: how often the trainer would have picked other experts without replay (0.0 without replay)."""
-    counts = moe_routing(model).mismatch.values()
-    if not counts:
+    counts = mismatch_counts(model)
+    if counts is None:
         return 0.0
-    differ = sum(int(d) for d, _ in counts)
-    total = sum(int(n) for _, n in counts)
+    differ, total = (int(c) for c in counts)
     return differ / total if total else 0.0
+
+
+def mismatch_counts(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(differing, counted) (MoE layer, token) routings of the last forward with a record, summed over the layers
+    as two device scalars (no host sync); None for a dense model or a forward without a record."""
+    state = getattr(model, "moe_routing", None)
+    if state is None or not state.mismatch:
+        return None
+    differ, counted = zip(*state.mismatch.values())
+    return torch.stack(differ).sum(), torch.stack(counted).sum()
+
+
+def router_aux_coef(model: torch.nn.Module) -> float:
+    """The weight of the router's load-balancing loss in the training loss, as transformers' MoE models add it: the
+    config's `router_aux_loss_coef` where the config asks for it (`output_router_logits`), else 0 (and for a
+    dense model)."""
+    state = getattr(model, "moe_routing", None)
+    if state is None or not state.record_logits:
+        return 0.0
+    return float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def no_router_outputs(model: torch.nn.Module) -> dict[str, bool]:
+    """The forward's keyword that keeps a MoE model whose config sets `output_router_logits` from gathering its
+    router logits and computing its own aux loss in every forward ({} for any other model): the grouped blocks record
+    the logits themselves (`router_aux_loss`), and transformers' loss reads the attention mask as a tensor, which
+    the trainer's prepared mask mappings are not."""
+    config = getattr(model, "config", None)
+    return {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
 
 
 def recorded_experts(model: torch.nn.Module) -> torch.Tensor:
@@ -235,7 +271,8 @@ def moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     state, layer = self.moe_routing, self.moe_layer
     logits = self.gate(x)[0]  # the router's module call: transformers' recorders of router logits see it
     replay = state.layer_replay(layer, x.shape[0], x.device)
-    experts, weights, own = route(logits, self.gate.top_k, self.gate.norm_topk_prob, replay)
+    experts, weights, own = route(logits, self.gate.top_k, self.gate.norm_topk_prob,
+                                  replay if state.replace else None)
     if replay is not None:
         state.note_mismatch(layer, own, replay)
     if state.record_logits:
