@@ -267,6 +267,11 @@ class TrainConfig:
     # attention kept within each sample (FlashAttention's varlen kernel on CUDA, a block-diagonal mask elsewhere):
     # no padding rows for short samples, and one shape family for compiled blocks (no recompiles on new lengths)
     packing: bool = False
+    # Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE) with the native engine: the passes that compute the policy's
+    # logprobs route each token to the experts the engine computed it with (Sample.routed_experts), so the trainer's
+    # logprobs are those of the network that sampled; the router still learns from its weights at those experts.
+    # train/routing_mismatch (logged either way) is how often the trainer's own router picks other experts
+    routing_replay: bool = False
     lr: float = 1e-6
     lr_warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -645,7 +650,8 @@ def resolve(cfg: Config, world_size: int | None = None, checked: bool = True) ->
 
 def check_paths(cfg: Config) -> None:
     """The model and tokenizer folders exist and hold what loading them needs; run before any process
-    group, model or dataset is built, so a wrong path fails in a second with the key that names it."""
+    group, model or dataset is built, so a wrong path fails in a second with the key that names it; with
+    train.routing_replay, config.json's model is one whose routing can be replayed."""
     model = Path(cfg.model.path).expanduser()
     _require(model.is_dir(), f"model.path {cfg.model.path!r}: no such folder (a local HF model folder)")
     _require((model / "config.json").is_file(),
@@ -662,6 +668,22 @@ def check_paths(cfg: Config) -> None:
     hint = "" if cfg.model.tokenizer else "; set model.tokenizer to a tokenizer folder"
     _require(any((tok / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")),
              f"{key} {folder!r}: no tokenizer.json or tokenizer_config.json in the folder{hint}")
+    if cfg.train.routing_replay:
+        check_routing_replay_model(cfg.model.path, json.loads((model / "config.json").read_text()))
+
+
+ROUTING_REPLAY_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")  # the MoE families whose routing the native engine records
+
+
+def check_routing_replay_model(path: str, hf_config: dict) -> None:
+    """train.routing_replay replays the experts of a mixture of experts: a model of another kind (config.json's
+    model_type, or its text model's) is refused in one line."""
+    kind = hf_config.get("model_type") or ""
+    kind = kind if kind in ROUTING_REPLAY_MODEL_TYPES else (hf_config.get("text_config") or {}).get("model_type", kind)
+    _require(kind in ROUTING_REPLAY_MODEL_TYPES,
+             f"train.routing_replay: model.path {path!r} has model_type {kind!r}, not a mixture of experts whose "
+             f"routing the native engine records ({', '.join(ROUTING_REPLAY_MODEL_TYPES)}); turn train.routing_replay "
+             f"off")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -676,6 +698,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(bool(cfg.data.source),
              "data.source is required (file.jsonl, file.parquet, a dataset folder, reasoning_gym:<task>, "
              "hf:<folder> or python:<pkg.module:function>)")
+    validate_routing_replay(cfg.train, cfg.rollout)
     validate_engine(cfg.model, cfg.rollout)
     validate_vllm_fp8(cfg.rollout, cfg.lora)
     validate_rollout(cfg.rollout, cfg.data)
@@ -781,6 +804,14 @@ def validate_train(tr: TrainConfig, ro: RolloutConfig) -> None:
     _require(tr.micro_batch_tokens >= 0, "train.micro_batch_tokens must be >= 0 (0: cut by micro_batch_size)")
     _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
     _require(tr.num_rollout >= 1, "train.num_rollout must be >= 1")
+
+
+def validate_routing_replay(tr: TrainConfig, ro: RolloutConfig) -> None:
+    """train.routing_replay replays what the native engine records (the model's kind is checked with the paths,
+    `check_routing_replay_model`); checked before the engine's keys, so that it is this line a vLLM run gets."""
+    _require(not tr.routing_replay or ro.engine == "native",
+             f"train.routing_replay needs rollout.engine='native', got {ro.engine!r}: only the native engine hands "
+             f"the trainer the experts it routed each token to")
 
 
 def validate_packing(tr: TrainConfig, model: ModelConfig) -> None:
