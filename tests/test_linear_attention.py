@@ -219,3 +219,56 @@ def test_layer_matches_transformers(family):
         for t in range(50, 55):
             out, conv_state, recurrent_state = gated_deltanet_step(x[:, t], weights, conv_state, recurrent_state)
             close(out, expected[:, t])
+
+
+def tiny_causal_lm(family, seed=0):
+    """A whole transformers causal LM of `family`: three linear-attention layers, then one full-attention layer."""
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=WIDTH,
+                  layer_types=["linear_attention"] * 3 + ["full_attention"], attn_implementation="sdpa")
+    if family == "qwen3_next":
+        config = Qwen3NextConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                 shared_expert_intermediate_size=16)
+        model_class = modeling_qwen3_next.Qwen3NextForCausalLM
+    else:
+        config = Qwen3_5TextConfig(**common)
+        model_class = modeling_qwen3_5.Qwen3_5ForCausalLM
+    torch.manual_seed(seed)
+    model = model_class(config).float()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_trainer_packed_row_equals_each_sequence_alone(family):
+    """The trainer's patched model over one packed row of three sequences (positions restarting, the block-diagonal
+    mask for the full-attention layer, cu_seqlens for the linear ones) gives each sequence's logits and gradients as
+    transformers' unpatched model does on that sequence alone: no state crosses a sequence boundary."""
+    from rl.model.linear_attention import use_packed_linear_attention
+    from rl.train.packing import document_mask
+
+    reference, model = tiny_causal_lm(family), tiny_causal_lm(family)
+    assert len(use_packed_linear_attention(model)) == 3
+    gen = torch.Generator().manual_seed(5)
+    ids = [torch.randint(0, 64, (1, n), generator=gen) for n in LENGTHS]
+    row, cu = packed(ids)
+    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])[None]
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    weights = torch.randn(1, row.shape[1], 64, generator=gen)
+    logits = model(input_ids=row, position_ids=positions, use_cache=False, cu_seq_lens_q=cu.int(),
+                   attention_mask={"full_attention": document_mask(docs), "linear_attention": None}).logits
+    (logits * weights).sum().backward()
+    expected = []
+    for i, x in enumerate(ids):
+        alone = reference(input_ids=x, use_cache=False).logits
+        (alone * weights[:, cu[i]:cu[i + 1]]).sum().backward()
+        expected.append(alone.detach())
+    close(logits.detach(), torch.cat(expected, dim=1))
+    grads = dict(reference.named_parameters())
+    for name, parameter in model.named_parameters():  # float32 sums of gradients in the hundreds
+        expected_grad = grads[name].grad
+        torch.testing.assert_close(parameter.grad, expected_grad, atol=5e-5 * expected_grad.abs().max().item(),
+                                   rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")

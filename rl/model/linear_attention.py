@@ -20,11 +20,14 @@ How this departs from the usual single-sequence reference:
 - A conv state is the last W-1 inputs, all the next token reads (transformers' cache keeps W).
 
 `gated_deltanet_forward` (prefill, training) and `gated_deltanet_step` (decode) compute a whole layer from the
-weights of transformers' Qwen3-Next or Qwen3.5 module (`weights_from_module`).
+weights of transformers' Qwen3-Next or Qwen3.5 module (`weights_from_module`). `use_packed_linear_attention`
+points the trainer's copy of those modules at `gated_deltanet_forward`, so a packed micro-batch's sequences never
+read each other's state: transformers' own torch path runs a packed row as one sequence.
 """
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -287,3 +290,32 @@ def gated_deltanet_step(hidden: torch.Tensor, weights: GatedDeltaNetWeights, con
     qkv, conv_state = causal_conv1d_step(hidden @ weights.in_proj_qkv.T, weights.conv_weight, conv_state)
     o, recurrent_state = gated_delta_step(*_rule_inputs(qkv, hidden, weights), recurrent_state)
     return _layer_output(o, hidden, weights), conv_state, recurrent_state
+
+
+def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Gated DeltaNet modules of a transformers model (Qwen3-Next, Qwen3.5), in layer order."""
+    return [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+
+
+def packed_linear_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs):
+    """The module's forward for the trainer: without a cache, `gated_deltanet_forward` over the rows, or over the
+    sequences of a packed row where `cu_seq_lens_q` marks them; with a cache (generation), transformers' own."""
+    if cache_params is not None:
+        return type(self).forward(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask,
+                                  **kwargs)
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] > 1:
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)  # padding reads as 0
+    out, _, _ = gated_deltanet_forward(hidden_states, weights_from_module(self), cu_seqlens=kwargs.get("cu_seq_lens_q"))
+    return out
+
+
+def use_packed_linear_attention(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Patches every Gated DeltaNet module of `model` to `packed_linear_forward`; returns them (none for a model
+    without linear attention, which is left as it is). Works on a meta model: only forwards change."""
+    modules = linear_attention_modules(model)
+    for module in modules:
+        if module.activation != "silu":
+            raise ValueError(f"{type(module).__name__}: the short convolution here applies SiLU, the module asks for "
+                             f"{module.activation}")
+        module.forward = types.MethodType(packed_linear_forward, module)
+    return modules
