@@ -164,7 +164,7 @@ class Learner:
                 for mb, rows in zip(micro_batches, self.reference.logprobs(micro_batches, temperature), strict=True):
                     mb.ref_logprobs = rows
         if needs_old_logprobs(cfg.train, cfg.algo) or cfg.algo.kl_in_reward:
-            fill_old_logprobs(self.policy, micro_batches, temperature)
+            fill_old_logprobs(self.policy, micro_batches, temperature, cfg.train.routing_replay)
         if self.critic:
             with record.timed("perf/critic_s"):
                 self.critic.onload()

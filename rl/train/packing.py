@@ -23,6 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rl.config import ConfigError
+from rl.model.moe import no_router_outputs
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -106,7 +107,8 @@ def packed_forward(model: torch.nn.Module, input_ids: torch.Tensor, docs: Docume
     mask = None if input_ids.is_cuda else document_mask(docs.document_ids)
     return model(input_ids=input_ids, attention_mask={"full_attention": mask} if kinds else mask,
                  position_ids=docs.position_ids, use_cache=False, cu_seq_lens_q=docs.cu_seqlens,
-                 cu_seq_lens_k=docs.cu_seqlens, max_length_q=docs.max_seqlen, max_length_k=docs.max_seqlen)
+                 cu_seq_lens_k=docs.cu_seqlens, max_length_q=docs.max_seqlen, max_length_k=docs.max_seqlen,
+                 **no_router_outputs(model))
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

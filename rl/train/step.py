@@ -23,8 +23,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rl import parallel
-from rl.config import AlgoConfig, TrainConfig
+from rl.config import AlgoConfig, RunStopped, TrainConfig
 from rl.data import Sample, Status
+from rl.model.moe import mismatch_counts, no_router_outputs, router_aux_coef, router_aux_loss, set_routing_replay
 from rl.train.algo import (
     aggregate,
     approx_kl_k3,
@@ -57,6 +58,38 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    # A mixture of experts' recorded routing (Sample.routed_experts) in the forward's token layout: (MoE layers,
+    # input tokens flattened row by row, k) int16 on the host, at each input token the experts the engine fed that
+    # token with (-1: none: padding, the last token, a sample without a record), and (input tokens,) bool, the
+    # trained response tokens `train/routing_mismatch` counts; None without any record (a dense model, vLLM)
+    routed_experts: torch.Tensor | None = None
+    routing_mask: torch.Tensor | None = None
+    lengths: list[int] | None = None  # each sample's tokens (the real tokens the router's aux loss averages over)
+    # (differing, counted) routings of the old-logprob pass (`fill_old_logprobs`), for train/routing_mismatch
+    routing_counts: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def routing_layout(samples: list[Sample], starts: list[int], total: int
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The samples' recorded routing laid out as a forward of `total` input tokens feeds them, sample k's token i
+    at input position starts[k] + i (the forward there computes that token with those experts, and predicts token
+    i + 1 from it), and the mask of their trained response tokens; (None, None) when no sample has a record."""
+    first = next((s.routed_experts for s in samples if s.routed_experts is not None), None)
+    if first is None:
+        return None, None
+    layers, k = first.shape[0], first.shape[-1]
+    experts = torch.full((layers, total, k), -1, dtype=torch.int16)
+    mask = torch.zeros(total, dtype=torch.bool)
+    for s, start in zip(samples, starts, strict=True):
+        record, n = s.routed_experts, len(s.tokens)
+        if record is None:
+            continue
+        if tuple(record.shape) != (layers, n, k):
+            raise ValueError(f"sample {s.index}: routed_experts of shape {list(record.shape)}, its {n} tokens want "
+                             f"({layers}, {n}, {k})")
+        experts[:, start : start + n] = record
+        mask[start + s.prompt_length : start + n] = torch.tensor(s.loss_mask, dtype=torch.bool)
+    return experts, mask
 
 
 def collate(samples: list[Sample], device: torch.device, pad_token_id: int = 0, width: int = 0) -> MicroBatch:
@@ -67,7 +100,10 @@ def collate(samples: list[Sample], device: torch.device, pad_token_id: int = 0, 
     input_ids = np.full((len(samples), width), pad_token_id, dtype=np.int64)
     for i, s in enumerate(samples):
         input_ids[i, : len(s.tokens)] = s.tokens
-    return _collate_targets(samples, device, torch.from_numpy(input_ids).to(device), width)
+    mb = _collate_targets(samples, device, torch.from_numpy(input_ids).to(device), width)
+    mb.routed_experts, mb.routing_mask = routing_layout(samples, [i * width for i in range(len(samples))],
+                                                        len(samples) * width)
+    return mb
 
 
 def _collate_targets(samples: list[Sample], device: torch.device, input_ids: torch.Tensor, width: int) -> MicroBatch:
@@ -80,7 +116,7 @@ def _collate_targets(samples: list[Sample], device: torch.device, input_ids: tor
         advantages[i, start:end] = s.advantage
         rollout_logprobs[i, start:end] = s.rollout_log_probs
     return MicroBatch(input_ids, *(torch.from_numpy(a).to(device) for a in (loss_mask, advantages, rollout_logprobs)),
-                      [s.index for s in samples])
+                      [s.index for s in samples], lengths=[len(s.tokens) for s in samples])
 
 
 def collate_packed(samples: list[Sample], device: torch.device, width: int, max_seqlen: int,
@@ -92,8 +128,9 @@ def collate_packed(samples: list[Sample], device: torch.device, width: int, max_
     packed = np.full((1, width), pad_token_id, dtype=np.int64)
     packed[0, :total] = np.fromiter(itertools.chain.from_iterable(s.tokens for s in samples), np.int64, total)
     docs = documents(lengths, width, max_seqlen, max(lengths) - 1, device)
+    experts, mask = routing_layout(samples, [0, *itertools.accumulate(lengths)][:-1], width)
     return dataclasses.replace(_collate_targets(samples, device, torch.from_numpy(packed).to(device), max(lengths)),
-                               documents=docs)
+                               documents=docs, routed_experts=experts, routing_mask=mask)
 
 
 def causal_forward(model: torch.nn.Module, input_ids: torch.Tensor):
@@ -110,8 +147,8 @@ def causal_forward(model: torch.nn.Module, input_ids: torch.Tensor):
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     if set(getattr(getattr(model, "config", None), "layer_types", None) or ["other"]) == {"full_attention"}:
         return model(input_ids=input_ids, attention_mask={"full_attention": None}, position_ids=positions,
-                     use_cache=False)
-    return model(input_ids=input_ids, position_ids=positions, use_cache=False)
+                     use_cache=False, **no_router_outputs(model))
+    return model(input_ids=input_ids, position_ids=positions, use_cache=False, **no_router_outputs(model))
 
 
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
@@ -235,7 +272,11 @@ def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_s
 
     Every rank holds the whole rollout, so each one computes every rank's cut and pads its own list
     to the longest with zero-loss copies of a real micro-batch: FSDP's collectives need all ranks
-    to run the same number of forward/backward passes."""
+    to run the same number of forward/backward passes.
+
+    With train.routing_replay every sample must bring its recorded routing (`check_routing`)."""
+    if train.routing_replay:
+        check_routing(samples)
     steps, step_tokens, step_seqs, padding = [], [], [], 0
     for start in range(0, len(samples), train.global_batch_size):
         batch = samples[start : start + train.global_batch_size]
@@ -255,6 +296,16 @@ def build_schedule(samples: list[Sample], train: TrainConfig, rank: int, world_s
         step_tokens.append(sum(sum(s.loss_mask) for s in batch))
         step_seqs.append(sum(any(s.loss_mask) for s in batch))
     return Schedule(steps, step_tokens, step_seqs, padding)
+
+
+def check_routing(samples: list[Sample]) -> None:
+    """train.routing_replay: every sample carries the routing it was generated with, or the step stops in one line
+    (a sample without one would train on the trainer's own routing, silently unreplayed)."""
+    missing = [s.index for s in samples if s.routed_experts is None]
+    if missing:
+        raise RunStopped(f"train.routing_replay: {len(missing)} of {len(samples)} samples carry no recorded routing "
+                         f"(Sample.routed_experts of samples {missing[:5]}): the rollout engine recorded none, and "
+                         f"they would train unreplayed")
 
 
 def cut_share(shares: list[list[Sample]], rank: int, train: TrainConfig, device: torch.device, max_width: int,
@@ -320,7 +371,8 @@ def cut_micro_batches(samples: list[Sample], size: int, token_budget: int, width
 
 def zero_loss(mb):
     """A micro-batch that runs forward and backward but adds nothing to the loss or the metrics."""
-    return dataclasses.replace(mb, loss_mask=torch.zeros_like(mb.loss_mask))
+    return dataclasses.replace(mb, loss_mask=torch.zeros_like(mb.loss_mask),
+                               routing_mask=None if mb.routing_mask is None else torch.zeros_like(mb.routing_mask))
 
 
 # ---------------------------------------------------------------------------- the train step
@@ -408,10 +460,68 @@ def logprob_rows(model, micro_batches: list[MicroBatch], temperature: float) -> 
     return rows_of(model, micro_batches, lambda m, mb: token_logprobs(m, mb, temperature)[0])
 
 
-def fill_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float) -> None:
-    """Each micro-batch's `old_logprobs`: the policy's before the update, in a pass of their own."""
-    for mb, rows in zip(micro_batches, logprob_rows(model, micro_batches, temperature), strict=True):
-        mb.old_logprobs = rows
+def fill_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float, replay: bool = False) -> None:
+    """Each micro-batch's `old_logprobs`: the policy's before the update, in a pass of their own; a MoE policy's
+    routed as recorded (`route_as_recorded`: replayed with `replay`, train.routing_replay), its mismatch kept in
+    `routing_counts`."""
+    def forward(m, mb: MicroBatch) -> torch.Tensor:
+        route_as_recorded(m, mb, replay)
+        rows = token_logprobs(m, mb, temperature)[0]
+        mb.routing_counts = mismatch_counts(m)
+        return rows
+
+    try:
+        for mb, rows in zip(micro_batches, rows_of(model, micro_batches, forward), strict=True):
+            mb.old_logprobs = rows
+    finally:
+        own_routing(model)
+
+
+def route_as_recorded(model, mb: MicroBatch, replay: bool) -> None:
+    """Before a forward of `mb` through a MoE policy: its recorded routing replayed (`replay`: train.routing_replay)
+    or only compared with the router's own choice (the mismatch a run without replay logs); a micro-batch without
+    a record routes by the router's own choice. The setting holds until the next call, through the recomputation
+    of activation checkpointing in the backward. Nothing for a dense model."""
+    if getattr(model, "moe_routing", None) is None:
+        return
+    if mb.routed_experts is None:
+        set_routing_replay(model, None)
+        return
+    set_routing_replay(model, mb.routed_experts, mb.routing_mask, replace=replay, device=mb.input_ids.device)
+
+
+def own_routing(model) -> None:
+    """A MoE policy back on its own routing, after the passes over a rollout's micro-batches."""
+    if getattr(model, "moe_routing", None) is not None:
+        set_routing_replay(model, None)
+
+
+def add_routing_mismatch(sums: dict[str, torch.Tensor], counts: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """(differing, counted) routings of one forward (`mismatch_counts`) into the step's sums."""
+    if counts is not None:
+        sums["routing_differ"] += counts[0]
+        sums["routing_counted"] += counts[1]
+
+
+def real_tokens(mb: MicroBatch) -> torch.Tensor:
+    """(rows, width) bool over the forward's input: the samples' tokens, not the padding (all of them for a
+    micro-batch that does not say its samples' lengths)."""
+    device, width = mb.input_ids.device, mb.input_ids.shape[1]
+    if mb.lengths is None:
+        return torch.ones_like(mb.input_ids, dtype=torch.bool)
+    if mb.documents is None:
+        return torch.arange(width, device=device)[None] < torch.tensor(mb.lengths, device=device)[:, None]
+    return (torch.arange(width, device=device) < sum(mb.lengths))[None]
+
+
+def micro_batch_aux_loss(sums: dict[str, torch.Tensor], model, mb: MicroBatch, global_tokens: float) -> torch.Tensor:
+    """The router's load-balancing loss of this micro-batch's forward (rl/model/moe.py's `router_aux_loss`, unscaled,
+    over the samples' tokens, prompt and response, as transformers' attention mask counts them), times the
+    micro-batch's share of the global batch's trained tokens: a step's micro-batches over all ranks add up to the
+    token-weighted mean of their aux losses (a zero-loss padding micro-batch adds nothing)."""
+    aux = router_aux_loss(model, real_tokens(mb)) * (mb.loss_mask.sum() / max(global_tokens, 1))
+    sums["router_aux_sum"] += aux.detach()
+    return aux
 
 
 def kl_rows(kind: str, mb: MicroBatch) -> torch.Tensor:
@@ -431,7 +541,7 @@ def response_kl_sums(kl: list[torch.Tensor], micro_batches: list[MicroBatch]) ->
 
 SUM_KEYS = ("loss_sum", "clipped_tokens", "entropy_sum", "tokens", "mismatch_abs_sum", "mismatch_abs_max",
             "mismatch_k3_sum", "mismatch_k3_max", "mismatch_tokens", "kl_ref_sum", "tis_weight_sum",
-            "tis_capped_tokens", "sequences")
+            "tis_capped_tokens", "sequences", "routing_differ", "routing_counted", "router_aux_sum")
 
 
 def train_on_rollout(model, optimizer, scheduler, schedule: Schedule, *, dp_size: int, train: TrainConfig,
@@ -442,6 +552,10 @@ def train_on_rollout(model, optimizer, scheduler, schedule: Schedule, *, dp_size
     their own (`needs_old_logprobs`: `fill_old_logprobs` before the first update), `ref_logprobs` for the KL
     (algo.kl_coef > 0). Returns this rank's sums (loss, clipped tokens, entropy, rollout/trainer mismatch, KL,
     importance weights) and the grad norms, for the caller to reduce across ranks.
+
+    A MoE policy routes each micro-batch's forward as recorded (`route_as_recorded`: replayed with
+    train.routing_replay, else only compared), counts its routing mismatch in the pass before the update (as the
+    logprob mismatch), and adds the router's load-balancing loss where its config asks for it (`router_aux_coef`).
     """
     model.train()
     reuse = can_reuse_old_logprobs(train, algo)
@@ -457,11 +571,15 @@ def train_on_rollout(model, optimizer, scheduler, schedule: Schedule, *, dp_size
     if has_old:
         for mb in micro_batches:
             add_mismatch(sums, mb.old_logprobs, mb.rollout_logprobs, mb.loss_mask, mb.indices, per_sample)
+            add_routing_mismatch(sums, mb.routing_counts)
+    aux_coef = router_aux_coef(model)
 
     def loss(step_index: int, mb: MicroBatch, totals: tuple[int, int]) -> torch.Tensor:
+        route_as_recorded(model, mb, train.routing_replay)
         logprobs, entropy = token_logprobs(model, mb, temperature)
         if not has_old and step_index == 0:  # the policy has not moved yet: these are the old logprobs
             add_mismatch(sums, logprobs, mb.rollout_logprobs, mb.loss_mask, mb.indices, per_sample)
+            add_routing_mismatch(sums, mismatch_counts(model))
         if reuse:
             old_lp = logprobs.detach()
         elif algo.use_rollout_logprobs:
@@ -469,14 +587,20 @@ def train_on_rollout(model, optimizer, scheduler, schedule: Schedule, *, dp_size
         else:
             old_lp = mb.old_logprobs
         mb_loss = micro_batch_loss(sums, mb, logprobs, entropy, old_lp, mb.ref_logprobs, algo, *totals)
+        if aux_coef > 0:
+            mb_loss = mb_loss + aux_coef * micro_batch_aux_loss(sums, model, mb, totals[0])
         sums["loss_sum"] += mb_loss.detach()
         return mb_loss
 
     passes = train.num_iterations  # the same mini-batches again, in the same order (TRL's num_iterations)
-    grad_norms, skipped_flags = optimizer_steps(
-        model, optimizer, scheduler, schedule.steps * passes,
-        list(zip(schedule.step_tokens, schedule.step_seqs, strict=True)) * passes, dp_size, train.clip_grad, loss)
+    try:
+        grad_norms, skipped_flags = optimizer_steps(
+            model, optimizer, scheduler, schedule.steps * passes,
+            list(zip(schedule.step_tokens, schedule.step_seqs, strict=True)) * passes, dp_size, train.clip_grad, loss)
+    finally:
+        own_routing(model)
     out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all the sums
+    out["router_aux_coef"] = aux_coef
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = scheduler.get_last_lr()[0]
     out.update(skipped_runs(skipped_flags))
@@ -558,6 +682,11 @@ def train_metrics(per_rank: list[dict[str, float]], num_steps: int, algo: AlgoCo
         out["train/kl_ref"] = sum(m["kl_ref_sum"] for m in per_rank) / max(tokens, 1)
         # per response: what the health metric table watches (healthy 1-10, > 50 drifting too fast)
         out["train/kl_ref_seq"] = sum(m["kl_ref_sum"] for m in per_rank) / max(sum(m["sequences"] for m in per_rank), 1)
+    routed = sum(m["routing_counted"] for m in per_rank)
+    if routed:  # a MoE policy with recorded routing: how often its own router picks other experts than the engine
+        out["train/routing_mismatch"] = sum(m["routing_differ"] for m in per_rank) / routed
+    if per_rank[0]["router_aux_coef"] > 0:  # the router's load-balancing loss, unscaled (train/loss holds it scaled)
+        out["train/router_aux_loss"] = sum(m["router_aux_sum"] for m in per_rank) / num_steps
     if algo is not None and algo.tis_cap > 0:
         out["train/tis_weight_mean"] = sum(m["tis_weight_sum"] for m in per_rank) / max(tokens, 1)
         out["train/tis_clip_frac"] = sum(m["tis_capped_tokens"] for m in per_rank) / max(tokens, 1)
