@@ -272,3 +272,19 @@ def test_trainer_packed_row_equals_each_sequence_alone(family):
         expected_grad = grads[name].grad
         torch.testing.assert_close(parameter.grad, expected_grad, atol=5e-5 * expected_grad.abs().max().item(),
                                    rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_lora_on_the_linear_attention_projections_is_refused():
+    """The packed forward reads the projections' weights, so an adapter there would train nothing: refused, one line
+    naming the key; adapters on the other layers are left as they are."""
+    from rl.config import ConfigError, LoraConfig
+    from rl.model.linear_attention import use_packed_linear_attention
+    from rl.train.lora import apply_lora
+
+    model = tiny_causal_lm("qwen3_5")
+    apply_lora(model, LoraConfig(rank=4, target_modules=["in_proj_qkv", "q_proj"]))
+    with pytest.raises(ConfigError, match="lora.target_modules: .*in_proj_qkv"):
+        use_packed_linear_attention(model)
+    model = tiny_causal_lm("qwen3_5")
+    apply_lora(model, LoraConfig(rank=4, target_modules=["q_proj", "o_proj"]))
+    assert len(use_packed_linear_attention(model)) == 3

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rl.config import ConfigError
+
 CHUNK_SIZE = 64
 
 
@@ -311,11 +313,15 @@ def packed_linear_forward(self, hidden_states: torch.Tensor, cache_params=None, 
 
 def use_packed_linear_attention(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Patches every Gated DeltaNet module of `model` to `packed_linear_forward`; returns them (none for a model
-    without linear attention, which is left as it is). Works on a meta model: only forwards change."""
+    without linear attention, which is left as it is). Works on a meta model: only forwards change. Called after
+    LoRA: the forward reads the projections' weights, so an adapter on them would be skipped, and is refused."""
     modules = linear_attention_modules(model)
     for module in modules:
         if module.activation != "silu":
             raise ValueError(f"{type(module).__name__}: the short convolution here applies SiLU, the module asks for "
                              f"{module.activation}")
+        if adapted := sorted(name for name, child in module.named_children() if hasattr(child, "lora_A")):
+            raise ConfigError(f"lora.target_modules: the linear-attention layers' {', '.join(adapted)} take no "
+                              f"adapters here; leave them out (the full-attention and MLP layers take them)")
         module.forward = types.MethodType(packed_linear_forward, module)
     return modules

@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rl.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from rl.model.invariant import make_batch_invariant
+from rl.model.linear_attention import use_packed_linear_attention
 from rl.model.moe import use_grouped_moe
 from rl.model.rope import fuse_rope
 from rl.parallel import copy_own_rows, own_rows
@@ -42,13 +43,13 @@ from rl.train.lora import adapter_names, apply_lora, init_adapters, trainable
 
 def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_context_len: int,
                  value_head: bool = False, lora: LoraConfig | None = None) -> torch.nn.Module:
-    """The sharded policy with its weights: meta model -> (grouped MoE blocks, batch-invariant patch) ->
-    fully_shard -> to_empty -> each rank loads its rows from the safetensors, or with `model.random_init` fills
-    them with random weights drawn on the device from `seed` (init_random_weights). `max_context_len` sizes the
-    batch-invariant RoPE tables. `value_head`: the critic of PPO, the same body with `lm_head` replaced by a
-    zero-initialised (hidden -> 1) projection, so its "logits" are one value per position (every value starts at 0).
-    `lora` with rank > 0: the base frozen, adapters on its target layers (rl/train/lora.py), initialised from `seed`
-    after the load."""
+    """The sharded policy with its weights: meta model -> (grouped MoE blocks, batch-invariant patch, LoRA, the
+    packed linear-attention forward) -> fully_shard -> to_empty -> each rank loads its rows from the safetensors,
+    or with `model.random_init` fills them with random weights drawn on the device from `seed`
+    (init_random_weights). `max_context_len` sizes the batch-invariant RoPE tables. `value_head`: the critic of PPO,
+    the same body with `lm_head` replaced by a zero-initialised (hidden -> 1) projection, so its "logits" are one
+    value per position (every value starts at 0). `lora` with rank > 0: the base frozen, adapters on its target
+    layers (rl/train/lora.py), initialised from `seed` after the load."""
     hf_config = AutoConfig.from_pretrained(cfg.path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
@@ -60,6 +61,7 @@ def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_co
         model = make_batch_invariant(model, max_context_len)
     if lora is not None and lora.rank:
         apply_lora(model, lora)  # before sharding: FSDP2 records which parameters train
+    use_packed_linear_attention(model)  # Qwen3-Next, Qwen3.5: a packed row's sequences apart (linear_attention.py)
     model = shard_policy(model, mesh, device, cfg.gradient_checkpointing, cfg.compile, cfg.reshard_after_forward)
     model.to_empty(device=device)
     init_non_persistent_buffers(model)
