@@ -9,7 +9,9 @@ a real token never looks past itself), decode feeds one token per sequence and r
 through its block table. Qwen3's QK-norm (an RMSNorm over each q and k head) runs just before RoPE, inside
 the same kernel on CUDA. Gemma 3 adds norms after attention and after the MLP, scales its norms by (1 + w),
 its embedding by sqrt(hidden), runs GeGLU, and gives its sliding-window layers their own RoPE tables and
-a window that every attention path (SDPA's mask, the paged kernels' loops) applies. RoPE tables come from the
+a window that every attention path (SDPA's mask, the paged kernels' loops) applies; the engine may keep those
+layers' KV in a cache of their own (`set_window_layers`, `WindowCache`: each sequence's last window only, through
+block tables of its own). RoPE tables come from the
 HF model's own rotary class, so every rope_type/rope_scaling the config names is honoured exactly. Each op runs
 its torch reference from rl/model/kernels/ on the CPU and its Triton kernel from there on CUDA and in batch-invariant
 mode. With `precision="fp8"` the four matrices of each block (qkv, o, gate_up, down) are held in FP8 e4m3 with
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +84,18 @@ class Shape(ModelShape):
             if getattr(cfg, key, None):
                 raise ValueError(f"{model_type}: {key}={getattr(cfg, key)!r} is not supported by the native engine")
         return super().from_hf(cfg)
+
+
+@dataclass
+class WindowCache:
+    """The KV cache of the layers `DecoderModel.set_window_layers` names (sliding-window layers) and the block tables
+    into it, (N, pages) as the global cache's: a forward writes and reads those layers' keys and values there, the
+    other layers' in the global cache. `slots`: in a decode step, each row's slot for its fed token (a prefill
+    computes them from the tables)."""
+
+    kv: torch.Tensor  # (2, window layers, slots, KV heads, D)
+    tables: torch.Tensor
+    slots: torch.Tensor | None = None
 
 
 # HF name -> (internal tensor, first row, last row); rows None means the whole tensor.
@@ -240,6 +255,24 @@ class DecoderModel:
         tables = {kind: rope_tables(reference, max_positions, self.device, dtype, kind) for kind in set(kinds)}
         self.layer_tables = [tables[kind] for kind in kinds]
         self.weights: dict[str, torch.Tensor] = {}
+        self.set_window_layers(())
+
+    def set_window_layers(self, layers: tuple[int, ...]) -> None:
+        """Keeps the KV of `layers` (sliding-window ones) in a `WindowCache`, the others in the global cache: each
+        layer's (in the window cache?, index in its cache)."""
+        for i in layers:
+            if not self.shape.window(i):
+                raise ValueError(f"layer {i} has no sliding window: its KV cannot live in the window cache")
+        self.cache_index = [(i in layers, sum((j in layers) == (i in layers) for j in range(i)))
+                            for i in range(self.shape.num_layers)]
+
+    def layer_cache(self, layer: int, kv: torch.Tensor, tables: torch.Tensor, window: WindowCache | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s key cache, value cache and block tables."""
+        windowed, index = self.cache_index[layer]
+        if windowed:
+            return window.kv[0, index], window.kv[1, index], window.tables
+        return kv[0, index], kv[1, index], tables
 
     def init_fp8(self, fp8_scale: str) -> None:
         """The FP8 layout (`internal_tensors`): the tile size, and per block each FP8 tensor's row -> scale row and
@@ -331,12 +364,13 @@ class DecoderModel:
     # ------------------------------------------------------------------ forward
 
     def layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
-               attend: Callable[[int, torch.Tensor], torch.Tensor], decode: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               attend: Callable[[int, torch.Tensor], torch.Tensor], decode: bool = False,
+               window: WindowCache | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Runs every decoder block over tokens (T,); returns (x, residual) before the final norm, and the expert
         ids each token took in each MoE layer, (MoE layers, T, k) (None for a dense model).
 
-        Each block writes its rotated keys and values to `slots` of `kv` (2, layers, slots, KV, D);
+        Each block writes its rotated keys and values to `slots` of `kv` (2, layers, slots, KV, D) (a layer in the
+        window cache to `window.slots` of `window.kv`);
         `attend(layer, qkv)` returns the attention output (T, heads * D) from the rotated `qkv` (whose
         first heads * D columns are q). With `decode`, x may come as float32 partial sums (see `mlp`).
         """
@@ -348,8 +382,10 @@ class DecoderModel:
         for i in range(s.num_layers):
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.input_norm"])
             qk_norm = (w[f"layers.{i}.q_norm"], w[f"layers.{i}.k_norm"]) if s.qk_norm else None
+            windowed, index = self.cache_index[i]
+            cache, to = (window.kv, window.slots) if windowed else (kv, slots)
             qkv = self.qkv_and_rope(h, self.matrix(f"layers.{i}.qkv.weight"), w.get(f"layers.{i}.qkv.bias"), positions,
-                                    slots, kv[0, i], kv[1, i], decode, qk_norm, i)
+                                    to, cache[0, index], cache[1, index], decode, qk_norm, i)
             x = self.matmul(attend(i, qkv), self.matrix(f"layers.{i}.o.weight"), w.get(f"layers.{i}.o.bias"))
             if s.sandwich_norms:
                 x, _ = self.add_rms_norm(x, None, w[f"layers.{i}.attn_out_norm"])
@@ -420,42 +456,52 @@ class DecoderModel:
         return logits if not cap else torch.tanh(logits / cap) * cap
 
     def prefill(self, tokens: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor,
-                kv: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                kv: torch.Tensor, page_size: int, window: WindowCache | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Right-padded new tokens (N, L) of N sequences -> logits after each one's last token (N, V), and the
         expert ids every token took in each MoE layer, (MoE layers, N, L, k) (None for a dense model; pads' too).
 
         Sequence n has its first starts[n] tokens in the cache already (a sequence kept from an earlier call)
         and counts[n] new ones after them, on pages tables[n] (N, P); each new token attends to the whole
-        sequence before it, cached part included. Pads write to slot 0."""
+        sequence before it, cached part included (within its window in a sliding-window layer). Pads write to slot 0.
+        `window`: the window layers' cache and each sequence's tables into it, which hold at least the pages of its
+        new tokens and of the window before them."""
         n, length = tokens.shape
         s = self.shape
         offsets = torch.arange(length, device=tokens.device)
         new = offsets[None, :] < counts[:, None]  # (N, L)
         # A pad sits at its offset, as in a fresh prompt: inside the rotary tables whatever the start.
         positions = torch.where(new, starts[:, None] + offsets, offsets)  # (N, L)
-        pages = tables.gather(1, torch.where(new, positions // page_size, 0)).long()
-        slots = torch.where(new, pages * page_size + positions % page_size, 0)
+        def slots_of(tables: torch.Tensor) -> torch.Tensor:
+            pages = tables.gather(1, torch.where(new, positions // page_size, 0)).long()
+            return torch.where(new, pages * page_size + positions % page_size, 0)
+
+        slots = slots_of(tables)
+        if window is not None:
+            window = WindowCache(window.kv, window.tables, slots_of(window.tables).reshape(-1))
         contexts = starts + counts
         continued = not self.batch_invariant and bool(starts.any())
         if self.batch_invariant:  # every new token is a row of the decode kernel, as in the trainer
-            rows = tables.repeat_interleave(length, dim=0)
             context_lens = (positions + 1).reshape(-1).to(torch.int32)
             longest = int(contexts.max())
+            rows = {id(t): t.repeat_interleave(length, dim=0) for t in (tables, *([] if window is None else
+                                                                                   [window.tables]))}
 
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache, layer_tables = self.layer_cache(layer, kv, tables, window)
             if self.batch_invariant:
                 from rl.model.kernels.attention_triton import invariant_attention
 
-                return invariant_attention(split_qkv(qkv, s)[0], kv[0, layer], kv[1, layer], rows, context_lens,
+                return invariant_attention(split_qkv(qkv, s)[0], k_cache, v_cache, rows[id(layer_tables)], context_lens,
                                            page_size, longest, scale=s.scale, window=s.window(layer))
             if continued:  # the cached part's keys and values are read back from the cache, the new ones' too
                 q = split_qkv(qkv, s)[0]
                 if self.fused:
                     from rl.model.kernels.attention_triton import prefill_paged_attention
 
-                    return prefill_paged_attention(q, kv[0, layer], kv[1, layer], tables, starts, contexts, length,
+                    return prefill_paged_attention(q, k_cache, v_cache, layer_tables, starts, contexts, length,
                                                    page_size, s.scale, window=s.window(layer))
-                return paged_prefill_reference(q, kv[0, layer], kv[1, layer], tables, starts, contexts, length,
+                return paged_prefill_reference(q, k_cache, v_cache, layer_tables, starts, contexts, length,
                                                page_size, s.scale, s.window(layer))
             q, k, v = (t.reshape(n, length, -1, s.head_dim).transpose(1, 2) for t in split_qkv(qkv, s))
             group = s.num_heads // s.num_kv_heads
@@ -465,30 +511,32 @@ class DecoderModel:
 
         with sdpa_kernel(PREFILL_ATTENTION):
             x, residual, experts = self.layers(tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1), kv,
-                                               attend)
+                                               attend, window=window)
         last = torch.arange(n, device=tokens.device) * length + counts - 1
         return self.logits(x[last], residual[last]), None if experts is None else experts.unflatten(1, (n, length))
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, num_splits: int
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, num_splits: int,
+               window: WindowCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One new token per sequence (B,) -> next-token logits (B, V), and the expert ids it took in each MoE
-        layer, (MoE layers, B, k) (None for a dense model); graph-safe on CUDA for a dense model."""
+        layer, (MoE layers, B, k) (None for a dense model); graph-safe on CUDA for a dense model. `window`: the
+        window layers' cache, each row's tables into it and its fed token's slot there."""
         s = self.shape
 
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
             q = qkv[:, : s.num_heads * s.head_dim].view(-1, s.num_heads, s.head_dim)  # qkv, or q alone
+            k_cache, v_cache, tables = self.layer_cache(layer, kv, block_tables, window)
             if self.fused:
                 from rl.model.kernels.attention_triton import decode_attention
 
                 return decode_attention(
-                    q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size, s.scale, num_splits,
+                    q, k_cache, v_cache, tables, context_lens, page_size, s.scale, num_splits,
                     split_tokens=attention.INVARIANT_SPLIT_TOKENS if self.batch_invariant else 0,
                     window=s.window(layer))
-            return paged_attention_reference(q, kv[0, layer], kv[1, layer], block_tables, context_lens, page_size,
-                                             s.scale, s.window(layer))
+            return paged_attention_reference(q, k_cache, v_cache, tables, context_lens, page_size, s.scale,
+                                             s.window(layer))
 
-        x, residual, experts = self.layers(tokens, positions, slots, kv, attend, decode=True)
+        x, residual, experts = self.layers(tokens, positions, slots, kv, attend, decode=True, window=window)
         return self.logits(x, residual), experts
 
 

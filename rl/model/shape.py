@@ -146,9 +146,9 @@ class ModelShape:
     def num_params(self) -> int:
         return self.root_params + sum(self.layer_params(i) for i in range(self.num_layers))
 
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        """K and V of every layer for one token, at `itemsize` bytes an element."""
-        return 2 * self.num_layers * self.kv_size * itemsize
+    def kv_bytes_per_token(self, itemsize: int, layers: int | None = None) -> int:
+        """K and V of every layer (or of `layers` of them) for one token, at `itemsize` bytes an element."""
+        return 2 * (self.num_layers if layers is None else layers) * self.kv_size * itemsize
 
 
 def gemma_fields(c) -> dict:

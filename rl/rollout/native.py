@@ -17,6 +17,13 @@ those pages and prefills only the tokens after them (rl/rollout/scheduler.py). K
 the caller releases it, when pages run short, and whenever it could go stale: new weights, a prefix-cache
 reset, sleep.
 
+Sliding-window layers (Gemma 3's local ones) keep their KV in a second, smaller cache (`kv_window`) where each
+sequence holds only its last window: a running row writes its tokens into a ring of `cdiv(window, page_size)` pages
+that decode steps recycle in place (its block table into that cache never changes, so graphs replay it), and pages
+outside every later token's window go back once a prompt is prefilled (rl/rollout/scheduler.py says how, and why two
+caches). That cache is sized by rows, not by context (`window_cache_pages`), so a long Gemma 3 rollout's KV grows with
+its global layers alone.
+
 Sleep levels mirror vLLM's: level 1 moves the weights to pinned host memory and frees the KV
 cache, level 2 frees both; `wake_up(tags)` restores what is asked. Graphs hold raw pointers: on a
 CUDA driver with virtual memory management, weights and cache live in address ranges that survive
@@ -38,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.model.decoder import DecoderModel
+from rl.model.decoder import DecoderModel, WindowCache
 from rl.model.kernels.attention import invariant_num_splits
 from rl.rollout import vmem
 from rl.rollout.engine import TAGS, Completion, Engine, SamplingParams
@@ -62,6 +69,25 @@ def kv_cache_pages(kv_cache_tokens: int, max_batch_size: int, max_context_len: i
     if kv_cache_tokens:
         return cdiv(kv_cache_tokens, page_size) + 1
     return max_batch_size * (cdiv(max_context_len, page_size) + 1) + 1
+
+
+def window_layers(shape, max_context_len: int, page_size: int = PAGE_SIZE) -> tuple[int, ...]:
+    """The layers whose KV the engine keeps in its window cache: the sliding-window ones, where a window's ring of
+    pages is shorter than the longest sequence (a longer window saves nothing and stays with the global layers)."""
+    return tuple(i for i in range(shape.num_layers)
+                 if 0 < shape.window(i) and cdiv(shape.window(i), page_size) < cdiv(max_context_len, page_size))
+
+
+def window_cache_pages(window: int, max_batch_size: int, max_context_len: int, page_size: int = PAGE_SIZE,
+                       window_cache_tokens: int = 0) -> int:
+    """Pages of the window cache, its scratch page included. `window_cache_tokens` 0: every row's ring
+    (cdiv(window, page_size) pages) and its prompt's last window (at most that and two pages more), and one prefill's
+    prompts held whole while they are prefilled (the longest sequence, or PREFILL_TOKENS, whichever is longer)."""
+    if window_cache_tokens:
+        return cdiv(window_cache_tokens, page_size) + 1
+    ring = cdiv(window, page_size)
+    prefill = cdiv(max(max_context_len, PREFILL_TOKENS), page_size)
+    return max_batch_size * (2 * ring + 2) + prefill + 1
 
 
 def prefill_chunks(lengths: list[int], budget: int) -> list[list[int]]:
@@ -146,11 +172,14 @@ class Rows:
     stop_state: torch.Tensor  # (R,) int32, each row's state in the call's stop text (STOPPED: it ended there)
     # (R, width, MoE layers, k) the expert ids of each fed token, in its token's column (-1: not fed); None: dense
     out_experts: torch.Tensor | None = None
+    # (R, max pages) int32, each row's block table into the window cache (its ring, repeated); None: no window cache
+    window_tables: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, rows: int, max_pages: int, width: int, device: torch.device,
-                 moe: tuple[int, int] | None = None) -> Rows:
-        """`moe`: (MoE layers, experts per token) of a model whose routing is recorded."""
+                 moe: tuple[int, int] | None = None, windowed: bool = False) -> Rows:
+        """`moe`: (MoE layers, experts per token) of a model whose routing is recorded; `windowed`: the engine has a
+        window cache."""
         long = dict(dtype=torch.long, device=device)
         return cls(torch.zeros(rows, **long), torch.zeros(rows, **long), torch.zeros(rows, **long),
                    torch.ones(rows, dtype=torch.int32, device=device),
@@ -159,16 +188,19 @@ class Rows:
                    torch.zeros(rows, width, **long), torch.zeros(rows, width, dtype=torch.float32, device=device),
                    torch.ones(1, device=device), torch.ones(1, device=device), torch.ones(1, **long),
                    torch.full((MAX_STOP_IDS,), -1, **long), torch.zeros(rows, dtype=torch.int32, device=device),
-                   None if moe is None else torch.full((rows, width, *moe), -1, dtype=EXPERT_IDS, device=device))
+                   None if moe is None else torch.full((rows, width, *moe), -1, dtype=EXPERT_IDS, device=device),
+                   torch.zeros(rows, max_pages, dtype=torch.int32, device=device) if windowed else None)
 
     def per_row(self) -> list[torch.Tensor]:
         return [self.input_ids, self.positions, self.slots, self.context_lens, self.block_tables, self.done,
                 self.n_gen, self.out_tokens, self.out_logprobs, self.stop_state,
-                *([] if self.out_experts is None else [self.out_experts])]
+                *([] if self.out_experts is None else [self.out_experts]),
+                *([] if self.window_tables is None else [self.window_tables])]
 
     def clear(self, start: int, end: int) -> None:
         """Makes rows [start, end) idle: done, one token of context on the scratch page."""
-        for t in (self.input_ids, self.positions, self.slots, self.block_tables, self.n_gen, self.stop_state):
+        for t in (self.input_ids, self.positions, self.slots, self.block_tables, self.n_gen, self.stop_state,
+                  *([] if self.window_tables is None else [self.window_tables])):
             t[start:end] = 0
         self.context_lens[start:end] = 1
         self.done[start:end] = True
@@ -181,7 +213,9 @@ class NativeEngine(Engine):
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_batch_size: int = 256,
                  seed: int = 0, *, max_context_len: int = 4096, kv_cache_tokens: int = 0, cuda_graphs: bool = True,
                  steps_per_poll: int = 16, page_size: int = PAGE_SIZE, stable_memory: bool = True,
-                 batch_invariant: bool = False, precision: str = "bf16", fp8_scale: str = "channel"):
+                 batch_invariant: bool = False, precision: str = "bf16", fp8_scale: str = "channel",
+                 window_cache_tokens: int = 0):
+        """`window_cache_tokens`: the sliding-window layers' cache in tokens (0: `window_cache_pages`' size)."""
         super().__init__(max_context_len)
         self.device, self.dtype = torch.device(device), dtype
         self.max_batch_size = max_batch_size
@@ -205,13 +239,24 @@ class NativeEngine(Engine):
         self.stop_tables: dict[tuple[str, ...], torch.Tensor] = {}
         self.stop_table: torch.Tensor | None = None
         self.kv: torch.Tensor | None = None
+        self.kv_window: torch.Tensor | None = None
         self.rows: Rows | None = None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
         # where a level-1 sleep parks the weights, kept from one sleep to the next (None after a level-2 sleep)
         self.host_weights: dict[str, torch.Tensor] | None = None
         self.required = {(key, start) for key, start, _ in self.model.name_map.values()}
-        self.kv_shape = (2, s.num_layers, self.num_pages * page_size, s.num_kv_heads, s.head_dim)
+        # The global layers' cache, and the sliding-window layers' (`window_layers`: none without such layers)
+        self.window_layers = window_layers(s, max_context_len, page_size)
+        self.model.set_window_layers(self.window_layers)
+        self.window = max((s.window(i) for i in self.window_layers), default=0)
+        self.window_pages = window_cache_pages(self.window, max_batch_size, max_context_len, page_size,
+                                               window_cache_tokens) if self.window else 0
+        self.window_peak = 0  # the most window-cache pages the last call held at once
+        self.kv_shape = (2, s.num_layers - len(self.window_layers), self.num_pages * page_size, s.num_kv_heads,
+                         s.head_dim)
+        self.window_kv_shape = (2, len(self.window_layers), self.window_pages * page_size, s.num_kv_heads, s.head_dim)
+        kv_bytes = cdiv(torch.Size(self.kv_shape).numel() * dtype.itemsize, 256) * 256
         # Weights and KV cache at addresses that outlive sleep, so captured graphs stay valid
         # (`stable_memory=False`: torch allocations, graphs dropped at sleep and captured again).
         self.stable = stable_memory and self.use_graphs and vmem.supported(self.device)
@@ -221,7 +266,9 @@ class NativeEngine(Engine):
                 self.weight_layout[key] = (size, shape, own or dtype)
                 size += cdiv(torch.Size(shape).numel() * (own or dtype).itemsize, 256) * 256
             self.weight_buffer = vmem.StableBuffer(size, self.device)
-            self.kv_buffer = vmem.StableBuffer(torch.Size(self.kv_shape).numel() * dtype.itemsize, self.device)
+            self.kv_buffer = vmem.StableBuffer(kv_bytes + torch.Size(self.window_kv_shape).numel() * dtype.itemsize,
+                                               self.device)
+        self.kv_window_offset = kv_bytes
         self.loaded: set[tuple] = set()
         self.kept: dict[Hashable, Kept] = {}  # finished sequences' KV, by the caller's key (see `generate`)
         self.asleep = dict.fromkeys(TAGS, True)
@@ -254,7 +301,7 @@ class NativeEngine(Engine):
         if not self.stable:
             self._drop_graphs()
             self.rows = None
-        self.kv = None
+        self.kv = self.kv_window = None
         self.kept.clear()
         if level == 1 and not self.asleep["weights"]:
             # into host buffers kept from one sleep to the next: pinning them anew at every sleep took ~1 s for
@@ -289,12 +336,17 @@ class NativeEngine(Engine):
                 if self.stable:
                     self.kv_buffer.map()
                     self.kv = self.kv_buffer.view(0, self.kv_shape, self.dtype)
+                    self.kv_window = self.kv_buffer.view(self.kv_window_offset, self.window_kv_shape, self.dtype)
                 else:  # uninitialised (on the CPU, untouched pages then cost no memory)
                     self.kv = torch.empty(self.kv_shape, dtype=self.dtype, device=self.device)
+                    self.kv_window = torch.empty(self.window_kv_shape, dtype=self.dtype, device=self.device)
                 self.kv[:, :, : self.page_size] = 0  # the scratch page idle rows attend to must be finite
+                # All of the (small) window cache: a ring's slots that a window masks are still read by the torch
+                # paths, and slots a ring has not written yet must be finite too.
+                self.kv_window.zero_()
                 if self.rows is None:
                     self.rows = Rows.allocate(self.max_batch_size, cdiv(self.max_context_len, self.page_size),
-                                              self.max_context_len + 1, self.device, self.moe)
+                                              self.max_context_len + 1, self.device, self.moe, bool(self.window))
                 self.rows.clear(0, self.max_batch_size)  # kept rows (stable memory) start idle too
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
@@ -354,17 +406,20 @@ class NativeEngine(Engine):
         "length"), and from which its prompt continues if that key holds the start of it; a request that ends
         early keeps nothing."""
         self._set_sampling(params)
-        sched = Scheduler(prompts, params.max_new_tokens, self.page_size, PagePool(self.num_pages, self.kept.values()),
-                          self.max_batch_size, prior, keep, self.kept)
+        window_pool = PagePool(self.window_pages, (k.ring for k in self.kept.values())) if self.window else None
+        sched = Scheduler(prompts, params.max_new_tokens, self.page_size,
+                          PagePool(self.num_pages, (k.pages for k in self.kept.values())), self.max_batch_size, prior,
+                          keep, self.kept, self.window, window_pool)
         results: list[Completion | None] = [None] * len(prompts)
         stops = set(params.stop_token_ids)
         ahead: Callable[[], bool] | None = None  # "has a row finished?" after the chunk before the last
         while True:
             to_prefill, new = sched.admit()
             if to_prefill:
-                self._prefill(to_prefill)
+                self._prefill(sched, to_prefill)
             if new:
                 self._start_rows(sched, new, len(sched.running) - len(new))
+            self.window_peak = sched.window_peak
             if not sched.running:
                 break
             # `generated` is an upper bound between polls (a row that stopped early stays put), so a
@@ -415,27 +470,43 @@ class NativeEngine(Engine):
                 self.stop_tables[strings] = params.stop_text.table(self.model.shape.vocab_size, self.device)
             self.stop_table = self.stop_tables[strings]
 
-    def _prefill(self, prompts) -> None:
+    def _prefill(self, sched: Scheduler, prompts) -> None:
         """Writes each prompt's KV into its pages (past the tokens a kept sequence or its base holds) and keeps
         the logits after its last token. Bases first: the prompts continued from them read their pages."""
         for batch in ([p for p in prompts if p.base is None], [p for p in prompts if p.base is not None]):
             for chunk in prefill_chunks([len(p.tokens) for p in batch], PREFILL_TOKENS):
-                self._prefill_chunk([batch[i] for i in chunk])
+                self._prefill_chunk(sched, [batch[i] for i in chunk])
 
-    def _prefill_chunk(self, prompts) -> None:
+    def _copy_window(self, src: list[int], dst: list[int]) -> None:
+        """Copies slots of the window cache, every layer's keys and values."""
+        if src:
+            dev = self.device
+            self.kv_window[:, :, torch.tensor(dst, device=dev)] = self.kv_window[:, :, torch.tensor(src, device=dev)]
+
+    def _prefill_chunk(self, sched: Scheduler, prompts) -> None:
         tokens = torch.zeros(len(prompts), max(len(p.tokens) - p.cached for p in prompts), dtype=torch.long)
         tables = torch.zeros(len(prompts), max(len(p.pages) for p in prompts), dtype=torch.int32)
+        window = torch.zeros(len(prompts), tables.shape[1], dtype=torch.int32) if self.window else None
+        src, dst = [], []
         for n, p in enumerate(prompts):
             tokens[n, : len(p.tokens) - p.cached] = torch.tensor(p.tokens[p.cached :])
             tables[n, : len(p.pages)] = torch.tensor(p.pages, dtype=torch.int32)
+            if window is not None:  # its window pages, and the window before its cached tokens' end copied in
+                window[n, : len(p.window)] = torch.tensor(p.window, dtype=torch.int32)
+                s, d = sched.prompt_window_copy(p)
+                src += s
+                dst += d
+        self._copy_window(src, dst)
         starts = torch.tensor([p.cached for p in prompts])
         counts = torch.tensor([len(p.tokens) - p.cached for p in prompts])
         self.stats.prefill_tokens += int(counts.sum())
         dev = self.device
         logits, experts = self.model.prefill(tokens.to(dev), starts.to(dev), counts.to(dev), tables.to(dev), self.kv,
-                                             self.page_size)
+                                             self.page_size, None if window is None else
+                                             WindowCache(self.kv_window, window.to(dev)))
         for n, p in enumerate(prompts):
             p.logits = logits[n]
+            sched.prefilled(p)
             if experts is not None:
                 own = experts[:, n, : len(p.tokens) - p.cached].to(EXPERT_IDS)
                 p.experts = torch.cat([self._cached_experts(p), own], dim=1) if p.cached else own
@@ -454,15 +525,22 @@ class NativeEngine(Engine):
         r, ps, dev = self.rows, self.page_size, self.device
         rows = slice(first, first + len(new))
         table = torch.zeros(len(new), r.block_tables.shape[1], dtype=torch.int32)
-        src, dst = [], []
+        src, dst, window_src, window_dst = [], [], [], []
         for j, request in enumerate(new):
             pages = sched.block_table(request)
             table[j, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
             s, d = sched.tail_copy(request)
             src += s
             dst += d
+            s, d = sched.request_window_copy(request)
+            window_src += s
+            window_dst += d
         if src:
             self.kv[:, :, torch.tensor(dst, device=dev)] = self.kv[:, :, torch.tensor(src, device=dev)]
+        self._copy_window(window_src, window_dst)
+        if r.window_tables is not None:
+            r.window_tables[rows] = torch.tensor([sched.ring_table(q, r.window_tables.shape[1]) for q in new],
+                                                 dtype=torch.int32).to(dev)
         lengths = torch.tensor([len(q.prompt.tokens) for q in new])
         first_slot = torch.tensor([q.pages[0] for q in new]) * ps + lengths % ps
         tokens, logprobs = self._sample(torch.stack([q.prompt.logits for q in new]))
@@ -508,10 +586,15 @@ class NativeEngine(Engine):
 
     def _decode_step(self, bucket: int) -> None:
         """One token for rows [0, bucket): forward, sample, record, stop checks, advance. No host syncs."""
-        r = self.rows
+        r, ps = self.rows, self.page_size
+        window = None
+        if r.window_tables is not None:  # the fed tokens' slots in the window cache, through each row's ring
+            positions = r.positions[:bucket]
+            pages = r.window_tables[:bucket].gather(1, (positions // ps)[:, None]).squeeze(1)
+            window = WindowCache(self.kv_window, r.window_tables[:bucket], pages.long() * ps + positions % ps)
         logits, experts = self.model.decode(r.input_ids[:bucket], r.positions[:bucket], r.slots[:bucket], self.kv,
                                             r.block_tables[:bucket], r.context_lens[:bucket], self.page_size,
-                                            self._num_splits(bucket))
+                                            self._num_splits(bucket), window)
         if experts is not None:
             self._record_experts(bucket, experts)
         tokens, logprobs = self._sample(logits)

@@ -19,6 +19,25 @@ counts its holders.
 A partial rollout's continued samples come as prompts of their own (the original prompt and the response so far,
 all prefilled again under the weights of now). Those of one original prompt share its full pages as a `base`,
 prefilled once, and prefill only their own tokens over it (`share_bases`).
+
+Sliding-window layers (Gemma 3's local ones) keep their KV in a cache of their own with its own pages (`window`, a
+second `PagePool`): a token there attends to itself and the `window - 1` tokens before it, so a sequence needs only
+its last `window` tokens of it. Two page tables per sequence, one per group of layers, as vLLM's hybrid allocator
+keeps one per KV group, but with two physical caches rather than one pool cut into equal groups: the window cache is
+small and sized by rows, not by context (rl/rollout/native.py), which a shared page size could not give. In it:
+- a running request holds a ring of `cdiv(window, page_size)` private pages, position t on page
+  ring[(t // page_size) % len(ring)] at its t % page_size: the token written at t overwrites t - ring tokens, already
+  outside every later token's window, so decode steps recycle the ring's pages in place, the block table (entry j =
+  ring[j % len(ring)]) never changes and a CUDA graph replays it;
+- a prompt holds a linear table (entry j: logical page j, 0 where it holds none): while it is prefilled, a page for
+  every page from the first its cached tokens' window reaches (a prefill writes all its tokens before any attends, so
+  they cannot share a ring); after its prefill only those of its last window (`prefilled`), until its last request
+  is done, as its other pages;
+- each request copies its prompt's last `window - 1` tokens into its ring when it starts (as it copies the prompt's
+  partial last page in the other cache); a prompt continued from a kept sequence or a base copies the window before
+  its cached tokens from the kept ring or the base's table into its own pages before its prefill.
+No window page is ever shared, so one holder frees it: a kept sequence keeps its ring, a base's pages go with the
+base. Pages wholly outside every later token's window are never held past a prefill.
 """
 
 from __future__ import annotations
@@ -44,13 +63,15 @@ class Kept:
     tokens: list[int]
     pages: list[int]
     experts: torch.Tensor | None = None  # a MoE model's routing of `tokens`, (MoE layers, tokens, k), set by the engine
+    ring: list[int] = field(default_factory=list)  # its ring of window-cache pages (sliding-window layers)
 
 
 class PagePool:
-    """One call's pages: those no kept sequence holds are free; a page in use counts its holders."""
+    """One call's pages: those no kept sequence holds (`held`: their page lists) are free; a page in use counts its
+    holders."""
 
-    def __init__(self, num_pages: int, kept: Iterable[Kept] = ()):
-        self.holders = Counter(page for k in kept for page in k.pages)
+    def __init__(self, num_pages: int, held: Iterable[list[int]] = ()):
+        self.holders = Counter(page for pages in held for page in pages)
         self.free = [p for p in range(num_pages - 1, 0, -1) if p not in self.holders]  # page 0 is the scratch page
 
     def take(self, n: int) -> list[int]:
@@ -60,6 +81,10 @@ class PagePool:
         del self.free[len(self.free) - n :]  # in place: a copy of the rest took 0.1 s of a 2-s rollout over 67k pages
         self.holders.update(pages)
         return pages
+
+    def in_use(self) -> int:
+        """Pages held (the scratch page apart)."""
+        return len(self.holders)
 
     def share(self, pages: list[int]) -> None:
         self.holders.update(pages)
@@ -89,6 +114,10 @@ class PromptKV:
     # A MoE model's routing: of every token, set by prefill; and of the kept sequence it continues, if any
     experts: torch.Tensor | None = None
     kept_experts: torch.Tensor | None = None
+    # Its pages of the window cache, by logical page (0: none held), and the kept ring its cached tokens' window
+    # is copied from before its prefill (then given back)
+    window: list[int] = field(default_factory=list)
+    ring_from: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -98,14 +127,16 @@ class Request:
     pages: list[int] = field(default_factory=list)  # private: copy of the prompt's partial page, then the response
     generated: int = 0  # response tokens (prior ones included): exact at a poll, an upper bound between polls
     keep: Hashable | None = None  # the key its KV is kept under when it finishes
+    ring: list[int] = field(default_factory=list)  # private window-cache pages, recycled (module docstring)
 
 
 class Scheduler:
     def __init__(self, prompts: list[list[int]], max_new_tokens: int, page_size: int, pool: PagePool, max_rows: int,
                  prior: list[int] | None = None, keep: list[Hashable | None] | None = None,
-                 kept: dict[Hashable, Kept] | None = None):
+                 kept: dict[Hashable, Kept] | None = None, window: int = 0, window_pool: PagePool | None = None):
         """`keep[i]`: the key request i continues a kept sequence from and keeps its own under (None: neither);
-        `kept`: the engine's kept sequences, which this call continues, adds to and evicts from."""
+        `kept`: the engine's kept sequences, which this call continues, adds to and evicts from; `window` > 0: the
+        sliding window (tokens) of the layers whose KV lives in the window cache, whose pages `window_pool` holds."""
         # Samples of one prompt wait side by side (each prompt where it first appears): a prompt's
         # pages are then held only while its samples run, and a cache with room for one prompt and
         # one sample at a time never waits on pages held for samples queued behind other prompts.
@@ -123,12 +154,27 @@ class Scheduler:
         self.running: list[Request] = []  # in row order: running[i] decodes in row i
         self.max_new_tokens, self.page_size, self.pool, self.max_rows = max_new_tokens, page_size, pool, max_rows
         self.kept = kept if kept is not None else {}
+        self.window, self.window_pool = window, window_pool
+        self.ring = cdiv(window, page_size) if window else 0  # a running request's window-cache pages
+        self.window_peak = 0  # the most window-cache pages held at once in this call
 
     def prompt_pages(self, prompt: PromptKV) -> int:
         return cdiv(len(prompt.tokens), self.page_size)
 
     def private_pages(self, prompt: PromptKV) -> int:
         return cdiv(len(prompt.tokens) % self.page_size + self.max_new_tokens - prompt.prior, self.page_size)
+
+    def first_needed(self, position: int) -> int:
+        """The logical page of the first token that a token at `position` attends to in a sliding-window layer."""
+        return max(0, position - self.window + 1) // self.page_size
+
+    def window_pages(self, prompt: PromptKV, cached: int) -> int:
+        """Window-cache pages a prompt holds while it is prefilled over `cached` tokens: from the first its first new
+        token's window reaches to its last (0 without a window cache)."""
+        return self.prompt_pages(prompt) - self.first_needed(cached) if self.ring else 0
+
+    def short(self, need: int, window_need: int) -> bool:
+        return need > len(self.pool.free) or bool(self.ring) and window_need > len(self.window_pool.free)
 
     def admit(self) -> tuple[list[PromptKV], list[Request]]:
         """Moves waiting requests into free rows, in queue order, while pages last (evicting kept sequences
@@ -144,37 +190,99 @@ class Scheduler:
             base = prompt.base if not prompt.pages else None
             key = None if prompt.pages or base else self.continued(prompt)
             held = len(self.kept[key].pages) if key is not None else len(base.tokens) // self.page_size if base else 0
+            cached = len(self.kept[key].tokens) if key is not None else held * self.page_size
             need = self.private_pages(prompt) + (0 if prompt.pages else self.prompt_pages(prompt) - held)
             need += self.prompt_pages(base) if base and not base.pages else 0
-            if need > len(self.pool.free):
+            window_need = self.ring + (0 if prompt.pages else self.window_pages(prompt, cached))
+            window_need += self.window_pages(base, 0) if base and not base.pages else 0
+            if self.short(need, window_need):
                 # Never the prompt's own kept sequence: dropping it frees as many pages as its prefill then needs.
-                self.evict(need, spare=key)
-            if need > len(self.pool.free):
+                self.evict(need, window_need, spare=key)
+            if self.short(need, window_need):
                 break
             if not prompt.pages:
                 if key is not None:
                     kept = self.kept.pop(key)
                     prompt.pages = kept.pages + self.pool.take(self.prompt_pages(prompt) - held)
                     prompt.cached, prompt.kept_experts = len(kept.tokens), kept.experts
+                    prompt.ring_from = kept.ring
                 elif base is not None:
                     if not base.pages:
                         base.pages = self.pool.take(self.prompt_pages(base))
+                        self.take_window(base, 0)
                         to_prefill.append(base)
                     self.pool.share(base.pages[:held])
                     prompt.pages = base.pages[:held] + self.pool.take(self.prompt_pages(prompt) - held)
                     prompt.cached = held * self.page_size
                 else:
                     prompt.pages = self.pool.take(self.prompt_pages(prompt))
+                self.take_window(prompt, prompt.cached)
                 to_prefill.append(prompt)
             request.pages = self.pool.take(self.private_pages(prompt))
+            if self.ring:
+                request.ring = self.window_pool.take(self.ring)
             new.append(self.waiting.popleft())
         if self.waiting and not self.running and not new:
             prompt = self.waiting[0].prompt
+            window = (f", and {self.ring + self.window_pages(prompt, 0)} of the sliding-window layers' cache, which "
+                      f"has {len(self.window_pool.free)}") if self.ring else ""
             raise RuntimeError(f"KV cache too small: one request of a {len(prompt.tokens)}-token prompt needs "
                                f"{self.private_pages(prompt) + self.prompt_pages(prompt)} pages of {self.page_size} "
-                               f"tokens, the cache has {len(self.pool.free)}; raise rollout.native.kv_cache_tokens")
+                               f"tokens, the cache has {len(self.pool.free)}{window}; raise "
+                               "rollout.native.kv_cache_tokens")
         self.running += new
+        if self.ring:
+            self.window_peak = max(self.window_peak, self.window_pool.in_use())
         return to_prefill, new
+
+    def take_window(self, prompt: PromptKV, cached: int) -> None:
+        """The prompt's window-cache pages for its prefill over `cached` tokens (none before the first its first new
+        token attends to)."""
+        if self.ring:
+            first = self.first_needed(cached)
+            prompt.window = [0] * first + self.window_pool.take(self.prompt_pages(prompt) - first)
+
+    def prefilled(self, prompt: PromptKV) -> None:
+        """After the prompt's prefill: of its window-cache pages it keeps those that its requests (from its last
+        token on) and the prompts continued from it as a base (from its last full page on) attend to; the kept ring
+        its cached tokens' window was copied from goes back."""
+        if not self.ring:
+            return
+        first = self.first_needed(len(prompt.tokens) // self.page_size * self.page_size)
+        self.window_pool.give([page for page in prompt.window[:first] if page])
+        prompt.window[:first] = [0] * first
+        self.window_pool.give(prompt.ring_from)
+        prompt.ring_from = []
+
+    def window_copy(self, pages: list[int], ring: bool, to: list[int], to_ring: bool, end: int
+                    ) -> tuple[list[int], list[int]]:
+        """(source slots, destination slots) of the window before position `end` (the `window - 1` tokens a token at
+        `end` attends to besides itself), from `pages` to `to`, each a ring or a linear table (module docstring)."""
+        ps = self.page_size
+
+        def slot(table: list[int], is_ring: bool, t: int) -> int:
+            return table[t // ps % len(table) if is_ring else t // ps] * ps + t % ps
+
+        span = range(max(0, end - self.window + 1), end)
+        return [slot(pages, ring, t) for t in span], [slot(to, to_ring, t) for t in span]
+
+    def prompt_window_copy(self, prompt: PromptKV) -> tuple[list[int], list[int]]:
+        """Slots that copy the window before a prompt's cached tokens' end into its own pages: from the kept ring it
+        continues, or from its base's pages (none for a fresh prompt)."""
+        if not self.ring or not prompt.cached:
+            return [], []
+        source, ring = (prompt.ring_from, True) if prompt.ring_from else (prompt.base.window, False)
+        return self.window_copy(source, ring, prompt.window, False, prompt.cached)
+
+    def request_window_copy(self, request: Request) -> tuple[list[int], list[int]]:
+        """Slots that copy the window before a request's first decoded token from its prompt's pages into its ring."""
+        if not self.ring:
+            return [], []
+        return self.window_copy(request.prompt.window, False, request.ring, True, len(request.prompt.tokens))
+
+    def ring_table(self, request: Request, width: int) -> list[int]:
+        """The request's window-cache block table: entry j, logical page j, is ring[j % len(ring)]."""
+        return [request.ring[j % self.ring] for j in range(width)]
 
     def continued(self, prompt: PromptKV) -> Hashable | None:
         """The first of the prompt's keys whose kept sequence it goes on from (the kept tokens begin it and
@@ -186,12 +294,13 @@ class Scheduler:
                 return key
         return None
 
-    def evict(self, need: int, spare: Hashable | None) -> None:
-        """Drops kept sequences (but `spare`'s) until `need` pages are free: first those no waiting request
-        continues, oldest first, then those of waiting requests from the back of the queue."""
+    def evict(self, need: int, window_need: int, spare: Hashable | None) -> None:
+        """Drops kept sequences (but `spare`'s) until `need` pages (and `window_need` of the window cache) are free:
+        first those no waiting request continues, oldest first, then those of waiting requests from the back of the
+        queue."""
         queue = {request.keep: i for i, request in enumerate(self.waiting)}
         for key in sorted(self.kept, key=lambda k: -queue.get(k, len(self.waiting))):
-            if len(self.pool.free) >= need:
+            if not self.short(need, window_need):
                 return
             if key != spare:
                 self.release(key)
@@ -200,6 +309,8 @@ class Scheduler:
         kept = self.kept.pop(key, None)
         if kept is not None:
             self.pool.give(kept.pages)
+            if self.ring:
+                self.window_pool.give(kept.ring)
 
     def block_table(self, request: Request) -> list[int]:
         """Pages holding positions 0, page_size, 2 * page_size, ... of this request's sequence."""
@@ -226,7 +337,9 @@ class Scheduler:
                 self.keep(request, request.prompt.tokens + tokens[:-1])
             else:
                 self.pool.give(request.pages)
-            request.pages = []
+                if self.ring:
+                    self.window_pool.give(request.ring)
+            request.pages, request.ring = [], []
             self.unhold(request.prompt)
         return finished
 
@@ -236,7 +349,9 @@ class Scheduler:
         prompt.unfinished -= 1
         if prompt.unfinished == 0:
             self.pool.give(prompt.pages)
-            prompt.pages, prompt.logits = [], None
+            if self.ring:
+                self.window_pool.give([page for page in prompt.window if page] + prompt.ring_from)
+            prompt.pages, prompt.logits, prompt.window, prompt.ring_from = [], None, [], []
             if prompt.base is not None:
                 self.unhold(prompt.base)
 
@@ -247,7 +362,7 @@ class Scheduler:
         own = cdiv(len(tokens), self.page_size) - len(full)
         self.release(request.keep)
         self.pool.share(full)
-        self.kept[request.keep] = Kept(tokens, full + request.pages[:own])
+        self.kept[request.keep] = Kept(tokens, full + request.pages[:own], ring=request.ring)
         self.pool.give(request.pages[own:])
 
 

@@ -35,7 +35,7 @@ from rl.model.fp8 import BLOCK as FP8_BLOCK
 from rl.model.shape import ModelShape
 from rl.parallel import print0
 from rl.rollout import engine_dtype
-from rl.rollout.native import PAGE_SIZE, PREFILL_TOKENS, kv_cache_pages
+from rl.rollout.native import PAGE_SIZE, PREFILL_TOKENS, kv_cache_pages, window_cache_pages, window_layers
 from rl.train.host_adamw import CHUNK_ELEMENTS
 from rl.train.step import FUSED_LOGPROBS, LOGPROB_CHUNK_BYTES
 
@@ -133,9 +133,11 @@ def forward_bytes(s: ModelShape, tokens: int, compute_bytes: int) -> int:
     return tokens * compute_bytes * (2 * s.hidden_size + 3 * s.intermediate_size + vocab)
 
 
-def kv_cache_bytes(s: ModelShape, tokens: int, engine_bytes: int) -> int:
-    """K and V of every layer for `tokens` cache slots."""
-    return tokens * s.kv_bytes_per_token(engine_bytes)
+def kv_cache_bytes(s: ModelShape, tokens: int, engine_bytes: int, window_tokens: int = 0, windowed: int = 0) -> int:
+    """K and V of every layer for `tokens` cache slots; with `windowed` sliding-window layers in a window cache of
+    their own, those layers' for `window_tokens` slots instead."""
+    return (tokens * s.kv_bytes_per_token(engine_bytes, s.num_layers - windowed)
+            + window_tokens * s.kv_bytes_per_token(engine_bytes, windowed))
 
 
 def block_matrices(s: ModelShape) -> list[tuple[int, int]]:
@@ -207,8 +209,11 @@ def engine_terms(cfg: Config, s: ModelShape, engine_bytes: int, device_total: fl
     weights = engine_weight_bytes(s, engine_bytes, ro.precision, ro.fp8_scale) / ro.tensor_parallel_size
     workspace = engine_workspace_bytes(s, ro.max_batch_size, engine_bytes,
                                        ro.fp8_scale if ro.precision == "fp8" else "")
-    if ro.engine != "vllm":
-        kv = kv_cache_bytes(s, native_kv_tokens(cfg) + PAGE_SIZE, engine_bytes)  # + the scratch page
+    if ro.engine != "vllm":  # + the scratch pages; sliding-window layers hold rows' windows (rl/rollout/native.py)
+        windowed = window_layers(s, ro.max_context_len)
+        window = max((s.window(i) for i in windowed), default=0)
+        window_pages = window_cache_pages(window, ro.max_batch_size, ro.max_context_len) if window else 0
+        kv = kv_cache_bytes(s, native_kv_tokens(cfg) + PAGE_SIZE, engine_bytes, window_pages * PAGE_SIZE, len(windowed))
     elif ro.vllm.kv_cache_memory_bytes is not None:
         kv = ro.vllm.kv_cache_memory_bytes
     else:

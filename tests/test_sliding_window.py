@@ -1,0 +1,137 @@
+"""Gemma 3's sliding-window layers in the native engine's window cache (rl/rollout/scheduler.py): each sequence holds
+only its last window of those layers' KV, in a ring of pages its decode steps recycle, and still scores and
+generates as `transformers` does over responses several windows long, through kept KV, shared prompt bases, an
+early end and sleep; the cache's pages in use stay bounded by the window, and the memory plan counts the window cache
+instead of every token's KV in those layers. A tiny random config in float32, an 8-token window over 4-token pages.
+"""
+
+import pytest
+import torch
+
+from rl.rollout import SamplingParams, scheduler
+from rl.rollout.native import NativeEngine, window_cache_pages, window_layers
+from tests.test_engine import full_weights, reference_logprobs
+from tests.test_families import gemma3_config, random_model
+
+PAGE = 4
+WINDOW = 8  # a ring of 2 pages
+PROMPTS = [list(range(1, 42)), [3, 4, 5], [7] * 20 + [9, 11, 13]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = gemma3_config()
+    config.sliding_window = WINDOW
+    return random_model(config, seed=2)
+
+
+def make_engine(model, **kwargs) -> NativeEngine:
+    kwargs = dict(max_batch_size=3, page_size=PAGE, max_context_len=160, seed=0) | kwargs
+    engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, **kwargs)
+    engine.load_weights(full_weights(model))
+    return engine
+
+
+def check_scores(model, prompts, outs, temperature=1.0):
+    for prompt, out in zip(prompts, outs):
+        assert out.logprobs == pytest.approx(reference_logprobs(model, prompt, out.token_ids, temperature), abs=1e-4)
+
+
+def test_the_sliding_layers_live_in_the_window_cache(model):
+    engine = make_engine(model)
+    assert engine.window_layers == (0, 2) and engine.window == WINDOW
+    assert engine.kv.shape[1] == 1 and engine.kv_window.shape[1] == 2  # one global layer, two sliding ones
+
+
+def test_responses_several_windows_long_score_and_decode_as_transformers(model):
+    engine = make_engine(model)
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=32, temperature=0.7))
+    assert all(len(out.token_ids) == 32 for out in outs)
+    check_scores(model, PROMPTS, outs, 0.7)
+    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, temperature=1.0, top_k=1))
+    for prompt, out in zip(PROMPTS, greedy):
+        with torch.no_grad():
+            hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                                pad_token_id=0)
+        assert out.token_ids == hf[0, len(prompt):].tolist()
+
+
+def test_a_long_sequence_holds_a_bounded_number_of_window_pages(model):
+    """A 41-token prompt and 60 new tokens (26 pages of context) run in a window cache of 13 pages: its ring (2
+    pages) and the prompt's pages while it is prefilled (11), of which it keeps its last window's after."""
+    ring = WINDOW // PAGE
+    engine = make_engine(model, max_batch_size=1, window_cache_tokens=(11 + ring) * PAGE)
+    prompt = PROMPTS[0]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=60, temperature=1.0, seed=3))[0]
+    assert len(out.token_ids) == 60
+    assert engine.window_peak == -(-len(prompt) // PAGE) + ring
+    check_scores(model, [prompt], [out])
+    # Three rows at once (48 pages of context): a ring each and their prompts' pages, 24 pages.
+    engine = make_engine(model, window_cache_tokens=(3 * ring + 18) * PAGE)
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=32, temperature=1.0, seed=4))
+    assert engine.window_peak == 3 * ring + sum(-(-len(p) // PAGE) for p in PROMPTS) == 24
+    check_scores(model, PROMPTS, outs)
+
+
+def test_turns_continued_from_kept_kv_past_the_window_score_as_the_whole(model):
+    """Turns of 16 tokens (past the window) kept and continued: the next turn copies the window before its cached
+    tokens out of the kept ring; the kept rings are the engine's until released."""
+    engine = make_engine(model)
+    keys = list(range(len(PROMPTS)))
+    sequences = [list(p) for p in PROMPTS]
+    for turn in range(3):
+        outs = engine.generate(sequences, SamplingParams(max_new_tokens=16, temperature=1.0, seed=turn), keep=keys)
+        if turn:
+            assert all(out.reused_tokens == len(s) - 3 for s, out in zip(sequences, outs))
+        check_scores(model, sequences, outs)
+        sequences = [s + out.token_ids + [5, 6] for s, out in zip(sequences, outs)]
+    assert all(len(kept.ring) == WINDOW // PAGE for kept in engine.kept.values())
+    engine.release(keys)
+    assert not engine.kept
+
+
+def test_continued_samples_over_a_shared_base_score_as_transformers(model, monkeypatch):
+    """Samples of one 40-token prompt continued together (a partial rollout's): the base is prefilled once, each
+    sample copies the window before its own tokens from the base's pages; one row, so each sample is admitted after
+    the one before has finished, and the base's pages must still hold its window."""
+    monkeypatch.setattr(scheduler, "SHARED_PROMPT_MIN_TOKENS", 8)
+    engine = make_engine(model, max_batch_size=1)
+    prompt = list(range(3, 43))
+    cuts = [1, 6, 13]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5)
+    firsts = engine.generate([prompt] * len(cuts), params)
+    sequences = [prompt + first.token_ids[:cut] for first, cut in zip(firsts, cuts)]
+    rest = engine.generate(sequences, params, prior=cuts)
+    assert all(out.reused_tokens == 40 for out in rest)
+    assert [len(out.token_ids) for out in rest] == [24 - cut for cut in cuts]
+    check_scores(model, sequences, rest)
+
+
+def test_an_early_end_and_sleep_leave_the_window_cache_whole(model):
+    engine = make_engine(model)
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, top_k=1)
+    want = engine.generate(PROMPTS, params)
+    engine.generate(PROMPTS + PROMPTS, SamplingParams(max_new_tokens=24, temperature=1.0, seed=1),
+                    on_finish=lambda done: True)
+    for level in (1, 2):
+        engine.sleep(level)
+        if level == 2:
+            engine.wake_up(["weights"])
+            engine.load_weights(full_weights(model))
+            engine.wake_up(["kv_cache"])
+        else:
+            engine.wake_up()
+        assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [o.token_ids for o in want]
+
+
+def test_the_memory_plan_counts_the_sliding_layers_by_their_window(model):
+    from rl.run.memory import kv_cache_bytes
+
+    shape = make_engine(model).model.shape
+    assert window_layers(shape, 160, PAGE) == (0, 2)
+    assert window_layers(shape, WINDOW, PAGE) == ()  # a window as long as the context saves nothing
+    pages = window_cache_pages(WINDOW, 256, 4096)  # 64-token pages, 256 rows of 4096 tokens
+    full = kv_cache_bytes(shape, 256 * 4096, 2)
+    split = kv_cache_bytes(shape, 256 * 4096, 2, pages * 64, 2)
+    assert split == 256 * 4096 * shape.kv_bytes_per_token(2, 1) + pages * 64 * shape.kv_bytes_per_token(2, 2)
+    assert split < 0.4 * full
