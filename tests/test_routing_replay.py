@@ -133,7 +133,7 @@ def train_step(model, samples, replay: bool, packing: bool = False, **train) -> 
     moe_routing(model).record_experts = True
     out = train_on_rollout(model, optimizer, scheduler, schedule, dp_size=1, train=cfg, algo=resolve_algo(),
                            temperature=1.0)
-    out["last"], out["used"] = schedule.micro_batches[-1], recorded_experts(model)
+    out["last"], out["used"], out["grads"] = schedule.micro_batches[-1], recorded_experts(model), optimizer.grads
     assert moe_routing(model).replay is None  # the model's own routing again after the step
     return out | train_metrics([out], 1)
 
@@ -163,6 +163,21 @@ def test_the_train_step_replays_and_logs_the_mismatch_replay_hides(packing, one_
     assert known.any() and torch.equal(used[known], mb.routed_experts[known].long())
 
 
+def test_activation_checkpointing_recomputes_each_micro_batch_with_its_replay(one_cpu_thread):
+    """The backward of a checkpointed layer runs its forward again: with replay on, each micro-batch's recomputation
+    routes by its own record, so the step's gradients are those without checkpointing."""
+    samples = rollout()
+    other_routing(samples)
+    grads = []
+    for checkpointing in (False, True):
+        model = moe()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        grads.append(train_step(model, samples, replay=True)["grads"])
+    for with_checkpoints, without in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(with_checkpoints, without, rtol=0, atol=1e-6)
+
+
 def test_the_old_logprob_pass_replays_and_counts_before_the_update(one_cpu_thread):
     model, samples = moe(), rollout()
     other_routing(samples)
@@ -173,8 +188,8 @@ def test_the_old_logprob_pass_replays_and_counts_before_the_update(one_cpu_threa
     for mb, rows in zip(schedule.micro_batches, own, strict=True):
         assert ((mb.old_logprobs - rows).abs() * mb.loss_mask).max() > 1e-3
         differ, counted = mb.routing_counts
-        fed = mb.routing_mask & (mb.routed_experts[0] >= 0).all(-1)  # trained response tokens, the last one unfed
-        assert counted == LAYERS * fed.sum() > 0 and 0 < differ <= counted
+        trained = sum(sum(samples[i].loss_mask[:-1]) for i in mb.indices)  # response tokens fed, the last one not
+        assert counted == LAYERS * trained > 0 and 0 < differ <= counted
     fill_old_logprobs(model, schedule.micro_batches, 1.0, replay=False)
     for mb, rows in zip(schedule.micro_batches, own, strict=True):
         torch.testing.assert_close(mb.old_logprobs, rows, rtol=0, atol=1e-5)
@@ -197,23 +212,27 @@ def test_a_sample_without_routing_stops_a_replay_run():
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_the_routers_aux_loss_is_transformers_and_joins_the_loss(family, one_cpu_thread):
+    """transformers' aux loss (load_balancing_loss_func over the real tokens) of each micro-batch, averaged by their
+    trained tokens, times router_aux_loss_coef in the loss; logged unscaled as train/router_aux_loss."""
     reference = tiny_moe(family, output_router_logits=True, router_aux_loss_coef=0.5)
     model = copy.deepcopy(reference)
     use_grouped_moe(model)
     samples = rollout(4)
     other_routing(samples)
-    cfg, schedule = schedule_of(samples, False, micro_batch_size=4)  # one micro-batch: the step's aux loss is its
-    (mb,) = schedule.micro_batches
-    with torch.no_grad():
-        expected = reference(mb.input_ids, attention_mask=real_tokens(mb).long()).aux_loss  # load_balancing_loss_func
-    runs = {}
-    for coef in (0.5, 0.0):
-        model.config.router_aux_loss_coef = coef
-        runs[coef] = train_step(model, samples, replay=False, micro_batch_size=4)
-    with_aux, without = runs[0.5], runs[0.0]
-    torch.testing.assert_close(torch.tensor(with_aux["train/router_aux_loss"]), expected, rtol=1e-5, atol=0)
-    assert "train/router_aux_loss" not in without
-    assert with_aux["train/loss"] == pytest.approx(without["train/loss"] + 0.5 * float(expected), rel=1e-5)
+    for size in (4, 2):  # one micro-batch, then two
+        _, schedule = schedule_of(samples, False, micro_batch_size=size)
+        assert len(schedule.micro_batches) == 4 // size
+        with torch.no_grad():
+            expected = sum(reference(mb.input_ids, attention_mask=real_tokens(mb).long()).aux_loss
+                           * mb.loss_mask.sum() / schedule.step_tokens[0] for mb in schedule.micro_batches)
+        runs = {}
+        for coef in (0.5, 0.0):
+            model.config.router_aux_loss_coef = coef
+            runs[coef] = train_step(model, samples, replay=False, micro_batch_size=size)
+        with_aux, without = runs[0.5], runs[0.0]
+        torch.testing.assert_close(torch.tensor(with_aux["train/router_aux_loss"]), expected, rtol=1e-5, atol=0)
+        assert "train/router_aux_loss" not in without
+        assert with_aux["train/loss"] == pytest.approx(without["train/loss"] + 0.5 * float(expected), rel=1e-5)
 
 
 def test_a_replay_the_run_cannot_do_is_refused_in_one_line(tmp_path):
