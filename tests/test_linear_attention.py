@@ -248,18 +248,18 @@ def test_trainer_packed_row_equals_each_sequence_alone(family):
     mask for the full-attention layer, cu_seqlens for the linear ones) gives each sequence's logits and gradients as
     transformers' unpatched model does on that sequence alone: no state crosses a sequence boundary."""
     from rl.model.linear_attention import use_packed_linear_attention
-    from rl.train.packing import document_mask
+    from rl.train.packing import documents, packed_forward
 
     reference, model = tiny_causal_lm(family), tiny_causal_lm(family)
+    with pytest.raises(ValueError, match="train.packing: layers of kinds"):  # transformers' own forward: refused
+        packed_forward(model, torch.zeros(1, 8, dtype=torch.long), documents([8], 8, 8, 7, torch.device("cpu")))
     assert len(use_packed_linear_attention(model)) == 3
     gen = torch.Generator().manual_seed(5)
     ids = [torch.randint(0, 64, (1, n), generator=gen) for n in LENGTHS]
     row, cu = packed(ids)
-    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])[None]
-    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
     weights = torch.randn(1, row.shape[1], 64, generator=gen)
-    logits = model(input_ids=row, position_ids=positions, use_cache=False, cu_seq_lens_q=cu.int(),
-                   attention_mask={"full_attention": document_mask(docs), "linear_attention": None}).logits
+    docs = documents(LENGTHS, row.shape[1], max(LENGTHS), max(LENGTHS) - 1, torch.device("cpu"))
+    logits = packed_forward(model, row, docs).logits
     (logits * weights).sum().backward()
     expected = []
     for i, x in enumerate(ids):

@@ -23,6 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rl.config import ConfigError
+from rl.model.linear_attention import linear_attention_modules, packed_linear_forward
 from rl.model.moe import no_router_outputs
 
 try:
@@ -102,13 +103,24 @@ def packed_forward(model: torch.nn.Module, input_ids: torch.Tensor, docs: Docume
     """The model's output over one packed row. The varlen kernel on CUDA needs no mask; elsewhere SDPA gets
     the block-diagonal mask, handed to every layer as a prepared mask mapping (the model builds none)."""
     kinds = set(getattr(model.config, "layer_types", None) or [])
-    if kinds - {"full_attention"}:
-        raise ValueError(f"train.packing: layers of kinds {sorted(kinds)}; packed rows support full attention only")
+    if kinds - {"full_attention"} - packed_linear_kinds(model):
+        raise ValueError(f"train.packing: layers of kinds {sorted(kinds)}; packed rows support full attention and "
+                         f"Gated DeltaNet linear attention (rl/model/linear_attention.py) only")
     mask = None if input_ids.is_cuda else document_mask(docs.document_ids)
-    return model(input_ids=input_ids, attention_mask={"full_attention": mask} if kinds else mask,
+    # linear-attention layers take the sequences' bounds from cu_seq_lens_q, and no mask
+    masks = {"full_attention": mask, "linear_attention": None}
+    return model(input_ids=input_ids, attention_mask={kind: masks[kind] for kind in kinds} if kinds else mask,
                  position_ids=docs.position_ids, use_cache=False, cu_seq_lens_q=docs.cu_seqlens,
                  cu_seq_lens_k=docs.cu_seqlens, max_length_q=docs.max_seqlen, max_length_k=docs.max_seqlen,
                  **no_router_outputs(model))
+
+
+def packed_linear_kinds(model: torch.nn.Module) -> set[str]:
+    """{"linear_attention"} where every linear-attention module of `model` runs the packed-row forward
+    (`use_packed_linear_attention`, which build_policy applies), else nothing."""
+    modules = linear_attention_modules(model)
+    patched = modules and all(getattr(m.forward, "__func__", None) is packed_linear_forward for m in modules)
+    return {"linear_attention"} if patched else set()
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
