@@ -416,7 +416,7 @@ class NativeEngine(Engine):
         while True:
             to_prefill, new = sched.admit()
             if to_prefill:
-                self._prefill(sched, to_prefill)
+                self._prefill(to_prefill, sched)
             if new:
                 self._start_rows(sched, new, len(sched.running) - len(new))
             self.window_peak = sched.window_peak
@@ -470,9 +470,13 @@ class NativeEngine(Engine):
                 self.stop_tables[strings] = params.stop_text.table(self.model.shape.vocab_size, self.device)
             self.stop_table = self.stop_tables[strings]
 
-    def _prefill(self, sched: Scheduler, prompts) -> None:
+    def _prefill(self, prompts, sched: Scheduler | None = None) -> None:
         """Writes each prompt's KV into its pages (past the tokens a kept sequence or its base holds) and keeps
-        the logits after its last token. Bases first: the prompts continued from them read their pages."""
+        the logits after its last token. Bases first: the prompts continued from them read their pages. `sched`:
+        the scheduler that admitted them, which keeps their window-cache pages (needed where the model has a window
+        cache)."""
+        if self.window and sched is None:
+            raise ValueError("a prefill into the window cache needs the scheduler that holds its pages")
         for batch in ([p for p in prompts if p.base is None], [p for p in prompts if p.base is not None]):
             for chunk in prefill_chunks([len(p.tokens) for p in batch], PREFILL_TOKENS):
                 self._prefill_chunk(sched, [batch[i] for i in chunk])
@@ -483,7 +487,7 @@ class NativeEngine(Engine):
             dev = self.device
             self.kv_window[:, :, torch.tensor(dst, device=dev)] = self.kv_window[:, :, torch.tensor(src, device=dev)]
 
-    def _prefill_chunk(self, sched: Scheduler, prompts) -> None:
+    def _prefill_chunk(self, sched: Scheduler | None, prompts) -> None:
         tokens = torch.zeros(len(prompts), max(len(p.tokens) - p.cached for p in prompts), dtype=torch.long)
         tables = torch.zeros(len(prompts), max(len(p.pages) for p in prompts), dtype=torch.int32)
         window = torch.zeros(len(prompts), tables.shape[1], dtype=torch.int32) if self.window else None
@@ -506,7 +510,8 @@ class NativeEngine(Engine):
                                              WindowCache(self.kv_window, window.to(dev)))
         for n, p in enumerate(prompts):
             p.logits = logits[n]
-            sched.prefilled(p)
+            if sched is not None:
+                sched.prefilled(p)
             if experts is not None:
                 own = experts[:, n, : len(p.tokens) - p.cached].to(EXPERT_IDS)
                 p.experts = torch.cat([self._cached_experts(p), own], dim=1) if p.cached else own
