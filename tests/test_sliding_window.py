@@ -56,6 +56,19 @@ def test_responses_several_windows_long_score_and_decode_as_transformers(model):
         assert out.token_ids == hf[0, len(prompt):].tolist()
 
 
+def test_prompts_over_several_prefill_chunks_score_as_transformers(model, monkeypatch):
+    """Prompts in prefill forwards of their own (a 24-token budget): each holds its pages while its chunk runs, and
+    its last window's after, as the next chunk takes its own."""
+    from rl.rollout import native
+
+    monkeypatch.setattr(native, "PREFILL_TOKENS", 24)
+    prompts = PROMPTS + [list(range(50, 80))]
+    engine = make_engine(model, max_batch_size=4)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=1.0, seed=6))
+    assert engine.stats.prefill_tokens == sum(map(len, prompts))
+    check_scores(model, prompts, outs)
+
+
 def test_a_long_sequence_holds_a_bounded_number_of_window_pages(model):
     """A 41-token prompt and 60 new tokens (26 pages of context) run in a window cache of 13 pages: its ring (2
     pages) and the prompt's pages while it is prefilled (11), of which it keeps its last window's after."""
