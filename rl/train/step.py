@@ -599,12 +599,20 @@ def train_on_rollout(model, optimizer, scheduler, schedule: Schedule, *, dp_size
             list(zip(schedule.step_tokens, schedule.step_seqs, strict=True)) * passes, dp_size, train.clip_grad, loss)
     finally:
         own_routing(model)
-    out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all the sums
+    out = step_outputs(sums, per_sample, grad_norms, skipped_flags)
     out["router_aux_coef"] = aux_coef
-    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = scheduler.get_last_lr()[0]
+    return out
+
+
+def step_outputs(sums: dict[str, torch.Tensor], per_sample: list[tuple[list[int], torch.Tensor, torch.Tensor]],
+                 grad_norms: list[float], skipped_flags: list[bool]) -> dict:
+    """This rank's sums on the host (one sync for all of them), the mean grad norm, the runs of skipped steps, and
+    `sample_mismatch`: Sample.index -> the mean |trainer - rollout logprob| over its response."""
+    out = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out.update(skipped_runs(skipped_flags))
-    out["sample_mismatch"] = {}  # Sample.index -> mean |trainer - rollout logprob| over its response
+    out["sample_mismatch"] = {}
     if per_sample:
         indices = [i for ids, _, _ in per_sample for i in ids]
         diffs = torch.cat([d for _, d, _ in per_sample]).tolist()
