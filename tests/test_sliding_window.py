@@ -26,7 +26,7 @@ def model():
 
 
 def make_engine(model, **kwargs) -> NativeEngine:
-    kwargs = dict(max_batch_size=3, page_size=PAGE, max_context_len=160, seed=0) | kwargs
+    kwargs = {"max_batch_size": 3, "page_size": PAGE, "max_context_len": 160, "seed": 0} | kwargs
     engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, **kwargs)
     engine.load_weights(full_weights(model))
     return engine

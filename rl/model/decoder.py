@@ -472,6 +472,7 @@ class DecoderModel:
         new = offsets[None, :] < counts[:, None]  # (N, L)
         # A pad sits at its offset, as in a fresh prompt: inside the rotary tables whatever the start.
         positions = torch.where(new, starts[:, None] + offsets, offsets)  # (N, L)
+
         def slots_of(tables: torch.Tensor) -> torch.Tensor:
             pages = tables.gather(1, torch.where(new, positions // page_size, 0)).long()
             return torch.where(new, pages * page_size + positions % page_size, 0)
