@@ -246,11 +246,24 @@ class NativeEngine(Engine):
         # where a level-1 sleep parks the weights, kept from one sleep to the next (None after a level-2 sleep)
         self.host_weights: dict[str, torch.Tensor] | None = None
         self.required = {(key, start) for key, start, _ in self.model.name_map.values()}
-        # The global layers' cache, and the sliding-window layers' (`window_layers`: none without such layers)
+        self.lay_out_memory(max_context_len, window_cache_tokens, stable_memory)
+        self.loaded: set[tuple] = set()
+        self.kept: dict[Hashable, Kept] = {}  # finished sequences' KV, by the caller's key (see `generate`)
+        self.asleep = dict.fromkeys(TAGS, True)
+        self.wake_up()
+        self.calls.clear()
+
+    # ------------------------------------------------------------------ weights and memory
+
+    def lay_out_memory(self, max_context_len: int, window_cache_tokens: int, stable_memory: bool) -> None:
+        """The global layers' KV cache and the sliding-window layers' (`window_layers`: none without such layers),
+        their shapes, and with `stable_memory` (and graphs) the buffers at addresses that outlive sleep: the
+        weights', and one for both caches."""
+        s, page_size, dtype = self.model.shape, self.page_size, self.dtype
         self.window_layers = window_layers(s, max_context_len, page_size)
         self.model.set_window_layers(self.window_layers)
         self.window = max((s.window(i) for i in self.window_layers), default=0)
-        self.window_pages = window_cache_pages(self.window, max_batch_size, max_context_len, page_size,
+        self.window_pages = window_cache_pages(self.window, self.max_batch_size, max_context_len, page_size,
                                                window_cache_tokens) if self.window else 0
         self.window_peak = 0  # the most window-cache pages the last call held at once
         self.kv_shape = (2, s.num_layers - len(self.window_layers), self.num_pages * page_size, s.num_kv_heads,
@@ -269,13 +282,6 @@ class NativeEngine(Engine):
             self.kv_buffer = vmem.StableBuffer(kv_bytes + torch.Size(self.window_kv_shape).numel() * dtype.itemsize,
                                                self.device)
         self.kv_window_offset = kv_bytes
-        self.loaded: set[tuple] = set()
-        self.kept: dict[Hashable, Kept] = {}  # finished sequences' KV, by the caller's key (see `generate`)
-        self.asleep = dict.fromkeys(TAGS, True)
-        self.wake_up()
-        self.calls.clear()
-
-    # ------------------------------------------------------------------ weights and memory
 
     @torch.no_grad()
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
