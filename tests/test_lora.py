@@ -407,3 +407,23 @@ def test_compiled_blocks_take_their_floats_as_constants():
             torch._dynamo.reset()
         assert inputs and torch.float64 not in inputs
         inputs.clear()
+
+
+def test_lora_on_a_moe_model_adapts_attention_and_the_engine_follows():
+    """A Qwen3-MoE model's experts are fused tensors: the default targets put adapters on attention alone (a line
+    says so), naming an MLP projection outright is refused in one line, and the merged push brings the engine to the
+    trainer's logprobs, routing included."""
+    from rl.model.moe import use_grouped_moe
+    from tests.test_moe_engine import tiny_moe
+
+    with pytest.raises(ConfigError, match=r"lora.target_modules: .*\['gate_proj'\] \(a MoE model's experts"):
+        apply_lora(tiny_moe("qwen3_moe"), LoraConfig(rank=4, target_modules=["q_proj", "gate_proj"]))
+    model = tiny_moe("qwen3_moe")
+    use_grouped_moe(model)
+    adapted = apply_lora(model, LORA)
+    assert sorted({path.rpartition(".")[2] for path in adapted}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    init_adapters(model, 0)
+    randomize_b(model, 3)
+    engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=8, seed=0, page_size=4)
+    sync_weights(model, engine, torch.float32, bucket_mb=0.05)
+    assert engine_vs_trainer(engine, model) < 1e-4

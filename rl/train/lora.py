@@ -32,8 +32,11 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from rl.config import ConfigError, LoraConfig
-from rl.parallel import copy_own_rows
+from rl.config import LORA_TARGETS, ConfigError, LoraConfig
+from rl.model.moe import moe_blocks
+from rl.parallel import copy_own_rows, print0
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # a dense MLP's; a MoE block's experts fuse them
 
 
 class LoRALinear(torch.nn.Module):
@@ -87,8 +90,14 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
         setattr(parent, name, LoRALinear(module, cfg.rank, cfg.alpha, cfg.dropout))
         adapted.append(path)
     missing = sorted(targets - found)
-    if missing:
-        raise ConfigError(f"lora.target_modules: no layer of {type(model).__name__} is named {missing} "
+    experts_only = moe_blocks(model) and set(missing) <= set(EXPERT_PROJECTIONS)
+    if experts_only and list(cfg.target_modules) == list(LORA_TARGETS):  # the default: the experts are left out
+        print0(f"lora: {type(model).__name__}'s experts hold their projections as fused tensors, which take no "
+               f"adapters: the adapters go on {sorted(found)} only")
+    elif missing:
+        why = (" (a MoE model's experts are fused tensors, not linear layers: they take no adapters)"
+               if experts_only else "")
+        raise ConfigError(f"lora.target_modules: no layer of {type(model).__name__} is named {missing}{why} "
                           f"(its linear layers: {sorted(linear_names(model))})")
     if hasattr(model, "get_input_embeddings"):
         model.get_input_embeddings().register_forward_hook(_embeddings_ask_for_grad)
