@@ -41,12 +41,17 @@ from rl.model.kernels.attention import causal_attention, paged_attention_referen
 from rl.model.kernels.rms_norm import rms_norm_reference
 from rl.model.kernels.rope import full_table, rope_reference, rope_tables
 from rl.model.kernels.silu import gelu_mul_reference, silu_mul_reference
+from rl.model.linear_attention import GatedDeltaNetWeights, gated_deltanet_forward, gated_deltanet_step
 from rl.model.moe import grouped_mlp, route
 from rl.model.shape import ModelShape
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen2_moe", "qwen3_moe", "qwen3_5_text")
 ACTIVATIONS = {"llama": "silu", "qwen2": "silu", "qwen3": "silu", "gemma3_text": "gelu_pytorch_tanh",
-               "qwen2_moe": "silu", "qwen3_moe": "silu"}
+               "qwen2_moe": "silu", "qwen3_moe": "silu", "qwen3_5_text": "silu"}
+# A Gated DeltaNet layer's HF tensors (under `linear_attn.`) -> the engine's (under `linear.`), kept as they are.
+LINEAR_TENSORS = {"in_proj_qkv.weight": "in_proj_qkv", "in_proj_z.weight": "in_proj_z", "in_proj_b.weight": "in_proj_b",
+                  "in_proj_a.weight": "in_proj_a", "conv1d.weight": "conv", "dt_bias": "dt_bias", "A_log": "A_log",
+                  "norm.weight": "norm", "out_proj.weight": "out_proj"}
 # Decode steps on CUDA of at most this many rows run the qkv and MLP GEMMs in the layouts measured
 # fastest for them (DecoderModel.qkv_and_rope and .mlp; benchmarks/ARCHIVE.md, "Decode GEMM layouts").
 SMALL_BATCH_ROWS = 256
@@ -98,6 +103,18 @@ class WindowCache:
     slots: torch.Tensor | None = None
 
 
+@dataclass
+class LinearState:
+    """The linear-attention layers' states of the sequences a forward runs, (N, linear layers, ...): the short
+    convolution's (conv channels, kernel - 1) in the engine dtype and the delta rule's (value heads, K, V) in float32.
+    A prefill starts each sequence from its rows and writes its final states back into them; a decode step advances
+    the rows where `live` is set (a finished row feeds its last token again, which must not move its state)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+    live: torch.Tensor | None = None
+
+
 # HF name -> (internal tensor, first row, last row); rows None means the whole tensor.
 Slot = tuple[str, int | None, int | None]
 
@@ -107,8 +124,18 @@ def hf_name_map(s: Shape) -> dict[str, Slot]:
     names: dict[str, Slot] = {"model.embed_tokens.weight": ("embed", None, None),
                               "model.norm.weight": ("norm", None, None),
                               "lm_head.weight": ("embed" if s.tie_word_embeddings else "lm_head", None, None)}
+    if s.attn_output_gate:  # q_proj holds each head's q and its output gate: one range, cut apart in the forward
+        q *= 2
     for i in range(s.num_layers):
         hf, own = f"model.layers.{i}.", f"layers.{i}."
+        names |= {f"{hf}input_layernorm.weight": (f"{own}input_norm", None, None),
+                  f"{hf}post_attention_layernorm.weight": (f"{own}post_norm", None, None)}
+        if s.is_linear(i):
+            names |= {f"{hf}linear_attn.{name}": (f"{own}linear.{key}", None, None) for name, key in LINEAR_TENSORS.items()}
+            names |= {f"{hf}mlp.{n}_proj.weight": v for n, v in (("gate", (f"{own}gate_up", 0, inter)),
+                                                                  ("up", (f"{own}gate_up", inter, 2 * inter)),
+                                                                  ("down", (f"{own}down", None, None)))}
+            continue
         for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
             names[f"{hf}self_attn.q_proj.{kind}"] = (f"{own}qkv.{kind}", 0, q)
             names[f"{hf}self_attn.k_proj.{kind}"] = (f"{own}qkv.{kind}", q, q + kv)
@@ -163,12 +190,27 @@ def mlp_shapes(s: Shape, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def linear_shapes(s: Shape, layer: int) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors, as transformers' Qwen3.5 module holds them."""
+    h, own, value = s.hidden_size, f"layers.{layer}.linear.", s.linear_value_heads * s.linear_value_dim
+    heads = s.linear_value_heads
+    return {f"{own}in_proj_qkv": (s.linear_conv_channels, h), f"{own}in_proj_z": (value, h),
+            f"{own}in_proj_b": (heads, h), f"{own}in_proj_a": (heads, h),
+            f"{own}conv": (s.linear_conv_channels, 1, s.linear_conv_kernel), f"{own}dt_bias": (heads,),
+            f"{own}A_log": (heads,), f"{own}norm": (s.linear_value_dim,), f"{own}out_proj": (h, value)}
+
+
 def internal_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
-    h, qkv = s.hidden_size, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    h = s.hidden_size
+    qkv = ((2 if s.attn_output_gate else 1) * s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     shapes = {"embed": (s.vocab_size, h), "norm": (h,)}
     if not s.tie_word_embeddings:
         shapes["lm_head"] = (s.vocab_size, h)
     for i in range(s.num_layers):
+        if s.is_linear(i):
+            shapes |= {**linear_shapes(s, i), **mlp_shapes(s, i), f"layers.{i}.input_norm": (h,),
+                       f"layers.{i}.post_norm": (h,)}
+            continue
         shapes |= {f"layers.{i}.qkv.weight": (qkv, h), f"layers.{i}.o.weight": (h, s.num_heads * s.head_dim),
                    **mlp_shapes(s, i), f"layers.{i}.input_norm": (h,), f"layers.{i}.post_norm": (h,)}
         if s.qkv_bias:
@@ -232,6 +274,9 @@ class DecoderModel:
             raise ValueError("FP8 weights cannot be batch-invariant with a bf16 trainer: turn one off")
         if self.shape.moe_layers and batch_invariant:  # a grouped GEMM's rows per expert change with the batch
             raise ValueError(f"{hf_config.model_type}: batch-invariant mode does not cover MoE blocks")
+        if self.shape.linear_layers and (batch_invariant or precision == "fp8"):
+            raise ValueError(f"{hf_config.model_type}: the native engine's linear-attention layers have no "
+                             f"{'batch-invariant' if batch_invariant else 'FP8'} form yet; turn it off")
         self.fp8 = precision == "fp8"
         self.init_fp8(fp8_scale)
         # Triton kernels instead of the torch definitions below: on CUDA, and in batch-invariant mode
@@ -335,7 +380,7 @@ class DecoderModel:
         split-K partial sums, summed with `bias`, and q alone comes back."""
         s = self.shape
         cos, sin = self.layer_tables[layer]
-        if self.fused:
+        if self.fused and not s.rotary_dim:  # the kernel rotates whole heads: a partial RoPE takes the torch path
             from rl.model.kernels.rope_triton import rope_and_store
 
             q = rope_and_store(qkv, positions, slots, cos, sin, k_cache, v_cache, s.num_heads, s.num_kv_heads,
@@ -343,11 +388,12 @@ class DecoderModel:
                                plus_one=s.norm_plus_one)
             return q if qkv.dim() == 3 else qkv
         q, k, v = split_qkv(qkv, s)
-        cos, sin = (full_table(t[positions])[:, None, :] for t in (cos, sin))  # (T, 1, D)
+        cos, sin = (full_table(t[positions])[:, None, :] for t in (cos, sin))  # (T, 1, rotated D)
         for x, norm in zip((q, k), qk_norm or (None, None)):  # in the activation dtype, as the HF forward rotates
             if norm is not None:
                 x = x.copy_(rms_norm_reference(x, norm, s.rms_norm_eps, s.norm_plus_one))
-            x.copy_(rope_reference(x, cos, sin))
+            rotated = x[..., : cos.shape[-1]]  # a partial RoPE leaves the rest of each head as it is
+            rotated.copy_(rope_reference(rotated, cos, sin))
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
         return qkv
@@ -365,14 +411,16 @@ class DecoderModel:
 
     def layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
                attend: Callable[[int, torch.Tensor], torch.Tensor], decode: bool = False,
-               window: WindowCache | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               window: WindowCache | None = None, mix: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Runs every decoder block over tokens (T,); returns (x, residual) before the final norm, and the expert
         ids each token took in each MoE layer, (MoE layers, T, k) (None for a dense model).
 
         Each block writes its rotated keys and values to `slots` of `kv` (2, layers, slots, KV, D) (a layer in the
         window cache to `window.slots` of `window.kv`);
         `attend(layer, qkv)` returns the attention output (T, heads * D) from the rotated `qkv` (whose
-        first heads * D columns are q). With `decode`, x may come as float32 partial sums (see `mlp`).
+        first heads * D columns are q). With `decode`, x may come as float32 partial sums (see `mlp`). `mix(layer, h)`:
+        a linear-attention layer's output from its normalised input h (T, hidden).
         """
         w, s = self.weights, self.shape
         x = F.embedding(tokens, w["embed"])
@@ -381,12 +429,10 @@ class DecoderModel:
         residual, experts = None, []
         for i in range(s.num_layers):
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.input_norm"])
-            qk_norm = (w[f"layers.{i}.q_norm"], w[f"layers.{i}.k_norm"]) if s.qk_norm else None
-            windowed, index = self.cache_index[i]
-            cache, to = (window.kv, window.slots) if windowed else (kv, slots)
-            qkv = self.qkv_and_rope(h, self.matrix(f"layers.{i}.qkv.weight"), w.get(f"layers.{i}.qkv.bias"), positions,
-                                    to, cache[0, index], cache[1, index], decode, qk_norm, i)
-            x = self.matmul(attend(i, qkv), self.matrix(f"layers.{i}.o.weight"), w.get(f"layers.{i}.o.bias"))
+            if s.is_linear(i):
+                x = mix(i, h)
+            else:
+                x = self.attention(h, positions, slots, kv, attend, decode, window, i)
             if s.sandwich_norms:
                 x, _ = self.add_rms_norm(x, None, w[f"layers.{i}.attn_out_norm"])
             h, residual = self.add_rms_norm(x, residual, w[f"layers.{i}.post_norm"])
@@ -398,6 +444,37 @@ class DecoderModel:
             if s.sandwich_norms:
                 x, _ = self.add_rms_norm(x, None, w[f"layers.{i}.mlp_out_norm"])
         return x, residual, torch.stack(experts) if experts else None
+
+    def attention(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
+                  attend: Callable[[int, torch.Tensor], torch.Tensor], decode: bool, window: WindowCache | None,
+                  i: int) -> torch.Tensor:
+        """Layer i's attention over its normalised input h, through o_proj. With Qwen3.5's output gate, q_proj's
+        rows hold each head's q and then its gate: the attention's output is scaled by the gate's sigmoid."""
+        s, w = self.shape, self.weights
+        qk_norm = (w[f"layers.{i}.q_norm"], w[f"layers.{i}.k_norm"]) if s.qk_norm else None
+        windowed, index = self.cache_index[i]
+        cache, to = (window.kv, window.slots) if windowed else (kv, slots)
+        weight, bias = self.matrix(f"layers.{i}.qkv.weight"), w.get(f"layers.{i}.qkv.bias")
+        if s.attn_output_gate:
+            full = self.matmul(h, weight, bias)
+            q_gate = full[:, : 2 * s.q_size].view(-1, s.num_heads, 2 * s.head_dim)
+            gate = q_gate[..., s.head_dim :].reshape(-1, s.q_size)
+            qkv = torch.cat([q_gate[..., : s.head_dim].reshape(-1, s.q_size), full[:, 2 * s.q_size :]], dim=1)
+            qkv = self.rope_and_store(qkv, positions, to, cache[0, index], cache[1, index], qk_norm=qk_norm, layer=i)
+            out = attend(i, qkv) * torch.sigmoid(gate)
+        else:
+            qkv = self.qkv_and_rope(h, weight, bias, positions, to, cache[0, index], cache[1, index], decode, qk_norm,
+                                    i)
+            out = attend(i, qkv)
+        return self.matmul(out, self.matrix(f"layers.{i}.o.weight"), w.get(f"layers.{i}.o.bias"))
+
+    def linear_weights(self, layer: int) -> GatedDeltaNetWeights:
+        """Layer `layer`'s Gated DeltaNet weights as rl/model/linear_attention.py takes them."""
+        s, own = self.shape, f"layers.{layer}.linear."
+        w = {key: self.weights[own + key] for key in LINEAR_TENSORS.values()}
+        return GatedDeltaNetWeights(w["in_proj_qkv"], w["in_proj_z"], w["in_proj_b"], w["in_proj_a"], w["conv"][:, 0],
+                                    w["dt_bias"], w["A_log"], w["norm"], w["out_proj"], s.linear_key_heads,
+                                    s.linear_key_dim, s.linear_value_dim, s.rms_norm_eps)
 
     def decode_layouts(self, h: torch.Tensor, decode: bool) -> bool:
         """Whether this forward is a decode step on CUDA small enough for the split GEMM layouts (bf16 weights: FP8
@@ -456,8 +533,8 @@ class DecoderModel:
         return logits if not cap else torch.tanh(logits / cap) * cap
 
     def prefill(self, tokens: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor,
-                kv: torch.Tensor, page_size: int, window: WindowCache | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                kv: torch.Tensor, page_size: int, window: WindowCache | None = None,
+                linear: LinearState | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Right-padded new tokens (N, L) of N sequences -> logits after each one's last token (N, V), and the
         expert ids every token took in each MoE layer, (MoE layers, N, L, k) (None for a dense model; pads' too).
 
@@ -465,7 +542,9 @@ class DecoderModel:
         and counts[n] new ones after them, on pages tables[n] (N, P); each new token attends to the whole
         sequence before it, cached part included (within its window in a sliding-window layer). Pads write to slot 0.
         `window`: the window layers' cache and each sequence's tables into it, which hold at least the pages of its
-        new tokens and of the window before them."""
+        new tokens and of the window before them. `linear`: each sequence's linear-attention states after its cached
+        tokens (needed with linear layers), replaced by those after its last token; the layers run over the new
+        tokens packed end to end, pads left out."""
         n, length = tokens.shape
         s = self.shape
         offsets = torch.arange(length, device=tokens.device)
@@ -510,18 +589,31 @@ class DecoderModel:
             out = causal_attention(q, k, v, s.scale, s.window(layer))
             return out.transpose(1, 2).reshape(n * length, s.num_heads * s.head_dim)
 
+        real = new.reshape(-1).nonzero().squeeze(1)  # the new tokens of the padded rows, packed
+        cu_seqlens = F.pad(counts.cumsum(0), (1, 0))
+
+        def mix(layer: int, h: torch.Tensor) -> torch.Tensor:
+            j = s.linear_layers.index(layer)
+            out, conv, recurrent = gated_deltanet_forward(h[real][None], self.linear_weights(layer),
+                                                          cu_seqlens=cu_seqlens, conv_state=linear.conv[:, j],
+                                                          recurrent_state=linear.recurrent[:, j])
+            linear.conv[:, j], linear.recurrent[:, j] = conv, recurrent
+            return h.new_zeros(h.shape).index_copy(0, real, out[0])
+
         with sdpa_kernel(PREFILL_ATTENTION):
             x, residual, experts = self.layers(tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1), kv,
-                                               attend, window=window)
+                                               attend, window=window, mix=mix)
         last = torch.arange(n, device=tokens.device) * length + counts - 1
         return self.logits(x[last], residual[last]), None if experts is None else experts.unflatten(1, (n, length))
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, num_splits: int,
-               window: WindowCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               window: WindowCache | None = None, linear: LinearState | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One new token per sequence (B,) -> next-token logits (B, V), and the expert ids it took in each MoE
         layer, (MoE layers, B, k) (None for a dense model); graph-safe on CUDA for a dense model. `window`: the
-        window layers' cache, each row's tables into it and its fed token's slot there."""
+        window layers' cache, each row's tables into it and its fed token's slot there. `linear`: the rows'
+        linear-attention states (B, ...), advanced in place for the `live` rows."""
         s = self.shape
 
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
@@ -537,7 +629,16 @@ class DecoderModel:
             return paged_attention_reference(q, k_cache, v_cache, tables, context_lens, page_size, s.scale,
                                              s.window(layer))
 
-        x, residual, experts = self.layers(tokens, positions, slots, kv, attend, decode=True, window=window)
+        def mix(layer: int, h: torch.Tensor) -> torch.Tensor:
+            j = s.linear_layers.index(layer)
+            conv, recurrent = linear.conv[:, j], linear.recurrent[:, j]
+            out, new_conv, new_recurrent = gated_deltanet_step(h, self.linear_weights(layer), conv, recurrent)
+            live = linear.live
+            conv.copy_(torch.where(live[:, None, None], new_conv, conv))
+            recurrent.copy_(torch.where(live[:, None, None, None], new_recurrent, recurrent))
+            return out
+
+        x, residual, experts = self.layers(tokens, positions, slots, kv, attend, decode=True, window=window, mix=mix)
         return self.logits(x, residual), experts
 
 

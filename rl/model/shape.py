@@ -14,13 +14,20 @@ Mixture-of-experts blocks (Qwen2-MoE, Qwen3-MoE) replace the MLP of their layers
 router (hidden -> num_experts), `num_experts` gated experts of `moe_intermediate_size` of which each token takes
 `experts_per_token`, and with Qwen2-MoE a shared gated expert of `shared_expert_intermediate_size` scaled by a
 sigmoid gate (hidden -> 1). Parameter counts are totals; `active_matmul_params` counts what one token computes.
+
+Qwen3.5's text model (`qwen3_5_text`) interleaves Gated DeltaNet layers (`linear_layers`; rl/model/linear_attention.py:
+a projection to the short convolution's q, k, v channels, the output gate z, b and a, the convolution, dt_bias,
+A_log, a gated norm, out_proj) with full-attention layers whose q_proj is twice as wide (each head's q, then its
+output gate) under QK-norm and a partial RoPE (`rotary_dim`); every norm scales by (1 + w). A linear layer keeps a
+state per sequence (`linear_state_bytes`) in place of KV, so the KV counts cover the attention layers alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-QK_NORM_MODEL_TYPES = ("qwen3", "gemma3_text", "qwen3_moe")
+QK_NORM_MODEL_TYPES = ("qwen3", "gemma3_text", "qwen3_moe", "qwen3_5_text")
+LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5_text",)
 GEMMA_MODEL_TYPES = ("gemma3_text",)
 SHARED_EXPERT = ("qwen2_moe",)  # MoE families with a shared expert (a config key alone builds none in Qwen3-MoE)
 
@@ -58,6 +65,16 @@ class ModelShape:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    # Qwen3.5: the Gated DeltaNet layers and their heads, the convolution's kernel; the attention's output gate (q_proj
+    # twice as wide); the rotated part of each head (0: all of it).
+    linear_layers: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    attn_output_gate: bool = False
+    rotary_dim: int = 0
 
     @classmethod
     def from_hf(cls, config, value_head: bool = False) -> ModelShape:
@@ -74,7 +91,7 @@ class ModelShape:
                    tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
                    qkv_bias=qkv_bias, o_bias=attention_bias, qk_norm=model_type in QK_NORM_MODEL_TYPES,
                    value_head=value_head, **(gemma_fields(c) if model_type in GEMMA_MODEL_TYPES else {}),
-                   **moe_fields(c))
+                   **moe_fields(c), **(qwen35_fields(c) if model_type in LINEAR_ATTENTION_MODEL_TYPES else {}))
 
     @property
     def scale(self) -> float:
@@ -84,6 +101,27 @@ class ModelShape:
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window in tokens (a token sees itself and the window - 1 before it), 0 if global."""
         return self.windows[layer] if self.windows else 0
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer `layer` is a Gated DeltaNet (linear-attention) layer, with a state instead of KV."""
+        return layer in self.linear_layers
+
+    @property
+    def attention_layers(self) -> int:
+        """The layers that keep KV (all but the linear-attention ones)."""
+        return self.num_layers - len(self.linear_layers)
+
+    @property
+    def linear_conv_channels(self) -> int:
+        """A linear layer's convolved channels: q and k (key heads), v (value heads)."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+
+    def linear_state_bytes(self, itemsize: int) -> int:
+        """One sequence's state in every linear layer: the convolution's last kernel - 1 inputs at `itemsize` bytes
+        and the delta rule's (value heads, key dim, value dim) in float32."""
+        conv = self.linear_conv_channels * (self.linear_conv_kernel - 1) * itemsize
+        return len(self.linear_layers) * (conv + 4 * self.linear_value_heads * self.linear_key_dim
+                                          * self.linear_value_dim)
 
     def is_moe(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a sparse MoE block."""
@@ -108,9 +146,16 @@ class ModelShape:
         return h * self.num_experts + experts * 3 * h * self.moe_intermediate_size + shared
 
     def layer_matmul_params(self, layer: int, active: bool = False) -> int:
-        """One block's matmul weights: q, k, v, o and its MLP's (no biases, no norms)."""
+        """One block's matmul weights: q (and its output gate), k, v, o, or a linear layer's projections; and its MLP's
+        (no biases, no norms)."""
         h = self.hidden_size
-        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + self.mlp_matmul_params(layer, active)
+        if self.is_linear(layer):
+            value = self.linear_value_heads * self.linear_value_dim
+            mixer = h * (self.linear_conv_channels + value + 2 * self.linear_value_heads) + value * h
+        else:
+            q = self.q_size * (2 if self.attn_output_gate else 1)
+            mixer = h * (q + 2 * self.kv_size) + self.q_size * h
+        return mixer + self.mlp_matmul_params(layer, active)
 
     @property
     def decoder_matmul_params(self) -> int:
@@ -123,10 +168,16 @@ class ModelShape:
         return sum(self.layer_matmul_params(i, active=True) for i in range(self.num_layers))
 
     def layer_params(self, layer: int) -> int:
-        """One decoder block: its matmul weights, the attention biases, its norms (two or four, and QK-norm's)."""
-        biases = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
-        qk_norms = 2 * self.head_dim if self.qk_norm else 0
+        """One decoder block: its matmul weights, the attention biases, its norms (two or four, and QK-norm's); a
+        linear layer's convolution, dt_bias, A_log and gated norm instead of the attention's biases and QK-norm."""
         norms = (4 if self.sandwich_norms else 2) * self.hidden_size
+        if self.is_linear(layer):
+            extra = (self.linear_conv_channels * self.linear_conv_kernel + 2 * self.linear_value_heads
+                     + self.linear_value_dim)
+            return self.layer_matmul_params(layer) + norms + extra
+        q = self.q_size * (2 if self.attn_output_gate else 1)
+        biases = (q + 2 * self.kv_size if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
+        qk_norms = 2 * self.head_dim if self.qk_norm else 0
         return self.layer_matmul_params(layer) + biases + norms + qk_norms
 
     @property
@@ -147,8 +198,8 @@ class ModelShape:
         return self.root_params + sum(self.layer_params(i) for i in range(self.num_layers))
 
     def kv_bytes_per_token(self, itemsize: int, layers: int | None = None) -> int:
-        """K and V of every layer (or of `layers` of them) for one token, at `itemsize` bytes an element."""
-        return 2 * (self.num_layers if layers is None else layers) * self.kv_size * itemsize
+        """K and V of every attention layer (or of `layers` of them) for one token, at `itemsize` bytes an element."""
+        return 2 * (self.attention_layers if layers is None else layers) * self.kv_size * itemsize
 
 
 def gemma_fields(c) -> dict:
@@ -158,6 +209,18 @@ def gemma_fields(c) -> dict:
                 activation="gelu_tanh" if c.hidden_activation == "gelu_pytorch_tanh" else c.hidden_activation,
                 attn_scale=c.query_pre_attn_scalar ** -0.5, windows=windows if any(windows) else (),
                 rope_kinds=tuple(c.layer_types), final_softcap=c.final_logit_softcapping or 0.0)
+
+
+def qwen35_fields(c) -> dict:
+    """The ModelShape fields of a Qwen3.5 text config: its linear-attention layers, the attention's output gate, the
+    (1 + w) norms and the partial RoPE."""
+    rope = getattr(c, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
+    return dict(linear_layers=tuple(i for i, t in enumerate(c.layer_types) if t == "linear_attention"),
+                linear_key_heads=c.linear_num_key_heads, linear_value_heads=c.linear_num_value_heads,
+                linear_key_dim=c.linear_key_head_dim, linear_value_dim=c.linear_value_head_dim,
+                linear_conv_kernel=c.linear_conv_kernel_dim, attn_output_gate=True, norm_plus_one=True,
+                rotary_dim=int(c.head_dim * factor))
 
 
 def moe_fields(c) -> dict:

@@ -36,6 +36,15 @@ Each completion carries them for its prompt and response tokens (`Completion.rou
 replay them; a kept sequence keeps its routing beside its KV, and a prompt continued from it (or from a shared
 base) takes the routing of the tokens it did not prefill from there. Such models decode without CUDA graphs:
 grouping tokens by expert reads the counts on the host.
+
+Qwen3.5's linear-attention (Gated DeltaNet) layers keep a state per sequence instead of KV: the short convolution's
+last inputs and the delta rule's matrix (`LinearState`). Each running row holds its own in `Rows` (row i's state at
+index i, moved with the row when rows compact), a decode step advances the live rows' states in place, and a prefill
+runs those layers over the prompts packed end to end, each from the state after its cached tokens (zero for a fresh
+prompt, a kept sequence's, or its base's) to the state after its last token, which the prompt holds until its last
+request starts: each request copies it into its row. A kept sequence keeps its row's state beside its KV, so a turn
+continued from it goes on from there. Such models decode without CUDA graphs for now (the prefill's packing reads
+the lengths on the host, and the recurrent step was not checked under capture).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.model.decoder import DecoderModel, WindowCache
+from rl.model.decoder import DecoderModel, LinearState, WindowCache
 from rl.model.kernels.attention import invariant_num_splits
 from rl.rollout import vmem
 from rl.rollout.engine import TAGS, Completion, Engine, SamplingParams
@@ -174,12 +183,16 @@ class Rows:
     out_experts: torch.Tensor | None = None
     # (R, max pages) int32, each row's block table into the window cache (its ring, repeated); None: no window cache
     window_tables: torch.Tensor | None = None
+    # each row's linear-attention states, (R, linear layers, channels, kernel - 1) and (R, linear layers, Hv, K, V)
+    conv_state: torch.Tensor | None = None
+    recurrent_state: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, rows: int, max_pages: int, width: int, device: torch.device,
-                 moe: tuple[int, int] | None = None, windowed: bool = False) -> Rows:
+                 moe: tuple[int, int] | None = None, windowed: bool = False,
+                 linear: tuple[tuple[int, ...], tuple[int, ...], torch.dtype] | None = None) -> Rows:
         """`moe`: (MoE layers, experts per token) of a model whose routing is recorded; `windowed`: the engine has a
-        window cache."""
+        window cache; `linear`: a row's conv and recurrent state shapes and the conv state's dtype."""
         long = dict(dtype=torch.long, device=device)
         return cls(torch.zeros(rows, **long), torch.zeros(rows, **long), torch.zeros(rows, **long),
                    torch.ones(rows, dtype=torch.int32, device=device),
@@ -189,18 +202,24 @@ class Rows:
                    torch.ones(1, device=device), torch.ones(1, device=device), torch.ones(1, **long),
                    torch.full((MAX_STOP_IDS,), -1, **long), torch.zeros(rows, dtype=torch.int32, device=device),
                    None if moe is None else torch.full((rows, width, *moe), -1, dtype=EXPERT_IDS, device=device),
-                   torch.zeros(rows, max_pages, dtype=torch.int32, device=device) if windowed else None)
+                   torch.zeros(rows, max_pages, dtype=torch.int32, device=device) if windowed else None,
+                   *((None, None) if linear is None else
+                     (torch.zeros(rows, *linear[0], dtype=linear[2], device=device),
+                      torch.zeros(rows, *linear[1], dtype=torch.float32, device=device))))
+
+    def linear_states(self) -> list[torch.Tensor]:
+        return [] if self.conv_state is None else [self.conv_state, self.recurrent_state]
 
     def per_row(self) -> list[torch.Tensor]:
         return [self.input_ids, self.positions, self.slots, self.context_lens, self.block_tables, self.done,
                 self.n_gen, self.out_tokens, self.out_logprobs, self.stop_state,
                 *([] if self.out_experts is None else [self.out_experts]),
-                *([] if self.window_tables is None else [self.window_tables])]
+                *([] if self.window_tables is None else [self.window_tables]), *self.linear_states()]
 
     def clear(self, start: int, end: int) -> None:
-        """Makes rows [start, end) idle: done, one token of context on the scratch page."""
+        """Makes rows [start, end) idle: done, one token of context on the scratch page, linear states zero."""
         for t in (self.input_ids, self.positions, self.slots, self.block_tables, self.n_gen, self.stop_state,
-                  *([] if self.window_tables is None else [self.window_tables])):
+                  *([] if self.window_tables is None else [self.window_tables]), *self.linear_states()):
             t[start:end] = 0
         self.context_lens[start:end] = 1
         self.done[start:end] = True
@@ -224,7 +243,11 @@ class NativeEngine(Engine):
         self.on_gpu = self.device.type == "cuda"  # graphs, Triton sampling and bookkeeping, device syncs
         s = self.model.shape
         # A MoE block's grouped experts read each expert's token count on the host: not a step a graph can hold.
-        self.use_graphs = cuda_graphs and self.on_gpu and not s.moe_layers
+        # Linear-attention layers: not checked under capture yet (module docstring).
+        self.use_graphs = cuda_graphs and self.on_gpu and not s.moe_layers and not s.linear_layers
+        self.linear = ((len(s.linear_layers), s.linear_conv_channels, s.linear_conv_kernel - 1),
+                       (len(s.linear_layers), s.linear_value_heads, s.linear_key_dim, s.linear_value_dim),
+                       dtype) if s.linear_layers else None
         self.moe = (len(s.moe_layers), s.experts_per_token) if s.moe_layers else None
         self.num_pages = kv_cache_pages(kv_cache_tokens, max_batch_size, max_context_len, page_size)
         self.buckets = sorted({*(b for b in (1, 2, 4, 8, *range(16, max_batch_size, 16)) if b < max_batch_size),
@@ -352,7 +375,8 @@ class NativeEngine(Engine):
                 self.kv_window.zero_()
                 if self.rows is None:
                     self.rows = Rows.allocate(self.max_batch_size, cdiv(self.max_context_len, self.page_size),
-                                              self.max_context_len + 1, self.device, self.moe, bool(self.window))
+                                              self.max_context_len + 1, self.device, self.moe, bool(self.window),
+                                              self.linear)
                 self.rows.clear(0, self.max_batch_size)  # kept rows (stable memory) start idle too
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
@@ -511,16 +535,35 @@ class NativeEngine(Engine):
         counts = torch.tensor([len(p.tokens) - p.cached for p in prompts])
         self.stats.prefill_tokens += int(counts.sum())
         dev = self.device
+        linear = self._linear_start(prompts)
         logits, experts = self.model.prefill(tokens.to(dev), starts.to(dev), counts.to(dev), tables.to(dev), self.kv,
                                              self.page_size, None if window is None else
-                                             WindowCache(self.kv_window, window.to(dev)))
+                                             WindowCache(self.kv_window, window.to(dev)), linear)
         for n, p in enumerate(prompts):
             p.logits = logits[n]
+            if linear is not None:  # the states after its last token, which its requests start from
+                p.state = (linear.conv[n], linear.recurrent[n])
             if sched is not None:
                 sched.prefilled(p)
             if experts is not None:
                 own = experts[:, n, : len(p.tokens) - p.cached].to(EXPERT_IDS)
                 p.experts = torch.cat([self._cached_experts(p), own], dim=1) if p.cached else own
+
+    def _linear_start(self, prompts: list[PromptKV]) -> LinearState | None:
+        """The linear-attention states the prompts' prefill starts from (None without such layers): zero for a fresh
+        prompt, after its cached tokens for one continued from its base or a kept sequence."""
+        if self.linear is None:
+            return None
+        conv_shape, recurrent_shape, dtype = self.linear
+        conv = torch.zeros(len(prompts), *conv_shape, dtype=dtype, device=self.device)
+        recurrent = torch.zeros(len(prompts), *recurrent_shape, dtype=torch.float32, device=self.device)
+        for n, p in enumerate(prompts):
+            if p.cached:
+                state = p.base.state if p.base is not None else p.kept_state
+                if state is None:
+                    raise RuntimeError("a prompt continued over cached tokens has no linear-attention state for them")
+                conv[n], recurrent[n] = state
+        return LinearState(conv, recurrent)
 
     def _cached_experts(self, prompt: PromptKV) -> torch.Tensor:
         """The routing of the prompt's first `cached` tokens, whose KV it did not prefill: its base's, or the kept
@@ -556,6 +599,9 @@ class NativeEngine(Engine):
         first_slot = torch.tensor([q.pages[0] for q in new]) * ps + lengths % ps
         tokens, logprobs = self._sample(torch.stack([q.prompt.logits for q in new]))
         r.block_tables[rows] = table.to(dev)
+        if r.conv_state is not None:  # each row starts from its prompt's states, a copy of its own
+            r.conv_state[rows] = torch.stack([q.prompt.state[0] for q in new])
+            r.recurrent_state[rows] = torch.stack([q.prompt.state[1] for q in new])
         r.positions[rows] = lengths.to(dev)
         r.context_lens[rows] = (lengths + 1).to(dev, torch.int32)
         r.slots[rows] = first_slot.to(dev)
@@ -603,9 +649,12 @@ class NativeEngine(Engine):
             positions = r.positions[:bucket]
             pages = r.window_tables[:bucket].gather(1, (positions // ps)[:, None]).squeeze(1)
             window = WindowCache(self.kv_window, r.window_tables[:bucket], pages.long() * ps + positions % ps)
+        linear = None
+        if r.conv_state is not None:  # a row already done feeds its last token again: its state stays
+            linear = LinearState(r.conv_state[:bucket], r.recurrent_state[:bucket], ~r.done[:bucket])
         logits, experts = self.model.decode(r.input_ids[:bucket], r.positions[:bucket], r.slots[:bucket], self.kv,
                                             r.block_tables[:bucket], r.context_lens[:bucket], self.page_size,
-                                            self._num_splits(bucket), window)
+                                            self._num_splits(bucket), window, linear)
         if experts is not None:
             self._record_experts(bucket, experts)
         tokens, logprobs = self._sample(logits)
@@ -694,6 +743,9 @@ class NativeEngine(Engine):
         tokens = r.out_tokens[index, :width].cpu().tolist()
         logprobs = r.out_logprobs[index, :width].cpu().tolist()
         experts = self._row_experts(index, width)
+        # the linear-attention states of the rows whose sequences are kept, before the rows compact
+        states = {j: tuple(t[i].clone() for t in r.linear_states()) for j, i in enumerate(finished_rows)
+                  if r.conv_state is not None and sched.running[i].keep is not None}
         keep = [i for i in range(n) if not done[i]]
         if keep != list(range(len(keep))):
             keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -704,10 +756,12 @@ class NativeEngine(Engine):
                                          or text_stop[i] else "length", self._routing(request, experts, j)))
                     for j, (i, request, toks, lps) in enumerate(zip(finished_rows, requests, tokens, logprobs))]
         sched.finish(finished_rows, [out.token_ids for _, out in finished])
-        for request, out in finished:
+        for j, (request, out) in enumerate(finished):
             if request.keep is not None and out.routed_experts is not None:  # the sequence the scheduler kept
                 kept = self.kept[request.keep]
                 kept.experts = out.routed_experts[:, : len(kept.tokens)]
+            if j in states:
+                self.kept[request.keep].state = states[j]
         return finished
 
     def _row_experts(self, index: torch.Tensor, width: int) -> torch.Tensor | None:

@@ -64,6 +64,8 @@ class Kept:
     pages: list[int]
     experts: torch.Tensor | None = None  # a MoE model's routing of `tokens`, (MoE layers, tokens, k), set by the engine
     ring: list[int] = field(default_factory=list)  # its ring of window-cache pages (sliding-window layers)
+    # its linear-attention states after `tokens` (conv, recurrent), set by the engine
+    state: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class PagePool:
@@ -118,6 +120,10 @@ class PromptKV:
     # is copied from before its prefill (then given back)
     window: list[int] = field(default_factory=list)
     ring_from: list[int] = field(default_factory=list)
+    # Linear-attention states (conv, recurrent): after its last token, set by prefill; and after the cached tokens of
+    # the kept sequence it continues, if any
+    state: tuple[torch.Tensor, torch.Tensor] | None = None
+    kept_state: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -204,7 +210,7 @@ class Scheduler:
                 if key is not None:
                     kept = self.kept.pop(key)
                     prompt.pages = kept.pages + self.pool.take(self.prompt_pages(prompt) - held)
-                    prompt.cached, prompt.kept_experts = len(kept.tokens), kept.experts
+                    prompt.cached, prompt.kept_experts, prompt.kept_state = len(kept.tokens), kept.experts, kept.state
                     prompt.ring_from = kept.ring
                 elif base is not None:
                     if not base.pages:
@@ -352,6 +358,7 @@ class Scheduler:
             if self.ring:
                 self.window_pool.give([page for page in prompt.window if page] + prompt.ring_from)
             prompt.pages, prompt.logits, prompt.window, prompt.ring_from = [], None, [], []
+            prompt.state = prompt.kept_state = None
             if prompt.base is not None:
                 self.unhold(prompt.base)
 

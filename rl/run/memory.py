@@ -134,9 +134,9 @@ def forward_bytes(s: ModelShape, tokens: int, compute_bytes: int) -> int:
 
 
 def kv_cache_bytes(s: ModelShape, tokens: int, engine_bytes: int, window_tokens: int = 0, windowed: int = 0) -> int:
-    """K and V of every layer for `tokens` cache slots; with `windowed` sliding-window layers in a window cache of
-    their own, those layers' for `window_tokens` slots instead."""
-    return (tokens * s.kv_bytes_per_token(engine_bytes, s.num_layers - windowed)
+    """K and V of every attention layer for `tokens` cache slots (linear-attention layers keep none); with `windowed`
+    sliding-window layers in a window cache of their own, those layers' for `window_tokens` slots instead."""
+    return (tokens * s.kv_bytes_per_token(engine_bytes, s.attention_layers - windowed)
             + window_tokens * s.kv_bytes_per_token(engine_bytes, windowed))
 
 
@@ -214,6 +214,8 @@ def engine_terms(cfg: Config, s: ModelShape, engine_bytes: int, device_total: fl
         window = max((s.window(i) for i in windowed), default=0)
         window_pages = window_cache_pages(window, ro.max_batch_size, ro.max_context_len) if window else 0
         kv = kv_cache_bytes(s, native_kv_tokens(cfg) + PAGE_SIZE, engine_bytes, window_pages * PAGE_SIZE, len(windowed))
+        # linear-attention layers: a state per running row, and one per prompt its rows start from
+        kv += 2 * ro.max_batch_size * s.linear_state_bytes(engine_bytes)
     elif ro.vllm.kv_cache_memory_bytes is not None:
         kv = ro.vllm.kv_cache_memory_bytes
     else:
