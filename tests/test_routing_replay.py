@@ -26,7 +26,7 @@ from rl.train.step import (
     train_on_rollout,
 )
 from tests.test_config import make
-from tests.test_moe import EXPERTS, TOP_K, tiny_moe
+from tests.test_moe import EXPERTS, tiny_moe
 from tests.test_zero_advantage_skip import RecordingSGD
 
 CPU = torch.device("cpu")
@@ -195,6 +195,29 @@ def test_the_old_logprob_pass_replays_and_counts_before_the_update(one_cpu_threa
         torch.testing.assert_close(mb.old_logprobs, rows, rtol=0, atol=1e-5)
     out = train_step(model, samples, replay=True, num_iterations=2)  # the old pass's mismatch is the one logged
     assert out["train/routing_mismatch"] > 0.5
+
+
+def test_the_kl_reference_routes_as_recorded_too(one_cpu_thread):
+    """With replay the reference's logprobs take the recorded experts as the policy's do: a LoRA policy's reference
+    (its own base, adapters off) at the first step, before the adapters move, gives the policy's old logprobs
+    exactly, so the KL starts at 0 and measures the weights' drift, not the routers' disagreement."""
+    from rl.config import LoraConfig
+    from rl.train.lora import apply_lora, init_adapters
+    from rl.train.reference import BaseOfPolicy
+
+    model, samples = moe(), rollout()
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+    init_adapters(model, 0)  # B = 0: the adapted policy is its base
+    other_routing(samples)
+    _, schedule = schedule_of(samples, False)
+    fill_old_logprobs(model, schedule.micro_batches, 1.0, replay=True)
+    reference = BaseOfPolicy(model)
+    for replay, close in ((True, True), (False, False)):
+        ref_rows = reference.logprobs(schedule.micro_batches, 1.0, replay)
+        for mb, rows in zip(schedule.micro_batches, ref_rows, strict=True):
+            gap = float(((mb.old_logprobs - rows).abs() * mb.loss_mask).max())
+            assert (gap < 1e-5) == close, (replay, gap)
+    assert moe_routing(model).replay is None
 
 
 def test_a_sample_without_routing_stops_a_replay_run():

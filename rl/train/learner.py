@@ -161,7 +161,8 @@ class Learner:
         cfg, micro_batches, temperature = self.cfg, schedule.micro_batches, self.cfg.rollout.temperature
         if self.reference is not None:
             with record.timed("perf/ref_logprobs_s"):
-                for mb, rows in zip(micro_batches, self.reference.logprobs(micro_batches, temperature), strict=True):
+                ref_rows = self.reference.logprobs(micro_batches, temperature, cfg.train.routing_replay)
+                for mb, rows in zip(micro_batches, ref_rows, strict=True):
                     mb.ref_logprobs = rows
         if needs_old_logprobs(cfg.train, cfg.algo) or cfg.algo.kl_in_reward:
             fill_old_logprobs(self.policy, micro_batches, temperature, cfg.train.routing_replay)

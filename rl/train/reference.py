@@ -31,11 +31,13 @@ class Reference:
         self.parking = HostOffloader(self.model)
         self.parking.offload()
 
-    def logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> list[torch.Tensor]:
-        """Each micro-batch's (B, T-1) logprobs under the reference; every rank calls it with as many micro-batches."""
+    def logprobs(self, micro_batches: list[MicroBatch], temperature: float, replay: bool = False
+                 ) -> list[torch.Tensor]:
+        """Each micro-batch's (B, T-1) logprobs under the reference (`replay`: a MoE's recorded routing, see
+        logprob_rows); every rank calls it with as many micro-batches."""
         self.parking.onload(self.device)
         try:
-            return logprob_rows(self.model, micro_batches, temperature)
+            return logprob_rows(self.model, micro_batches, temperature, replay)
         finally:
             self.parking.offload()
 
@@ -46,7 +48,8 @@ class BaseOfPolicy:
     def __init__(self, policy: torch.nn.Module):
         self.model = policy
 
-    def logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> list[torch.Tensor]:
+    def logprobs(self, micro_batches: list[MicroBatch], temperature: float, replay: bool = False
+                 ) -> list[torch.Tensor]:
         """Each micro-batch's (B, T-1) logprobs under the base; every rank calls it with as many micro-batches."""
         with adapters_off(self.model):
-            return logprob_rows(self.model, micro_batches, temperature)
+            return logprob_rows(self.model, micro_batches, temperature, replay)

@@ -455,9 +455,21 @@ def rows_of(model, micro_batches: list[MicroBatch], forward) -> list[torch.Tenso
     return out
 
 
-def logprob_rows(model, micro_batches: list[MicroBatch], temperature: float) -> list[torch.Tensor]:
-    """Each micro-batch's (B, T-1) logprobs under `model` (the policy before the update, or the reference)."""
-    return rows_of(model, micro_batches, lambda m, mb: token_logprobs(m, mb, temperature)[0])
+def logprob_rows(model, micro_batches: list[MicroBatch], temperature: float, replay: bool = False
+                 ) -> list[torch.Tensor]:
+    """Each micro-batch's (B, T-1) logprobs under `model` (the reference); with `replay` (train.routing_replay) a
+    MoE model routes each token as recorded, as the policy's passes do, so the KL to it measures the weights'
+    drift and not the routers' disagreement."""
+    def forward(m, mb: MicroBatch) -> torch.Tensor:
+        if replay:
+            route_as_recorded(m, mb, True)
+        return token_logprobs(m, mb, temperature)[0]
+
+    try:
+        return rows_of(model, micro_batches, forward)
+    finally:
+        if replay:
+            own_routing(model)
 
 
 def fill_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float, replay: bool = False) -> None:
