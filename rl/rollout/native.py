@@ -649,10 +649,14 @@ class NativeEngine(Engine):
             positions = r.positions[:bucket]
             pages = r.window_tables[:bucket].gather(1, (positions // ps)[:, None]).squeeze(1)
             window = WindowCache(self.kv_window, r.window_tables[:bucket], pages.long() * ps + positions % ps)
-        linear = None
-        if r.conv_state is not None:  # a row already done feeds its last token again: its state stays
-            linear = LinearState(r.conv_state[:bucket], r.recurrent_state[:bucket], ~r.done[:bucket])
-        logits, experts = self.model.decode(r.input_ids[:bucket], r.positions[:bucket], r.slots[:bucket], self.kv,
+        linear, slots = None, r.slots[:bucket]
+        if r.conv_state is not None:
+            # A row already done feeds its last token again. Its states stay, and its keys and values go to the
+            # scratch slot: computed over states that already hold that token, they differ from those its slot holds.
+            live = ~r.done[:bucket]
+            linear = LinearState(r.conv_state[:bucket], r.recurrent_state[:bucket], live)
+            slots = torch.where(live, slots, 0)
+        logits, experts = self.model.decode(r.input_ids[:bucket], r.positions[:bucket], slots, self.kv,
                                             r.block_tables[:bucket], r.context_lens[:bucket], self.page_size,
                                             self._num_splits(bucket), window, linear)
         if experts is not None:
