@@ -256,6 +256,14 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A host tensor on `device` without the host waiting for the device's queue: pinned first where the device is
+    CUDA (a copy from pageable memory waits, non_blocking or not)."""
+    if device is not None and device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def print0(*args, **kwargs) -> None:
     """Prints on rank 0 only: the single place where rank-0 behaviour is decided for stdout."""
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
+from rl.parallel import to_device
+
 MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
 
 
@@ -147,8 +149,8 @@ def set_routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, mas
                          f"({state.num_layers} MoE layers, ..., {state.top_k})")
     if experts.numel() and int(experts.max()) >= state.num_experts:
         raise ValueError(f"routing replay: expert id {int(experts.max())}, the model has {state.num_experts} experts")
-    state.replay = experts.reshape(state.num_layers, -1, state.top_k).to(device, non_blocking=True).long()
-    state.mask = None if mask is None else mask.reshape(-1).to(device, non_blocking=True).bool()
+    state.replay = to_device(experts.reshape(state.num_layers, -1, state.top_k), device).long()
+    state.mask = None if mask is None else to_device(mask.reshape(-1), device).bool()
 
 
 def routing_mismatch(model: torch.nn.Module) -> float:

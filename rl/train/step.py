@@ -522,7 +522,7 @@ def real_tokens(mb: MicroBatch) -> torch.Tensor:
     if mb.lengths is None:
         return torch.ones_like(mb.input_ids, dtype=torch.bool)
     if mb.documents is None:
-        return torch.arange(width, device=device)[None] < torch.tensor(mb.lengths, device=device)[:, None]
+        return torch.arange(width, device=device)[None] < parallel.to_device(torch.tensor(mb.lengths), device)[:, None]
     return (torch.arange(width, device=device) < sum(mb.lengths))[None]
 
 
@@ -587,9 +587,13 @@ def train_on_rollout(model, optimizer, scheduler, schedule: Schedule, *, dp_size
     aux_coef = router_aux_coef(model)
 
     def loss(step_index: int, mb: MicroBatch, totals: tuple[int, int]) -> torch.Tensor:
-        route_as_recorded(model, mb, train.routing_replay)
+        measured = not has_old and step_index == 0  # the policy has not moved yet: these are the old logprobs
+        if train.routing_replay or measured:  # without replay the routing is compared only where it is counted
+            route_as_recorded(model, mb, train.routing_replay)
+        else:
+            own_routing(model)
         logprobs, entropy = token_logprobs(model, mb, temperature)
-        if not has_old and step_index == 0:  # the policy has not moved yet: these are the old logprobs
+        if measured:
             add_mismatch(sums, logprobs, mb.rollout_logprobs, mb.loss_mask, mb.indices, per_sample)
             add_routing_mismatch(sums, mismatch_counts(model))
         if reuse:
