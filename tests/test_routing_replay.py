@@ -256,6 +256,10 @@ def test_the_routers_aux_loss_is_transformers_and_joins_the_loss(family, one_cpu
         torch.testing.assert_close(torch.tensor(with_aux["train/router_aux_loss"]), expected, rtol=1e-5, atol=0)
         assert "train/router_aux_loss" not in without
         assert with_aux["train/loss"] == pytest.approx(without["train/loss"] + 0.5 * float(expected), rel=1e-5)
+    assert not moe_routing(model).router_logits  # nothing held on the device after the step
+    with torch.no_grad():
+        model(schedule.micro_batches[0].input_ids)
+    assert not moe_routing(model).router_logits  # a pass that trains nothing records none
 
 
 def test_a_replay_the_run_cannot_do_is_refused_in_one_line(tmp_path):

@@ -140,6 +140,7 @@ def set_routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, mas
     with no device sync, and copied there once."""
     state = moe_routing(model)
     state.mismatch.clear()
+    state.router_logits.clear()
     state.replace = replace
     if experts is None:
         state.replay = state.mask = None
@@ -277,7 +278,7 @@ def moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
                                   replay if state.replace else None)
     if replay is not None:
         state.note_mismatch(layer, own, replay)
-    if state.record_logits:
+    if state.record_logits and torch.is_grad_enabled():  # the aux loss's: only a forward that trains reads them
         state.router_logits[layer] = logits
     if state.record_experts:
         state.experts[layer] = experts.detach()
@@ -316,6 +317,6 @@ def router_aux_loss(model: torch.nn.Module, attention_mask: torch.Tensor | None 
     state = moe_routing(model)
     if len(state.router_logits) != state.num_layers:
         raise ValueError("no router logits recorded: set moe_routing(model).record_logits = True before the forward")
-    logits = [state.router_logits[layer] for layer in range(state.num_layers)]
+    logits = [state.router_logits.pop(layer) for layer in range(state.num_layers)]  # read once, then let go
     gate = moe_blocks(model)[0].gate
     return load_balancing_loss(logits, gate.num_experts, gate.top_k, attention_mask)
