@@ -129,7 +129,19 @@ def test_batch_invariant_mode_and_fp8_are_refused_in_one_line(model):
             NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=2, max_context_len=64,
                          **kwargs)
         assert "\n" not in str(err.value)
-    assert ConfigError  # the start-up check accepts the family (above); these refusals come from the engine
+
+
+def test_a_multimodal_qwen35_folder_stops_the_start_up_checks_in_one_line(tmp_path):
+    """The engine builds its model from the folder's own config: a multimodal Qwen3.5 wrapping the text model is
+    refused at start-up (not at the engine's build), vLLM named."""
+    from transformers import Qwen3_5Config
+
+    from rl.config import ModelConfig, RolloutConfig
+    from rl.run.checks import check_model_and_tokenizer
+
+    config = Qwen3_5Config(text_config=qwen35_config().to_dict())
+    with pytest.raises(ConfigError, match=r"model_type 'qwen3_5' wraps a 'qwen3_5_text'.*rollout.engine = 'vllm'"):
+        check_model_and_tokenizer(ModelConfig(path=str(tmp_path)), RolloutConfig(max_context_len=128), config, None)
 
 
 def test_sleep_drops_the_states_with_the_kv_and_a_wake_starts_clean(model):

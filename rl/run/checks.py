@@ -20,6 +20,11 @@ def check_model_and_tokenizer(model_cfg: ModelConfig, rollout_cfg: RolloutConfig
     text_config = hf_config.get_text_config()
     if rollout_cfg.engine == "native":
         check_native_architecture(model_cfg.path, text_config)
+        if text_config is not hf_config:  # the engine builds its model from the folder's own config
+            raise ConfigError(f"model.path {model_cfg.path!r}: model_type {hf_config.model_type!r} wraps a "
+                              f"{text_config.model_type!r} text model; the native engine runs the text model's own "
+                              f"folder (its config.json of model_type {text_config.model_type!r}); "
+                              f"rollout.engine = 'vllm' serves it")
     check_vocab(model_cfg, text_config.vocab_size, len(tokenizer))
     check_positions(rollout_cfg.max_context_len, model_cfg.path, getattr(text_config, "max_position_embeddings", None))
     eos_ids = usable_eos_ids(model_cfg, rollout_cfg.stop_token_ids, tokenizer.eos_token_id, text_config.vocab_size)
