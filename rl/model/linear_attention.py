@@ -299,6 +299,20 @@ def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
 
 
+_HOST_STARTS: list = [None, None]  # the last cu_seqlens a forward brought, and its host copy
+
+
+def host_starts(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+    """cu_seqlens on the host, copied once per forward: every layer of a forward (and its recomputation) gets the
+    same tensor, and the functions here read the starts on the host (a device sync for each read otherwise)."""
+    if cu_seqlens is None or cu_seqlens.device.type == "cpu":
+        return cu_seqlens
+    if _HOST_STARTS[0] is not cu_seqlens:
+        _HOST_STARTS[:] = [cu_seqlens, cu_seqlens.cpu()]
+    return _HOST_STARTS[1]
+
+
+@torch.compiler.disable  # its layout reads the sequences' starts on the host: compiled, each count of them recompiles
 def packed_linear_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs):
     """The module's forward for the trainer: without a cache, `gated_deltanet_forward` over the rows, or over the
     sequences of a packed row where `cu_seq_lens_q` marks them; with a cache (generation), transformers' own."""
@@ -307,7 +321,8 @@ def packed_linear_forward(self, hidden_states: torch.Tensor, cache_params=None, 
                                   **kwargs)
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] > 1:
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)  # padding reads as 0
-    out, _, _ = gated_deltanet_forward(hidden_states, weights_from_module(self), cu_seqlens=kwargs.get("cu_seq_lens_q"))
+    out, _, _ = gated_deltanet_forward(hidden_states, weights_from_module(self),
+                                       cu_seqlens=host_starts(kwargs.get("cu_seq_lens_q")))
     return out
 
 
@@ -324,4 +339,5 @@ def use_packed_linear_attention(model: torch.nn.Module) -> list[torch.nn.Module]
             raise ConfigError(f"lora.target_modules: the linear-attention layers' {', '.join(adapted)} take no "
                               f"adapters here; leave them out (the full-attention and MLP layers take them)")
         module.forward = types.MethodType(packed_linear_forward, module)
+    model.packed_linear_attention = bool(modules)  # what train.packing asks (packed_linear_kinds)
     return modules

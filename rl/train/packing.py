@@ -23,7 +23,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rl.config import ConfigError
-from rl.model.linear_attention import linear_attention_modules, packed_linear_forward
 from rl.model.moe import no_router_outputs
 
 try:
@@ -116,11 +115,9 @@ def packed_forward(model: torch.nn.Module, input_ids: torch.Tensor, docs: Docume
 
 
 def packed_linear_kinds(model: torch.nn.Module) -> set[str]:
-    """{"linear_attention"} where every linear-attention module of `model` runs the packed-row forward
+    """{"linear_attention"} where the linear-attention modules of `model` run the packed-row forward
     (`use_packed_linear_attention`, which build_policy applies), else nothing."""
-    modules = linear_attention_modules(model)
-    patched = modules and all(getattr(m.forward, "__func__", None) is packed_linear_forward for m in modules)
-    return {"linear_attention"} if patched else set()
+    return {"linear_attention"} if getattr(model, "packed_linear_attention", False) else set()
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
