@@ -1,4 +1,4 @@
-"""Qwen3.5's text model in the native engine against `transformers`' own forward, on a tiny random float32 config
+"""Qwen3.5's text model (and Qwen3-Next's, the same layers with sparse MoE blocks) in the native engine against `transformers`' own forward, on a tiny random float32 config
 of three Gated DeltaNet layers and one gated full-attention layer: logprobs to a tight tolerance, greedy tokens
 token for token, several prompts with several samples each in one call (no state leaking between rows or calls),
 a turn continued from a kept sequence and samples continued over a shared prompt base scoring as a fresh prefill of
@@ -6,7 +6,7 @@ the same tokens."""
 
 import pytest
 import torch
-from transformers import Qwen3_5TextConfig
+from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 
 from rl.config import ConfigError
 from rl.model.shape import ModelShape
@@ -124,7 +124,7 @@ def test_continued_samples_over_a_shared_base_score_as_a_fresh_prefill(model, mo
 
 
 def test_batch_invariant_mode_and_fp8_are_refused_in_one_line(model):
-    for kwargs in (dict(batch_invariant=True), dict(precision="fp8")):
+    for kwargs in ({"batch_invariant": True}, {"precision": "fp8"}):
         with pytest.raises(ValueError, match=r"qwen3_5_text: .*linear-attention layers have no") as err:
             NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=2, max_context_len=64,
                          **kwargs)
@@ -153,3 +153,45 @@ def test_sleep_drops_the_states_with_the_kv_and_a_wake_starts_clean(model):
     assert not engine.kept
     after = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in after] == [o.token_ids for o in before]
+
+
+def qwen3_next_config() -> Qwen3NextConfig:
+    # Sparse blocks of 4 experts (2 a token) with the shared expert, but a dense MLP in layer 1; q, k, v, z fused.
+    return Qwen3NextConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
+                           linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48, mlp_only_layers=[1], max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def next_model():
+    model = random_model(qwen3_next_config(), seed=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", "mlp.gate.weight")):
+                p.uniform_(-1.0, 1.0)
+    return model
+
+
+def test_qwen3_next_scores_as_the_transformers_forward_fresh_and_continued(next_model):
+    s = ModelShape.from_hf(next_model.config)
+    assert s.num_params == sum(p.numel() for p in next_model.parameters())
+    assert s.moe_layers == (0, 2, 3) and s.linear_interleaved
+    engine = make_engine(next_model)
+    keys = list(range(len(PROMPTS)))
+    first = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.7, seed=1,
+                                                    stop_token_ids=list(range(0, 256, 3))), keep=keys)
+    for prompt, out in zip(PROMPTS, first):
+        assert out.logprobs == pytest.approx(reference_logprobs(next_model, prompt, out.token_ids, 0.7), abs=1e-4)
+    turn_2 = [p + o.token_ids + [4, 4, 4] for p, o in zip(PROMPTS, first)]
+    second = engine.generate(turn_2, SamplingParams(max_new_tokens=8, temperature=1.0), keep=keys)
+    for prompt, out in zip(turn_2, second):
+        assert out.reused_tokens == len(prompt) - 4
+        assert out.logprobs == pytest.approx(reference_logprobs(next_model, prompt, out.token_ids), abs=1e-4)
+    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, top_k=1))
+    for prompt, out in zip(PROMPTS, greedy):
+        with torch.no_grad():
+            hf = next_model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                     pad_token_id=0)
+        assert out.token_ids == hf[0, len(prompt):].tolist()

@@ -45,13 +45,16 @@ from rl.model.linear_attention import GatedDeltaNetWeights, gated_deltanet_forwa
 from rl.model.moe import grouped_mlp, route
 from rl.model.shape import ModelShape
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen2_moe", "qwen3_moe", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen2_moe", "qwen3_moe", "qwen3_5_text",
+                         "qwen3_next")
 ACTIVATIONS = {"llama": "silu", "qwen2": "silu", "qwen3": "silu", "gemma3_text": "gelu_pytorch_tanh",
-               "qwen2_moe": "silu", "qwen3_moe": "silu", "qwen3_5_text": "silu"}
+               "qwen2_moe": "silu", "qwen3_moe": "silu", "qwen3_5_text": "silu", "qwen3_next": "silu"}
 # A Gated DeltaNet layer's HF tensors (under `linear_attn.`) -> the engine's (under `linear.`), kept as they are.
 LINEAR_TENSORS = {"in_proj_qkv.weight": "in_proj_qkv", "in_proj_z.weight": "in_proj_z", "in_proj_b.weight": "in_proj_b",
                   "in_proj_a.weight": "in_proj_a", "conv1d.weight": "conv", "dt_bias": "dt_bias", "A_log": "A_log",
                   "norm.weight": "norm", "out_proj.weight": "out_proj"}
+# Qwen3-Next's instead of the four projections: q, k, v, z and b, a fused per key head (cut apart in the forward)
+INTERLEAVED_TENSORS = {"in_proj_qkvz.weight": "in_proj_qkvz", "in_proj_ba.weight": "in_proj_ba"}
 # Decode steps on CUDA of at most this many rows run the qkv and MLP GEMMs in the layouts measured
 # fastest for them (DecoderModel.qkv_and_rope and .mlp; benchmarks/ARCHIVE.md, "Decode GEMM layouts").
 SMALL_BATCH_ROWS = 256
@@ -120,7 +123,7 @@ Slot = tuple[str, int | None, int | None]
 
 
 def hf_name_map(s: Shape) -> dict[str, Slot]:
-    q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     names: dict[str, Slot] = {"model.embed_tokens.weight": ("embed", None, None),
                               "model.norm.weight": ("norm", None, None),
                               "lm_head.weight": ("embed" if s.tie_word_embeddings else "lm_head", None, None)}
@@ -131,10 +134,9 @@ def hf_name_map(s: Shape) -> dict[str, Slot]:
         names |= {f"{hf}input_layernorm.weight": (f"{own}input_norm", None, None),
                   f"{hf}post_attention_layernorm.weight": (f"{own}post_norm", None, None)}
         if s.is_linear(i):
-            names |= {f"{hf}linear_attn.{name}": (f"{own}linear.{key}", None, None) for name, key in LINEAR_TENSORS.items()}
-            names |= {f"{hf}mlp.{n}_proj.weight": v for n, v in (("gate", (f"{own}gate_up", 0, inter)),
-                                                                  ("up", (f"{own}gate_up", inter, 2 * inter)),
-                                                                  ("down", (f"{own}down", None, None)))}
+            names |= {f"{hf}linear_attn.{name}": (f"{own}linear.{key}", None, None)
+                      for name, key in linear_tensor_names(s).items()}
+            names |= mlp_name_map(s, i, hf, own)
             continue
         for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
             names[f"{hf}self_attn.q_proj.{kind}"] = (f"{own}qkv.{kind}", 0, q)
@@ -146,12 +148,7 @@ def hf_name_map(s: Shape) -> dict[str, Slot]:
         names[f"{hf}self_attn.o_proj.weight"] = (f"{own}o.weight", None, None)
         if s.o_bias:
             names[f"{hf}self_attn.o_proj.bias"] = (f"{own}o.bias", None, None)
-        if s.is_moe(i):
-            names |= moe_name_map(s, hf, own)
-        else:
-            names[f"{hf}mlp.gate_proj.weight"] = (f"{own}gate_up", 0, inter)
-            names[f"{hf}mlp.up_proj.weight"] = (f"{own}gate_up", inter, 2 * inter)
-            names[f"{hf}mlp.down_proj.weight"] = (f"{own}down", None, None)
+        names |= mlp_name_map(s, i, hf, own)
         names[f"{hf}input_layernorm.weight"] = (f"{own}input_norm", None, None)
         if s.sandwich_norms:  # Gemma: post_attention_layernorm normalises attention's output, the MLP's input
             names[f"{hf}post_attention_layernorm.weight"] = (f"{own}attn_out_norm", None, None)
@@ -160,6 +157,23 @@ def hf_name_map(s: Shape) -> dict[str, Slot]:
         else:
             names[f"{hf}post_attention_layernorm.weight"] = (f"{own}post_norm", None, None)
     return names
+
+
+def linear_tensor_names(s: Shape) -> dict[str, str]:
+    """A linear-attention layer's HF tensor names (under `linear_attn.`) -> the engine's (under `linear.`)."""
+    if not s.linear_interleaved:
+        return LINEAR_TENSORS
+    return {**{k: v for k, v in LINEAR_TENSORS.items() if not k.startswith("in_proj_")}, **INTERLEAVED_TENSORS}
+
+
+def mlp_name_map(s: Shape, layer: int, hf: str, own: str) -> dict[str, Slot]:
+    """Layer `layer`'s MLP: a MoE block's names, or the gated MLP's three matrices."""
+    if s.is_moe(layer):
+        return moe_name_map(s, hf, own)
+    inter = s.intermediate_size
+    return {f"{hf}mlp.gate_proj.weight": (f"{own}gate_up", 0, inter),
+            f"{hf}mlp.up_proj.weight": (f"{own}gate_up", inter, 2 * inter),
+            f"{hf}mlp.down_proj.weight": (f"{own}down", None, None)}
 
 
 def moe_name_map(s: Shape, hf: str, own: str) -> dict[str, Slot]:
@@ -194,9 +208,11 @@ def linear_shapes(s: Shape, layer: int) -> dict[str, tuple[int, ...]]:
     """A Gated DeltaNet layer's tensors, as transformers' Qwen3.5 module holds them."""
     h, own, value = s.hidden_size, f"layers.{layer}.linear.", s.linear_value_heads * s.linear_value_dim
     heads = s.linear_value_heads
-    return {f"{own}in_proj_qkv": (s.linear_conv_channels, h), f"{own}in_proj_z": (value, h),
-            f"{own}in_proj_b": (heads, h), f"{own}in_proj_a": (heads, h),
-            f"{own}conv": (s.linear_conv_channels, 1, s.linear_conv_kernel), f"{own}dt_bias": (heads,),
+    projections = ({f"{own}in_proj_qkvz": (s.linear_conv_channels + value, h), f"{own}in_proj_ba": (2 * heads, h)}
+                   if s.linear_interleaved else
+                   {f"{own}in_proj_qkv": (s.linear_conv_channels, h), f"{own}in_proj_z": (value, h),
+                    f"{own}in_proj_b": (heads, h), f"{own}in_proj_a": (heads, h)})
+    return {**projections, f"{own}conv": (s.linear_conv_channels, 1, s.linear_conv_kernel), f"{own}dt_bias": (heads,),
             f"{own}A_log": (heads,), f"{own}norm": (s.linear_value_dim,), f"{own}out_proj": (h, value)}
 
 
@@ -471,7 +487,15 @@ class DecoderModel:
     def linear_weights(self, layer: int) -> GatedDeltaNetWeights:
         """Layer `layer`'s Gated DeltaNet weights as rl/model/linear_attention.py takes them."""
         s, own = self.shape, f"layers.{layer}.linear."
-        w = {key: self.weights[own + key] for key in LINEAR_TENSORS.values()}
+        w = {key: self.weights[own + key] for key in linear_tensor_names(s).values()}
+        if s.linear_interleaved:  # Qwen3-Next: cut q, k, v, z and b, a out of each key head's rows
+            n_k, h, k_dim = s.linear_key_heads, s.hidden_size, s.linear_key_dim
+            group = s.linear_value_heads // n_k * s.linear_value_dim
+            q, k, v, z = w.pop("in_proj_qkvz").reshape(n_k, -1, h).split([k_dim, k_dim, group, group], dim=1)
+            w["in_proj_qkv"] = torch.cat([x.reshape(-1, h) for x in (q, k, v)])
+            w["in_proj_z"] = z.reshape(-1, h)
+            b, a = w.pop("in_proj_ba").reshape(n_k, -1, h).chunk(2, dim=1)
+            w["in_proj_b"], w["in_proj_a"] = b.reshape(-1, h), a.reshape(-1, h)
         return GatedDeltaNetWeights(w["in_proj_qkv"], w["in_proj_z"], w["in_proj_b"], w["in_proj_a"], w["conv"][:, 0],
                                     w["dt_bias"], w["A_log"], w["norm"], w["out_proj"], s.linear_key_heads,
                                     s.linear_key_dim, s.linear_value_dim, s.rms_norm_eps)

@@ -15,7 +15,8 @@ router (hidden -> num_experts), `num_experts` gated experts of `moe_intermediate
 `experts_per_token`, and with Qwen2-MoE a shared gated expert of `shared_expert_intermediate_size` scaled by a
 sigmoid gate (hidden -> 1). Parameter counts are totals; `active_matmul_params` counts what one token computes.
 
-Qwen3.5's text model (`qwen3_5_text`) interleaves Gated DeltaNet layers (`linear_layers`; rl/model/linear_attention.py:
+Qwen3.5's text model (`qwen3_5_text`) and Qwen3-Next (`qwen3_next`, the same with Qwen2-MoE-like sparse blocks and
+the linear layers' projections fused per key head: `linear_interleaved`) interleave Gated DeltaNet layers (`linear_layers`; rl/model/linear_attention.py:
 a projection to the short convolution's q, k, v channels, the output gate z, b and a, the convolution, dt_bias,
 A_log, a gated norm, out_proj) with full-attention layers whose q_proj is twice as wide (each head's q, then its
 output gate) under QK-norm and a partial RoPE (`rotary_dim`); every norm scales by (1 + w). A linear layer keeps a
@@ -26,10 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QK_NORM_MODEL_TYPES = ("qwen3", "gemma3_text", "qwen3_moe", "qwen3_5_text")
-LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5_text",)
+QK_NORM_MODEL_TYPES = ("qwen3", "gemma3_text", "qwen3_moe", "qwen3_5_text", "qwen3_next")
+LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5_text", "qwen3_next")
 GEMMA_MODEL_TYPES = ("gemma3_text",)
-SHARED_EXPERT = ("qwen2_moe",)  # MoE families with a shared expert (a config key alone builds none in Qwen3-MoE)
+SHARED_EXPERT = ("qwen2_moe", "qwen3_next")  # MoE families with a shared expert (a config key alone builds none in Qwen3-MoE)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class ModelShape:
     linear_conv_kernel: int = 0
     attn_output_gate: bool = False
     rotary_dim: int = 0
+    linear_interleaved: bool = False  # Qwen3-Next: q, k, v, z in one projection and b, a in another, per key head
 
     @classmethod
     def from_hf(cls, config, value_head: bool = False) -> ModelShape:
@@ -220,7 +222,7 @@ def qwen35_fields(c) -> dict:
                 linear_key_heads=c.linear_num_key_heads, linear_value_heads=c.linear_num_value_heads,
                 linear_key_dim=c.linear_key_head_dim, linear_value_dim=c.linear_value_head_dim,
                 linear_conv_kernel=c.linear_conv_kernel_dim, attn_output_gate=True, norm_plus_one=True,
-                rotary_dim=int(c.head_dim * factor))
+                rotary_dim=int(c.head_dim * factor), linear_interleaved=c.model_type == "qwen3_next")
 
 
 def moe_fields(c) -> dict:
