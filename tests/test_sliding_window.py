@@ -148,3 +148,31 @@ def test_the_memory_plan_counts_the_sliding_layers_by_their_window(model):
     split = kv_cache_bytes(shape, 256 * 4096, 2, pages * 64, 2)
     assert split == 256 * 4096 * shape.kv_bytes_per_token(2, 1) + pages * 64 * shape.kv_bytes_per_token(2, 2)
     assert split < 0.4 * full
+
+
+def test_a_short_window_cache_waits_for_prefills_instead_of_evicting_kept_turns():
+    """64 rows continue kept 3000-token turns with 200 new tokens each (window 1024, pages of 64): the window cache,
+    sized by rows, holds the kept rings and not every continued prompt's prefill at once. Those requests wait for the
+    prefills before them to give window pages back; none of their kept sequences is evicted (each would cost a
+    whole 3000-token prefill)."""
+    from rl.rollout.native import kv_cache_pages, window_cache_pages
+    from rl.rollout.scheduler import Kept, PagePool, Scheduler
+
+    rows, window, context, page = 64, 1024, 4096, 64
+    ring = -(-window // page)
+    window_pages, pages = window_cache_pages(window, rows, context, page), kv_cache_pages(0, rows, context, page)
+    pool, window_pool = PagePool(pages), PagePool(window_pages)
+    kept = {i: Kept([i + 7] * 3000, pool.take(-(-3000 // page)), ring=window_pool.take(ring)) for i in range(rows)}
+    prompts = [kept[i].tokens + [1] * 200 for i in range(rows)]
+    sched = Scheduler(prompts, 512, page, PagePool(pages, [k.pages for k in kept.values()]), rows, None,
+                      list(range(rows)), kept, window, PagePool(window_pages, [k.ring for k in kept.values()]))
+    continued = whole = admits = 0
+    while sched.waiting and admits < 10:
+        to_prefill, _ = sched.admit()
+        admits += 1
+        continued += sum(p.cached > 0 for p in to_prefill)
+        whole += sum(p.cached == 0 for p in to_prefill)
+        for prompt in to_prefill:
+            sched.prefilled(prompt)
+    assert admits > 1 and not sched.waiting  # the window cache was short, and every request got in
+    assert (continued, whole) == (rows, 0)

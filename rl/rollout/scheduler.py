@@ -201,6 +201,10 @@ class Scheduler:
             need += self.prompt_pages(base) if base and not base.pages else 0
             window_need = self.ring + (0 if prompt.pages else self.window_pages(prompt, cached))
             window_need += self.window_pages(base, 0) if base and not base.pages else 0
+            if self.short(need, window_need) and not self.short(need, 0) and (to_prefill or new or self.running):
+                # Only the window cache is short, and prefills and rows give its pages back: the request waits, where
+                # evicting kept sequences would cost their requests whole prefills.
+                break
             if self.short(need, window_need):
                 # Never the prompt's own kept sequence: dropping it frees as many pages as its prefill then needs.
                 self.evict(need, window_need, spare=key)
@@ -232,10 +236,12 @@ class Scheduler:
             prompt = self.waiting[0].prompt
             window = (f", and {self.ring + self.window_pages(prompt, 0)} of the sliding-window layers' cache, which "
                       f"has {len(self.window_pool.free)}") if self.ring else ""
+            short = ("rollout.native.kv_cache_tokens" if self.short(self.private_pages(prompt)
+                                                                   + self.prompt_pages(prompt), 0)
+                     else "the sliding-window cache (NativeEngine's window_cache_tokens)")
             raise RuntimeError(f"KV cache too small: one request of a {len(prompt.tokens)}-token prompt needs "
                                f"{self.private_pages(prompt) + self.prompt_pages(prompt)} pages of {self.page_size} "
-                               f"tokens, the cache has {len(self.pool.free)}{window}; raise "
-                               "rollout.native.kv_cache_tokens")
+                               f"tokens, the cache has {len(self.pool.free)}{window}; raise {short}")
         self.running += new
         if self.ring:
             self.window_peak = max(self.window_peak, self.window_pool.in_use())
