@@ -61,6 +61,7 @@ def test_the_shape_counts_every_parameter_and_the_kv_of_the_attention_layers_alo
     assert s.num_params == sum(p.numel() for p in model.parameters())
     assert s.linear_layers == (0, 1, 2) and s.attention_layers == 1 and s.rotary_dim == 8
     assert s.kv_bytes_per_token(4) == 2 * 1 * s.kv_size * 4
+    assert make_engine(model).kv_shape[1] == 1  # the attention layer's KV alone
     assert s.linear_state_bytes(4) == 3 * 4 * (128 * 3 + 4 * 16 * 16)  # conv channels 2 * 2 * 16 + 4 * 16
     check_native_architecture("m", model.config)  # accepted
 

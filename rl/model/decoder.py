@@ -320,12 +320,13 @@ class DecoderModel:
 
     def set_window_layers(self, layers: tuple[int, ...]) -> None:
         """Keeps the KV of `layers` (sliding-window ones) in a `WindowCache`, the others in the global cache: each
-        layer's (in the window cache?, index in its cache)."""
+        layer's (in the window cache?, index in its cache); linear-attention layers keep no KV and take no index."""
         for i in layers:
             if not self.shape.window(i):
                 raise ValueError(f"layer {i} has no sliding window: its KV cannot live in the window cache")
-        self.cache_index = [(i in layers, sum((j in layers) == (i in layers) for j in range(i)))
-                            for i in range(self.shape.num_layers)]
+        s = self.shape
+        self.cache_index = [(i in layers, sum((j in layers) == (i in layers) and not s.is_linear(j) for j in range(i)))
+                            for i in range(s.num_layers)]
 
     def layer_cache(self, layer: int, kv: torch.Tensor, tables: torch.Tensor, window: WindowCache | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

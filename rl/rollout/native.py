@@ -289,7 +289,7 @@ class NativeEngine(Engine):
         self.window_pages = window_cache_pages(self.window, self.max_batch_size, max_context_len, page_size,
                                                window_cache_tokens) if self.window else 0
         self.window_peak = 0  # the most window-cache pages the last call held at once
-        self.kv_shape = (2, s.num_layers - len(self.window_layers), self.num_pages * page_size, s.num_kv_heads,
+        self.kv_shape = (2, s.attention_layers - len(self.window_layers), self.num_pages * page_size, s.num_kv_heads,
                          s.head_dim)
         self.window_kv_shape = (2, len(self.window_layers), self.window_pages * page_size, s.num_kv_heads, s.head_dim)
         kv_bytes = cdiv(torch.Size(self.kv_shape).numel() * dtype.itemsize, 256) * 256
