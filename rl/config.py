@@ -82,6 +82,8 @@ class DataConfig:
 class NativeEngineConfig:
     """The native engine's own keys (rl/rollout/native.py), the [rollout.native] table."""
     kv_cache_tokens: int = 0  # KV cache size in tokens (0: room for rollout.max_batch_size rows of max_context_len)
+    # Sliding-window layers' (Gemma 3) own KV cache in tokens (0: each row's window twice and one prefill's prompts)
+    window_cache_tokens: int = 0
     cuda_graphs: bool = True  # decode steps captured as CUDA graphs (GPU)
     steps_per_poll: int = 16  # decode steps between host checks for finished sequences
 
@@ -732,6 +734,8 @@ def validate_engine(model: ModelConfig, ro: RolloutConfig) -> None:
              f"rollout.tensor_parallel_size={ro.tensor_parallel_size} needs rollout.engine='vllm'; the native engine is TP=1")
     native, vllm = ro.native, ro.vllm
     _require(native.kv_cache_tokens >= 0, f"rollout.native.kv_cache_tokens must be >= 0, got {native.kv_cache_tokens}")
+    _require(native.window_cache_tokens >= 0,
+             f"rollout.native.window_cache_tokens must be >= 0, got {native.window_cache_tokens}")
     _require(native.steps_per_poll >= 1, f"rollout.native.steps_per_poll must be >= 1, got {native.steps_per_poll}")
     _require(0 < vllm.gpu_memory_utilization <= 1,
              f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {vllm.gpu_memory_utilization}")

@@ -176,3 +176,16 @@ def test_a_short_window_cache_waits_for_prefills_instead_of_evicting_kept_turns(
             sched.prefilled(prompt)
     assert admits > 1 and not sched.waiting  # the window cache was short, and every request got in
     assert (continued, whole) == (rows, 0)
+
+
+def test_rollout_native_window_cache_tokens_sizes_the_window_cache(model):
+    """The [rollout.native] key reaches the engine as build_engine hands it over (every key of the table, by name)."""
+    import dataclasses
+
+    from rl.config import ConfigError, NativeEngineConfig
+    from tests.test_config import make
+
+    engine = make_engine(model, **dataclasses.asdict(NativeEngineConfig(window_cache_tokens=40)))
+    assert engine.window_pages == 40 // PAGE + 1 and engine.kv_window.shape[2] == engine.window_pages * PAGE
+    with pytest.raises(ConfigError, match="rollout.native.window_cache_tokens must be >= 0"):
+        make(rollout={"native": {"window_cache_tokens": -1}})

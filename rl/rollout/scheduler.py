@@ -238,7 +238,7 @@ class Scheduler:
                       f"has {len(self.window_pool.free)}") if self.ring else ""
             short = ("rollout.native.kv_cache_tokens" if self.short(self.private_pages(prompt)
                                                                    + self.prompt_pages(prompt), 0)
-                     else "the sliding-window cache (NativeEngine's window_cache_tokens)")
+                     else "rollout.native.window_cache_tokens")
             raise RuntimeError(f"KV cache too small: one request of a {len(prompt.tokens)}-token prompt needs "
                                f"{self.private_pages(prompt) + self.prompt_pages(prompt)} pages of {self.page_size} "
                                f"tokens, the cache has {len(self.pool.free)}{window}; raise {short}")

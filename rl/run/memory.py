@@ -212,7 +212,8 @@ def engine_terms(cfg: Config, s: ModelShape, engine_bytes: int, device_total: fl
     if ro.engine != "vllm":  # + the scratch pages; sliding-window layers hold rows' windows (rl/rollout/native.py)
         windowed = window_layers(s, ro.max_context_len)
         window = max((s.window(i) for i in windowed), default=0)
-        window_pages = window_cache_pages(window, ro.max_batch_size, ro.max_context_len) if window else 0
+        window_pages = window_cache_pages(window, ro.max_batch_size, ro.max_context_len, PAGE_SIZE,
+                                          ro.native.window_cache_tokens) if window else 0
         kv = kv_cache_bytes(s, native_kv_tokens(cfg) + PAGE_SIZE, engine_bytes, window_pages * PAGE_SIZE, len(windowed))
         # linear-attention layers: a state per running row, and one per prompt its rows start from
         kv += 2 * ro.max_batch_size * s.linear_state_bytes(engine_bytes)
