@@ -674,7 +674,7 @@ def check_paths(cfg: Config) -> None:
         check_routing_replay_model(cfg.model.path, json.loads((model / "config.json").read_text()))
 
 
-ROUTING_REPLAY_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")  # the MoE families whose routing the native engine records
+ROUTING_REPLAY_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next")  # the MoE families whose routing the native engine records
 
 
 def check_routing_replay_model(path: str, hf_config: dict) -> None:

@@ -418,3 +418,38 @@ def test_a_record_with_a_missing_slot_routes_the_token_by_its_own_choice_whole()
     assert experts.tolist() == [[5, 2], [0, 4]] and own[0].tolist() == [5, 2]
     probs = torch.softmax(logits, -1)
     assert weights[1].tolist() == pytest.approx((probs[1, [0, 4]] / probs[1, [0, 4]].sum()).tolist())
+
+
+def test_qwen3_next_blocks_are_grouped_and_replayed():
+    """Qwen3-Next's sparse blocks (Qwen2-MoE's layout: a shared expert behind a sigmoid gate) take the grouped forward:
+    the whole hybrid model's logits and gradients are transformers' own, and replaying its own experts changes
+    nothing while other experts change the logits."""
+    from transformers import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                          linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
+                          initializer_range=0.1)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+    patched = copy.deepcopy(reference)
+    assert len(use_grouped_moe(patched)) == 2
+    tokens = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    expected, logits = reference(tokens).logits, patched(tokens).logits
+    assert (logits - expected).abs().max() <= 1e-5
+    torch.nn.functional.cross_entropy(expected.flatten(0, 1), tokens.flatten()).backward()
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    ours, theirs = grads(patched), grads(reference)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=name)
+    moe_routing(patched).record_experts = True
+    with torch.no_grad():
+        patched(tokens)
+        own = recorded_experts(patched).view(2, 2, 9, TOP_K)
+        set_routing_replay(patched, own)
+        assert (patched(tokens).logits - expected).abs().max() <= 1e-5 and routing_mismatch(patched) == 0.0
+        set_routing_replay(patched, (own + 1) % EXPERTS)
+        assert (patched(tokens).logits - expected).abs().max() > 1e-3 and routing_mismatch(patched) > 0.5
+        set_routing_replay(patched, None)

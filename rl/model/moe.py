@@ -47,7 +47,7 @@ from torch.torch_version import TorchVersion
 
 from rl.parallel import to_device
 
-MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
+MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3NextSparseMoeBlock")
 
 
 @dataclass
@@ -94,7 +94,7 @@ class MoeRouting:
 
 
 def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's sparse MoE blocks (Qwen2-MoE, Qwen3-MoE), in layer order."""
+    """The model's sparse MoE blocks (Qwen2-MoE, Qwen3-MoE, Qwen3-Next), in layer order."""
     return [m for m in model.modules() if type(m).__name__ in MOE_BLOCKS]
 
 
