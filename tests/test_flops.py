@@ -37,3 +37,20 @@ def test_moe_flops_count_the_routed_experts_only():
                             num_experts_per_tok=2)
     assert decoder_matmul_params(config) == 50_176
     assert forward_flops(config, [4]) == 455_680
+
+
+def test_sliding_and_linear_layers_count_what_they_compute():
+    """A sliding window of 3 over 5 tokens sees 1 + 2 + 3 + 3 + 3 = 12 pairs, not 15. A Qwen3.5-shaped model (3
+    Gated DeltaNet layers, 1 full-attention layer of 4 heads of 16; linear layers of 4 value heads, key and value dims
+    8) over 4 tokens: attention 1 layer x 4 x 64 x 10 pairs = 2,560; the delta rules 3 layers x 6 x 4 x 8 x 8 x 4
+    tokens = 18,432."""
+    from transformers import Qwen3_5TextConfig
+
+    from rl.model.flops import visible_pairs
+    assert visible_pairs([5], 3) == 12 and visible_pairs([5, 2], 3) == 12 + 3 and visible_pairs([5]) == 15
+    config = Qwen3_5TextConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                               layer_types=["linear_attention"] * 3 + ["full_attention"])
+    weights = decoder_matmul_params(config) + 32 * 96
+    assert forward_flops(config, [4]) - 2 * weights * 4 == 2_560 + 18_432
