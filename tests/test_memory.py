@@ -512,3 +512,21 @@ def test_the_start_up_check_reads_the_free_space_under_the_output_dir(monkeypatc
                                           r"export 15.2 GB\)"):
         memory.check_disk_space(cfg, hf)  # the model folder says bfloat16: 2 bytes a parameter in the export
     assert asked == [str(tmp_path)]
+
+
+def test_the_plan_of_a_moe_model_counts_what_its_experts_hold():
+    """A Qwen3-MoE shape (hidden 64; q 64, k and v 32; 8 experts of 32, 2 a token; 2 layers): a token's MLP width is
+    its two experts' 64; FP8 engine weights hold q, k, v, o alone in FP8 (the experts stay in bf16: 2 x 12,288
+    matrix weights, 2 x 192 per-channel scales); the largest pushed tensor is a block's fused gate_up (2 x 8 x 32 x 64
+    = 32,768 weights, past the 96 x 64 embedding); a micro-batch's routing record is 2 layers x 2 slots of int64 and
+    a mask byte per token."""
+    from transformers import Qwen3MoeConfig
+
+    s = ModelShape.from_hf(Qwen3MoeConfig(vocab_size=96, hidden_size=64, moe_intermediate_size=32,
+                                          intermediate_size=500, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2))
+    assert memory.mlp_width(s) == 64
+    assert memory.engine_weight_bytes(s, 2, "fp8", "channel") == (s.num_params - 24_576) * 2 + 24_576 + 4 * 384
+    assert memory.push_bytes(s, 0, 2, 1) == 2 * 32_768 * 2
+    assert memory.routing_record_bytes(s, 10) == 10 * (2 * 2 * 8 + 1)
+    assert memory.forward_bytes(s, 1, 2) == 2 * (2 * 64 + 3 * 64 + 96)

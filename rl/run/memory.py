@@ -98,12 +98,27 @@ def block_activation_bytes(s: ModelShape, compute_bytes: int, compiled: bool = F
     gate, up and their product (silu(gate) is rebuilt in backward). Measured on one H200 (packed rows of 32768
     tokens, benchmarks/train.py): the peaks less the state and logits were 34.5 GB at 0.5B and 72.2 GB at 1.5B,
     against 33.5 and 70.4 GB from these counts (the final norm included), and 46.8 and 98.2 GB from the eager ones."""
-    q, kv, b = s.q_size, s.kv_size, compute_bytes
-    attention = b * (3 * q + 2 * kv) + FP32 * s.num_heads
+    q, kv, b, inter = s.q_size, s.kv_size, compute_bytes, mlp_width(s)
+    attention = b * (3 * q + 2 * kv) + FP32 * s.num_heads + routed_inputs_bytes(s, b)
     if compiled:
-        return 2 * 2 * b * s.hidden_size + attention + 3 * b * s.intermediate_size
+        return 2 * 2 * b * s.hidden_size + attention + 3 * b * inter
     norms = 2 * (FP32 * s.hidden_size + 2 * b * s.hidden_size)
-    return norms + attention + 4 * b * s.intermediate_size
+    return norms + attention + 4 * b * inter
+
+
+def mlp_width(s: ModelShape) -> int:
+    """The widest MLP one token passes through: a dense layer's intermediate size, or a MoE block's top-k experts'
+    and its shared expert's (the grouped forward computes a copy of the token for each expert it takes)."""
+    return max(s.experts_per_token * s.moe_intermediate_size + s.shared_expert_intermediate_size if s.is_moe(i)
+               else s.intermediate_size for i in range(s.num_layers))
+
+
+def routed_inputs_bytes(s: ModelShape, compute_bytes: int) -> int:
+    """What a MoE block keeps per token besides its experts' activations: the token's copy sorted to each of its
+    top-k experts, and the router's float32 logits (nothing for a dense model)."""
+    if not s.moe_layers:
+        return 0
+    return s.experts_per_token * s.hidden_size * compute_bytes + FP32 * s.num_experts
 
 
 def activation_bytes(s: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool,
@@ -130,7 +145,7 @@ def forward_bytes(s: ModelShape, tokens: int, compute_bytes: int) -> int:
     """A no-grad pass (reference logprobs): nothing is saved, the widest point is a block's MLP (gate, up, their
     product) beside the residual stream and its normalised copy, then the logits."""
     vocab = 1 if s.value_head else s.vocab_size
-    return tokens * compute_bytes * (2 * s.hidden_size + 3 * s.intermediate_size + vocab)
+    return tokens * compute_bytes * (2 * s.hidden_size + 3 * mlp_width(s) + vocab)
 
 
 def kv_cache_bytes(s: ModelShape, tokens: int, engine_bytes: int, window_tokens: int = 0, windowed: int = 0) -> int:
@@ -140,18 +155,25 @@ def kv_cache_bytes(s: ModelShape, tokens: int, engine_bytes: int, window_tokens:
             + window_tokens * s.kv_bytes_per_token(engine_bytes, windowed))
 
 
-def block_matrices(s: ModelShape) -> list[tuple[int, int]]:
-    """One block's matrices as the trainer pushes them, (rows, columns): q, k, v, o, gate, up, down."""
+def routing_record_bytes(s: ModelShape, tokens: int) -> int:
+    """A micro-batch's recorded experts on the device (rl/model/moe.py's replay, or its comparison without replay):
+    int64 ids per MoE layer, token and top-k slot, and the token mask."""
+    return tokens * (len(s.moe_layers) * s.experts_per_token * 8 + 1)
+
+
+def fp8_matrices(s: ModelShape, layer: int) -> list[tuple[int, int]]:
+    """Layer `layer`'s matrices the native engine holds in FP8 as the trainer pushes them, (rows, columns): q, k, v,
+    o, and a dense MLP's gate, up, down (rl/model/decoder.py's FP8_LINEARS); a MoE block's router, experts and
+    shared expert keep the engine dtype."""
     h, q, kv, inter = s.hidden_size, s.q_size, s.kv_size, s.intermediate_size
-    return [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]
+    return [(q, h), (kv, h), (kv, h), (h, q)] + ([] if s.is_moe(layer) else [(inter, h), (inter, h), (h, inter)])
 
 
 def fp8_scale_bytes(s: ModelShape, fp8_scale: str) -> int:
     """The float32 scales of every block's FP8 matrices: one per row, or one per 128x128 tile of each matrix
     (rl/model/fp8.py; the native engine quantizes each pushed matrix on its own grid)."""
-    per_block = sum(rows if fp8_scale == "channel" else math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK)
-                    for rows, cols in block_matrices(s))
-    return s.num_layers * per_block * FP32
+    return FP32 * sum(rows if fp8_scale == "channel" else math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK)
+                      for layer in range(s.num_layers) for rows, cols in fp8_matrices(s, layer))
 
 
 def engine_weight_bytes(s: ModelShape, engine_bytes: int, precision: str, fp8_scale: str) -> float:
@@ -159,7 +181,7 @@ def engine_weight_bytes(s: ModelShape, engine_bytes: int, precision: str, fp8_sc
     blocks' matrices at 1 byte a parameter and their scales (embedding, norms and lm_head as they were)."""
     if precision != "fp8":
         return s.num_params * engine_bytes
-    matrices = s.decoder_matmul_params
+    matrices = sum(rows * cols for layer in range(s.num_layers) for rows, cols in fp8_matrices(s, layer))
     return (s.num_params - matrices) * engine_bytes + matrices + fp8_scale_bytes(s, fp8_scale)
 
 
@@ -168,7 +190,7 @@ def engine_workspace_bytes(s: ModelShape, max_batch_size: int, engine_bytes: int
     q, k, v, and the MLP's gate, up and product) and a decode step's float32 logits and probabilities. Per-block
     FP8 weights (`fp8_scale` "block") add the widest matrix dequantized for its product (rl/model/fp8.py's linear)."""
     q, kv = s.q_size, s.kv_size
-    prefill = PREFILL_TOKENS * engine_bytes * (2 * s.hidden_size + q + 2 * kv + 3 * s.intermediate_size)
+    prefill = PREFILL_TOKENS * engine_bytes * (2 * s.hidden_size + q + 2 * kv + 3 * mlp_width(s))
     dequantized = 2 * s.intermediate_size * s.hidden_size * engine_bytes if fp8_scale == "block" else 0
     return prefill + 2 * max_batch_size * s.vocab_size * FP32 + dequantized
 
@@ -176,13 +198,14 @@ def engine_workspace_bytes(s: ModelShape, max_batch_size: int, engine_bytes: int
 def fp8_quantize_bytes(s: ModelShape) -> int:
     """Quantizing a pushed matrix to FP8 (rl/model/fp8.py): its float32 copy and the scaled float32 values, for the
     largest one (an MLP matrix, or q), one at a time."""
-    return 2 * FP32 * max(rows * cols for rows, cols in block_matrices(s))
+    return 2 * FP32 * max(rows * cols for layer in range(s.num_layers) for rows, cols in fp8_matrices(s, layer))
 
 
 def push_bytes(s: ModelShape, bucket_bytes: int, engine_bytes: int, dp: int) -> float:
     """rl/train/weights.py's gather of one bucket: it closes once past `bucket_bytes`, so it holds up to a bucket plus
     the largest tensor, gathered, beside this rank's flat shard of it."""
-    largest = max(s.vocab_size * s.hidden_size, s.hidden_size * s.intermediate_size) * engine_bytes
+    experts = 2 * s.num_experts * s.moe_intermediate_size * s.hidden_size  # a MoE block's fused gate_up
+    largest = max(s.vocab_size * s.hidden_size, s.hidden_size * s.intermediate_size, experts) * engine_bytes
     return (bucket_bytes + largest) * (1 + 1 / dp)
 
 
@@ -264,7 +287,8 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
     plan["train"] = {**resting, "policy grads": grads, **streamed, **critic_resting, **kept,
                      "policy gathered": gathered_bytes(s, b, cfg.model.reshard_after_forward),
                      "activations": activations,
-                     "logits": logits_bytes(s, tokens, b, FUSED_LOGPROBS and device_type == "cuda")}
+                     "logits": logits_bytes(s, tokens, b, FUSED_LOGPROBS and device_type == "cuda"),
+                     **({"routing record": routing_record_bytes(s, tokens)} if s.moe_layers else {})}
     if critic:
         plan["critic"] = {**resting, **kept, "critic": critic["training"]}
     plan["push"] = {**resting, **critic_parked, "engine weights": engine["engine weights"],
