@@ -39,6 +39,16 @@ def reference_logprobs(model, prompt, response, temperature=1.0):
     return lp[len(prompt) - 1:].tolist()
 
 
+def assert_greedy_as_transformers(model, engine, prompts, max_new_tokens: int) -> None:
+    """The engine's greedy responses (top_k 1) are transformers' generate of the same prompts, token for token."""
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_k=1))
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            hf = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                do_sample=False, pad_token_id=0)
+        assert out.token_ids == hf[0, len(prompt):].tolist()
+
+
 def test_sampler_top_k_top_p_and_logprob():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 64)
     g = torch.Generator().manual_seed(0)

@@ -12,7 +12,7 @@ from rl.model.shape import ModelShape
 from rl.rollout import SamplingParams
 from rl.rollout.native import NativeEngine
 from rl.run.checks import check_native_architecture
-from tests.test_engine import full_weights, reference_logprobs
+from tests.test_engine import assert_greedy_as_transformers, full_weights, reference_logprobs
 
 PROMPTS = [list(range(1, 70)), [3, 4, 5], [7] * 20 + [9, 11, 13]]
 
@@ -77,12 +77,7 @@ def test_engine_logprobs_are_the_transformers_forward(family):
 
 def test_greedy_generation_is_the_transformers_generation_token_for_token(family):
     model, engine = family
-    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=1.0, top_k=1))
-    for prompt, out in zip(PROMPTS, outs):
-        with torch.no_grad():
-            hf = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                pad_token_id=0)
-        assert out.token_ids == hf[0, len(prompt):].tolist()
+    assert_greedy_as_transformers(model, engine, PROMPTS, 16)
 
 
 def test_a_turn_continued_from_kept_kv_scores_as_the_transformers_forward_of_the_whole(family):

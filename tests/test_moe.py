@@ -88,7 +88,12 @@ def test_the_block_and_its_gradients_are_transformers_own(family, norm_topk_prob
 def test_the_whole_model_is_transformers_own_in_logits_and_gradients(family):
     reference, patched = pair(family)
     assert block(patched).forward.__func__ is moe_forward and block(reference).forward.__func__ is not moe_forward
-    tokens = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(2))
+    assert_same_model(reference, patched, torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(2)))
+
+
+def assert_same_model(reference, patched, tokens: torch.Tensor) -> torch.Tensor:
+    """The patched model's logits and every parameter's gradient of a cross-entropy are the reference's; returns its
+    logits."""
     expected, logits = reference(tokens).logits, patched(tokens).logits
     assert (logits - expected).abs().max() <= 1e-5
     torch.nn.functional.cross_entropy(expected.flatten(0, 1), tokens.flatten()).backward()
@@ -96,6 +101,7 @@ def test_the_whole_model_is_transformers_own_in_logits_and_gradients(family):
     ours, theirs = grads(patched), grads(reference)
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=name)
+    return expected.detach()
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
@@ -437,13 +443,7 @@ def test_qwen3_next_blocks_are_grouped_and_replayed():
     patched = copy.deepcopy(reference)
     assert len(use_grouped_moe(patched)) == 2
     tokens = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
-    expected, logits = reference(tokens).logits, patched(tokens).logits
-    assert (logits - expected).abs().max() <= 1e-5
-    torch.nn.functional.cross_entropy(expected.flatten(0, 1), tokens.flatten()).backward()
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
-    ours, theirs = grads(patched), grads(reference)
-    for name in theirs:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=name)
+    expected = assert_same_model(reference, patched, tokens)
     moe_routing(patched).record_experts = True
     with torch.no_grad():
         patched(tokens)

@@ -1,8 +1,8 @@
-"""Qwen3.5's text model (and Qwen3-Next's, the same layers with sparse MoE blocks) in the native engine against `transformers`' own forward, on a tiny random float32 config
-of three Gated DeltaNet layers and one gated full-attention layer: logprobs to a tight tolerance, greedy tokens
-token for token, several prompts with several samples each in one call (no state leaking between rows or calls),
-a turn continued from a kept sequence and samples continued over a shared prompt base scoring as a fresh prefill of
-the same tokens."""
+"""Qwen3.5's text model (and Qwen3-Next's, the same layers with sparse MoE blocks) in the native engine against
+`transformers`' own forward, on a tiny random float32 config of three Gated DeltaNet layers and one gated full-
+attention layer: logprobs to a tight tolerance, greedy tokens token for token, several prompts with several samples
+each in one call (no state leaking between rows or calls), a turn continued from a kept sequence and samples
+continued over a shared prompt base scoring as a fresh prefill of the same tokens."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from rl.model.shape import ModelShape
 from rl.rollout import SamplingParams
 from rl.rollout.native import NativeEngine
 from rl.run.checks import check_native_architecture
-from tests.test_engine import full_weights, reference_logprobs
+from tests.test_engine import assert_greedy_as_transformers, full_weights, reference_logprobs
 from tests.test_families import random_model
 
 # 70 tokens: past one 64-token chunk of the delta rule.
@@ -74,12 +74,7 @@ def test_engine_logprobs_are_the_transformers_forward(model, engine):
 
 
 def test_greedy_generation_is_the_transformers_generation_token_for_token(model, engine):
-    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=1.0, top_k=1))
-    for prompt, out in zip(PROMPTS, outs):
-        with torch.no_grad():
-            hf = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                pad_token_id=0)
-        assert out.token_ids == hf[0, len(prompt):].tolist()
+    assert_greedy_as_transformers(model, engine, PROMPTS, 16)
 
 
 def test_several_samples_of_several_prompts_in_one_call_each_score_as_its_own_sequence(model):
@@ -190,9 +185,4 @@ def test_qwen3_next_scores_as_the_transformers_forward_fresh_and_continued(next_
     for prompt, out in zip(turn_2, second):
         assert out.reused_tokens == len(prompt) - 4
         assert out.logprobs == pytest.approx(reference_logprobs(next_model, prompt, out.token_ids), abs=1e-4)
-    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, top_k=1))
-    for prompt, out in zip(PROMPTS, greedy):
-        with torch.no_grad():
-            hf = next_model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                     pad_token_id=0)
-        assert out.token_ids == hf[0, len(prompt):].tolist()
+    assert_greedy_as_transformers(next_model, engine, PROMPTS, 12)

@@ -10,7 +10,7 @@ import torch
 
 from rl.rollout import SamplingParams, scheduler
 from rl.rollout.native import NativeEngine, window_cache_pages, window_layers
-from tests.test_engine import full_weights, reference_logprobs
+from tests.test_engine import assert_greedy_as_transformers, full_weights, reference_logprobs
 from tests.test_families import gemma3_config, random_model
 
 PAGE = 4
@@ -48,12 +48,7 @@ def test_responses_several_windows_long_score_and_decode_as_transformers(model):
     outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=32, temperature=0.7))
     assert all(len(out.token_ids) == 32 for out in outs)
     check_scores(model, PROMPTS, outs, 0.7)
-    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, temperature=1.0, top_k=1))
-    for prompt, out in zip(PROMPTS, greedy):
-        with torch.no_grad():
-            hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                                pad_token_id=0)
-        assert out.token_ids == hf[0, len(prompt):].tolist()
+    assert_greedy_as_transformers(model, engine, PROMPTS, 24)
 
 
 def test_prompts_over_several_prefill_chunks_score_as_transformers(model, monkeypatch):
