@@ -282,7 +282,11 @@ def moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         state.router_logits[layer] = logits
     if state.record_experts:
         state.experts[layer] = experts.detach()
-    out = grouped_experts(self.experts, x, experts, weights.to(x.dtype))
+    spread = getattr(self, "expert_parallel", None)  # experts over ranks (rl/model/expert_parallel.py)
+    if spread is None:
+        out = grouped_experts(self.experts, x, experts, weights.to(x.dtype))
+    else:
+        out = spread(self.experts, x, experts, weights.to(x.dtype))
     if hasattr(self, "shared_expert"):  # Qwen2-MoE: one dense expert every token takes, scaled by its gate
         out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
     return out.view(batch, seq, hidden)

@@ -1,0 +1,122 @@
+"""Expert parallelism for the grouped MoE blocks (rl/model/moe.py): each rank of an expert-parallel (EP) group of N
+ranks holds E / N of a block's experts, and the tokens travel to the experts instead of the experts to the tokens.
+
+`shard_experts(block, group)` keeps only this rank's slice of the block's fused expert tensors: rank r of the group
+holds experts [r * E / N, (r + 1) * E / N), `experts.gate_up_proj` (E / N, 2 * I, H) and `experts.down_proj`
+(E / N, H, I), as plain local parameters under the same names. The block's forward (`moe_forward`) then routes as
+before (the router and its weights are replicated and stay local; routing replay picks the experts before anything
+moves) and hands the experts' part to `ExpertParallel`, which
+
+1. sorts the (token, slot) pairs by expert id, so that the pairs for each owning rank, and within it each expert,
+   are contiguous, and exchanges the per-expert pair counts with one all-to-all (the counts decide the splits);
+2. sends each pair's hidden row to the rank that owns its expert (`all_to_all_single` with those splits);
+3. runs the received rows through the local experts with the same grouped path as the single-rank block
+   (`grouped_mlp`, each row one slot of weight 1);
+4. sends the outputs back with the reverse all-to-all (send and receive splits swapped), puts them back in
+   (token, slot) order and sums the k slots weighted by the router weights, which never left the rank: the
+   router's gradient is the single-rank one.
+
+The all-to-all is a small autograd function whose backward is the reverse all-to-all of the gradient. torch's
+`torch.distributed._functional_collectives.all_to_all_single_autograd` computes the same (same values and
+gradients on gloo ranks, torch 2.13), but it is a private module and returns an asynchronous tensor; the function
+here is a few lines over the public `all_to_all_single` and stays eager. Each rank's
+expert-weight gradient is then the sum over the tokens of every rank of the group that reached its experts: for a
+loss that sums the ranks' losses, exactly the slice of the single-rank gradient.
+
+Why plain local slices and not a DTensor Shard(0) on an EP sub-mesh: the forward needs the local slice itself (no
+gather ever happens), and a DTensor would make FSDP2 and the optimizer see a second mesh dimension for a handful of
+tensors. With plain slices, the wiring into the trainer (not done yet; `train.expert_parallel` > 1 is refused) is:
+FSDP2 told to ignore the expert tensors (`ignored_params`), their gradients all-reduced (averaged) over the data-
+parallel replicas of the same expert slice (the ranks with the same position in their EP groups) and divided by N
+(FSDP2 averages the dense gradients over the whole world, while the expert gradient already sums the EP group's
+tokens), the gradient-norm clip counting them once per slice, the weight push gathering the slices of an EP group
+(an all-gather along dim 0) into the full fused tensors the engine loads, and checkpoints saving each slice under
+its global expert range.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rl.model.moe import grouped_mlp
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of x's rows with the given splits; the backward sends the gradient back the other way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """x's rows, split `send` (one count per rank of the group), to the ranks; returns the rows received, `recv`."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """The differentiable all-to-all of x's rows (send: rows to each rank, recv: rows from each rank)."""
+    return _AllToAll.apply(x, send, recv, group)
+
+
+class ExpertParallel:
+    """The experts' part of a block whose experts are spread over `group` (set by `shard_experts`): called by
+    `moe_forward` as `ep(experts, x, ids, weights)` in place of `grouped_experts`, same arguments, same result."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+        self.group, self.num_experts = group, num_experts
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.local = num_experts // self.size
+        self.first = self.rank * self.local  # this rank's first global expert id
+
+    def __call__(self, experts: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+        tokens, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs by expert, so by owning rank; pair p is token p // k
+        counts = torch.bincount(flat, minlength=self.num_experts)  # pairs this rank sends to each expert
+        # From each source rank, its pair counts for each of this rank's experts: (size, local).
+        got = all_to_all(counts, [self.local] * self.size, [self.local] * self.size, self.group).view(self.size, -1)
+        send = counts.view(self.size, self.local).sum(-1).tolist()
+        recv = got.sum(-1).tolist()
+        rows = exchange(x[order // k], send, recv, self.group)
+        # Received rows come by source rank, each source's by expert: their local expert ids.
+        local_ids = torch.arange(self.local, device=x.device).repeat(self.size)
+        local_ids = local_ids.repeat_interleave(got.reshape(-1).to(x.device))
+        ones = torch.ones(local_ids.shape[0], 1, dtype=x.dtype, device=x.device)
+        out = grouped_mlp(rows, local_ids.unsqueeze(-1), ones, experts.gate_up_proj, experts.down_proj,
+                          experts.act_fn)
+        out = exchange(out, recv, send, self.group)
+        out = out.new_empty(out.shape).index_copy(0, order, out)  # sorted pair i back to pair order[i]
+        return (out.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def expert_slice(num_experts: int, group: dist.ProcessGroup) -> slice:
+    """The global expert ids this rank of `group` holds."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if num_experts % size:
+        raise ValueError(f"expert parallelism over {size} ranks: {num_experts} experts do not split evenly")
+    local = num_experts // size
+    return slice(rank * local, (rank + 1) * local)
+
+
+def shard_experts(block: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Keeps this rank's slice of a grouped block's fused experts (see the module docstring) and makes its forward
+    dispatch tokens over `group`. The block must already be patched (`use_grouped_moe`)."""
+    if not hasattr(block, "moe_routing"):
+        raise ValueError(f"{type(block).__name__}: patch it with use_grouped_moe before shard_experts")
+    experts = block.experts
+    num_experts = experts.gate_up_proj.shape[0]
+    part = expert_slice(num_experts, group)
+    for name in ("gate_up_proj", "down_proj"):
+        full = getattr(experts, name)
+        setattr(experts, name, torch.nn.Parameter(full.detach()[part].clone(), requires_grad=full.requires_grad))
+    block.expert_parallel = ExpertParallel(group, num_experts)

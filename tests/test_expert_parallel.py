@@ -1,0 +1,178 @@
+"""Expert parallelism (rl/model/expert_parallel.py) on two CPU ranks over gloo, one torchrun launch of this file: with
+the experts split over the ranks, each rank's block output and its input, router and expert gradients equal the
+single-rank grouped forward's on the same tokens (the ranks holding different token counts, an expert getting no
+tokens, a rank sending none to the other); routing replay's experts are the ones used; a whole model's logits and
+every gradient match too."""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERTS, TOP_K, HIDDEN, RANKS = 8, 2, 32, 2
+TOKENS = (10, 6)  # per rank: uneven dispatch
+
+
+def tiny_moe() -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True, initializer_range=0.1)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float((a - b).abs().max().detach()) if a.numel() else 0.0
+
+
+def grad(p: torch.Tensor) -> torch.Tensor:
+    """p's gradient (zeros where none reached it), a copy."""
+    return torch.zeros_like(p) if p.grad is None else p.grad.clone()
+
+
+def block_case(reference, spread, rank, replay=None) -> dict:
+    """Block 0 on every rank's tokens: the reference on all of them at once, the spread block on this rank's;
+    the errors of the output and of every gradient (the router's summed over the ranks)."""
+    import torch.distributed as dist
+
+    from rl.model.moe import moe_routing, set_routing_replay
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(1, n, HIDDEN, generator=gen) for n in TOKENS]
+    ups = [torch.randn(1, n, HIDDEN, generator=gen) for n in TOKENS]
+    for model in (reference, spread):
+        model.zero_grad(set_to_none=True)
+        moe_routing(model).record_experts = True
+    if replay is not None:
+        set_routing_replay(reference, torch.cat(replay).unsqueeze(0).expand(2, -1, -1))
+        set_routing_replay(spread, replay[rank].unsqueeze(0).expand(2, -1, -1))
+    ref_block, ep_block = reference.model.layers[0].mlp, spread.model.layers[0].mlp
+    x_all = torch.cat(xs, dim=1).requires_grad_()
+    expected = ref_block(x_all)
+    (expected * torch.cat(ups, dim=1)).sum().backward()
+    x = xs[rank].clone().requires_grad_()
+    out = ep_block(x)
+    (out * ups[rank]).sum().backward()
+    first = sum(TOKENS[:rank])
+    mine = slice(first, first + TOKENS[rank])
+    part = ep_block.expert_parallel
+    experts = slice(part.first, part.first + part.local)
+    router = grad(ep_block.gate.weight)
+    dist.all_reduce(router)
+    result = {"out": err(out, expected[:, mine]), "x_grad": err(x.grad, x_all.grad[:, mine]),
+              "router_grad": err(router, ref_block.gate.weight.grad)}
+    for name in ("gate_up_proj", "down_proj"):
+        local, full = getattr(ep_block.experts, name), getattr(ref_block.experts, name)
+        result[f"{name}_local"] = list(local.shape)
+        result[f"{name}_grad"] = err(grad(local), full.grad[experts])
+        gathered = [torch.empty_like(local) for _ in range(RANKS)]
+        dist.all_gather(gathered, grad(local))
+        result[f"{name}_grad_gathered"] = err(torch.cat(gathered), full.grad)
+        result[f"{name}_zero_grad_experts"] = [i for i in range(EXPERTS) if not full.grad[i].abs().sum()]
+    used = moe_routing(spread).experts[0]
+    result["used"] = used.tolist()
+    result["replayed_used"] = None if replay is None else bool(torch.equal(used, replay[rank]))
+    if replay is not None:
+        set_routing_replay(reference, None)
+        set_routing_replay(spread, None)
+    return result
+
+
+def model_case(reference, spread, rank) -> dict:
+    """The whole model on this rank's sequence (the reference on every rank's, its losses summed): logits, and every
+    gradient (dense ones summed over the ranks, the experts' against their slice)."""
+    import torch.distributed as dist
+    gen = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, 64, (1, n), generator=gen) for n in TOKENS]
+    reference.zero_grad(set_to_none=True)
+    spread.zero_grad(set_to_none=True)
+    expected = [reference(input_ids=i).logits for i in ids]
+    sum(e.square().mean() for e in expected).backward()
+    logits = spread(input_ids=ids[rank]).logits
+    logits.square().mean().backward()
+    result = {"logits": err(logits, expected[rank])}
+    worst = 0.0
+    for (name, p), (_, q) in zip(spread.named_parameters(), reference.named_parameters()):
+        got = grad(p)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            part = slice(rank * EXPERTS // RANKS, (rank + 1) * EXPERTS // RANKS)
+            worst = max(worst, err(got, q.grad[part]))
+        else:
+            dist.all_reduce(got)
+            worst = max(worst, err(got, q.grad))
+    result["grads"] = worst
+    return result
+
+
+def main(out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from rl.model.expert_parallel import shard_experts
+    from rl.model.moe import use_grouped_moe
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    reference = tiny_moe()
+    spread = copy.deepcopy(reference)
+    use_grouped_moe(reference)
+    for block in use_grouped_moe(spread):
+        shard_experts(block, dist.group.WORLD)
+    results = {"own": block_case(reference, spread, rank)}
+    # Replay: rank 0's tokens to experts {0, 1, 2, 5}, rank 1's to {5, 6} only (it sends rank 0 nothing); experts 3,
+    # 4 and 7 get no token.
+    gen = torch.Generator().manual_seed(11)
+    choices = (torch.tensor([0, 1, 2, 5]), torch.tensor([5, 6]))
+    replay = [torch.stack([c[torch.randperm(len(c), generator=gen)[:TOP_K]] for _ in range(n)])
+              for c, n in zip(choices, TOKENS)]
+    results["replay"] = block_case(reference, spread, rank, replay)
+    results["model"] = model_case(reference, spread, rank)
+    (Path(out_dir) / f"results{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from tests.test_distributed import torchrun
+    out = tmp_path_factory.mktemp("ep")
+    torchrun(RANKS, "tests/test_expert_parallel.py", str(out), timeout=180)
+    return [json.loads((out / f"results{r}.json").read_text()) for r in range(RANKS)]
+
+
+GRADS = ("out", "x_grad", "router_grad", "gate_up_proj_grad", "down_proj_grad", "gate_up_proj_grad_gathered",
+         "down_proj_grad_gathered")
+
+
+@pytest.mark.parametrize("case", ["own", "replay"])
+def test_each_rank_matches_the_single_rank_block(results, case):
+    for rank, r in enumerate(results):
+        got = r[case]
+        assert got["gate_up_proj_local"][0] == got["down_proj_local"][0] == EXPERTS // RANKS
+        assert {key: got[key] for key in GRADS} == pytest.approx({key: 0.0 for key in GRADS}, abs=1e-5), (rank, got)
+
+
+def test_uneven_dispatch_and_idle_experts(results):
+    own = [r["own"]["used"] for r in results]
+    assert [len(u) for u in own] == list(TOKENS)
+    replay = results[0]["replay"]
+    assert replay["gate_up_proj_zero_grad_experts"] == replay["down_proj_zero_grad_experts"] == [3, 4, 7]
+    assert {e for token in results[1]["replay"]["used"] for e in token} <= {5, 6}  # rank 1 sends rank 0 nothing
+
+
+def test_routing_replay_uses_the_replayed_experts(results):
+    for r in results:
+        assert r["replay"]["replayed_used"] is True
+        assert r["replay"]["used"] != r["own"]["used"]
+
+
+def test_whole_model_logits_and_gradients(results):
+    for r in results:
+        assert r["model"]["logits"] <= 1e-5 and r["model"]["grads"] <= 1e-5, r["model"]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main(sys.argv[1])
