@@ -39,6 +39,20 @@ def reference_logprobs(model, prompt, response, temperature=1.0):
     return lp[len(prompt) - 1:].tolist()
 
 
+def assert_kept_turn_as_transformers(model, engine, prompts, first: SamplingParams) -> list:
+    """A second turn of each prompt (its first turn's response and three new tokens) over the first turn's kept KV
+    prefills only the new tokens and scores as transformers' forward of the whole; returns the first turn."""
+    keys = list(range(len(prompts)))
+    first_outs = engine.generate(prompts, first, keep=keys)
+    turn_2 = [p + o.token_ids + [4, 4, 4] for p, o in zip(prompts, first_outs)]
+    second = engine.generate(turn_2, SamplingParams(max_new_tokens=8, temperature=0.7), keep=keys)
+    engine.release(keys)
+    for prompt, out in zip(turn_2, second, strict=True):
+        assert out.reused_tokens == len(prompt) - 4
+        assert out.logprobs == pytest.approx(reference_logprobs(model, prompt, out.token_ids, 0.7), abs=1e-4)
+    return first_outs
+
+
 def assert_greedy_as_transformers(model, engine, prompts, max_new_tokens: int) -> None:
     """The engine's greedy responses (top_k 1) are transformers' generate of the same prompts, token for token."""
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_k=1))

@@ -12,7 +12,12 @@ from rl.model.shape import ModelShape
 from rl.rollout import SamplingParams
 from rl.rollout.native import NativeEngine
 from rl.run.checks import check_native_architecture
-from tests.test_engine import assert_greedy_as_transformers, full_weights, reference_logprobs
+from tests.test_engine import (
+    assert_greedy_as_transformers,
+    assert_kept_turn_as_transformers,
+    full_weights,
+    reference_logprobs,
+)
 
 PROMPTS = [list(range(1, 70)), [3, 4, 5], [7] * 20 + [9, 11, 13]]
 
@@ -83,14 +88,7 @@ def test_greedy_generation_is_the_transformers_generation_token_for_token(family
 def test_a_turn_continued_from_kept_kv_scores_as_the_transformers_forward_of_the_whole(family):
     """A second turn prefills only its new tokens over the first turn's kept KV (past Gemma's window too)."""
     model, engine = family
-    keys = list(range(len(PROMPTS)))
-    first = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0), keep=keys)
-    turn_2 = [p + o.token_ids + [4, 4, 4] for p, o in zip(PROMPTS, first)]
-    second = engine.generate(turn_2, SamplingParams(max_new_tokens=8, temperature=0.7), keep=keys)
-    engine.release(keys)
-    for prompt, out in zip(turn_2, second):
-        assert out.reused_tokens == len(prompt) - 4
-        assert out.logprobs == pytest.approx(reference_logprobs(model, prompt, out.token_ids, 0.7), abs=1e-4)
+    assert_kept_turn_as_transformers(model, engine, PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
 
 
 def test_the_shape_counts_every_parameter_of_the_family():

@@ -13,7 +13,12 @@ from rl.model.shape import ModelShape
 from rl.rollout import SamplingParams
 from rl.rollout.native import NativeEngine
 from rl.run.checks import check_native_architecture
-from tests.test_engine import assert_greedy_as_transformers, full_weights, reference_logprobs
+from tests.test_engine import (
+    assert_greedy_as_transformers,
+    assert_kept_turn_as_transformers,
+    full_weights,
+    reference_logprobs,
+)
 from tests.test_families import random_model
 
 # 70 tokens: past one 64-token chunk of the delta rule.
@@ -91,16 +96,9 @@ def test_several_samples_of_several_prompts_in_one_call_each_score_as_its_own_se
 def test_a_turn_continued_from_kept_state_scores_as_the_transformers_forward_of_the_whole(model, engine):
     """Rows stop at different steps (a third of the vocabulary stops them): a row that stopped early stays in the
     batch, feeding its last token again, until the others do, and its kept state must not move meanwhile."""
-    keys = list(range(len(PROMPTS)))
-    first = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0, seed=1,
-                                                    stop_token_ids=list(range(0, 256, 3))), keep=keys)
+    first = assert_kept_turn_as_transformers(model, engine, PROMPTS, SamplingParams(
+        max_new_tokens=8, temperature=1.0, seed=1, stop_token_ids=list(range(0, 256, 3))))
     assert len({len(o.token_ids) for o in first}) > 1
-    turn_2 = [p + o.token_ids + [4, 4, 4] for p, o in zip(PROMPTS, first)]
-    second = engine.generate(turn_2, SamplingParams(max_new_tokens=8, temperature=0.7), keep=keys)
-    engine.release(keys)
-    for prompt, out in zip(turn_2, second):
-        assert out.reused_tokens == len(prompt) - 4
-        assert out.logprobs == pytest.approx(reference_logprobs(model, prompt, out.token_ids, 0.7), abs=1e-4)
 
 
 def test_continued_samples_over_a_shared_base_score_as_a_fresh_prefill(model, monkeypatch):
