@@ -2,7 +2,7 @@
 the experts split over the ranks, each rank's block output and its input, router and expert gradients equal the
 single-rank grouped forward's on the same tokens (the ranks holding different token counts, an expert getting no
 tokens, a rank sending none to the other); routing replay's experts are the ones used; a whole model's logits and
-every gradient match too."""
+every gradient match too, and the weight push gathers the split experts whole."""
 
 import copy
 import json
@@ -130,6 +130,12 @@ def main(out_dir: str) -> None:
               for c, n in zip(choices, TOKENS)]
     results["replay"] = block_case(reference, spread, rank, replay)
     results["model"] = model_case(reference, spread, rank)
+    # The weight push's gather: every tensor whole, the split experts gathered over the ranks.
+    from rl.train.weights import iter_full_weights
+    full = dict(iter_full_weights(spread, torch.float32, 20_000))
+    expected = dict(reference.named_parameters())
+    results["push_names"] = sorted(set(expected) ^ {n for n in full if n in dict(spread.named_parameters())})
+    results["push"] = max(err(full[n], p) for n, p in expected.items())
     (Path(out_dir) / f"results{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -166,6 +172,11 @@ def test_routing_replay_uses_the_replayed_experts(results):
     for r in results:
         assert r["replay"]["replayed_used"] is True
         assert r["replay"]["used"] != r["own"]["used"]
+
+
+def test_the_weight_push_gathers_the_split_experts_whole(results):
+    for r in results:
+        assert r["push_names"] == [] and r["push"] == 0.0
 
 
 def test_whole_model_logits_and_gradients(results):

@@ -25,13 +25,14 @@ loss that sums the ranks' losses, exactly the slice of the single-rank gradient.
 
 Why plain local slices and not a DTensor Shard(0) on an EP sub-mesh: the forward needs the local slice itself (no
 gather ever happens), and a DTensor would make FSDP2 and the optimizer see a second mesh dimension for a handful of
-tensors. With plain slices, the wiring into the trainer (not done yet; `train.expert_parallel` > 1 is refused) is:
+tensors. `full_experts` gathers a split tensor whole again (the weight push, rl/train/weights.py, calls it for the
+tensors `shard_experts` marked). With plain slices, the rest of the wiring into the trainer (not done yet;
+`train.expert_parallel` > 1 is refused) is:
 FSDP2 told to ignore the expert tensors (`ignored_params`), their gradients all-reduced (averaged) over the data-
 parallel replicas of the same expert slice (the ranks with the same position in their EP groups) and divided by N
 (FSDP2 averages the dense gradients over the whole world, while the expert gradient already sums the EP group's
-tokens), the gradient-norm clip counting them once per slice, the weight push gathering the slices of an EP group
-(an all-gather along dim 0) into the full fused tensors the engine loads, and checkpoints saving each slice under
-its global expert range.
+tokens), the gradient-norm clip counting them once per slice, loading each rank's slice from the checkpoint files,
+and checkpoints saving each slice under its global expert range.
 """
 
 from __future__ import annotations
@@ -118,5 +119,17 @@ def shard_experts(block: torch.nn.Module, group: dist.ProcessGroup) -> None:
     part = expert_slice(num_experts, group)
     for name in ("gate_up_proj", "down_proj"):
         full = getattr(experts, name)
-        setattr(experts, name, torch.nn.Parameter(full.detach()[part].clone(), requires_grad=full.requires_grad))
+        local = torch.nn.Parameter(full.detach()[part].clone(), requires_grad=full.requires_grad)
+        local.expert_group = group  # what `full_experts` gathers over (the weight push)
+        setattr(experts, name, local)
     block.expert_parallel = ExpertParallel(group, num_experts)
+
+
+def full_experts(local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The full fused expert tensor (E, ...) in `dtype` from each rank's slice of a tensor `shard_experts` split: one
+    all-gather over its group (every rank of the group must call it)."""
+    group = local.expert_group
+    local = local.detach().to(dtype).contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts)

@@ -5,7 +5,8 @@ Each bucket's local shards are cast to the engine dtype, padded to FSDP2's chunk
 size, flattened into one buffer and gathered with a single collective; the full
 tensors are cut out of the gathered buffer, handed to the engine and freed before
 the next bucket. Tied parameters are gathered once and yielded under every name.
-Buffers (e.g. rotary tables) are not sharded and are pushed as they are.
+Buffers (e.g. rotary tables) are not sharded and are pushed as they are. MoE experts split over ranks by expert
+parallelism (rl/model/expert_parallel.py: plain slices, not DTensors) are gathered whole over their group.
 With LoRA (rl/train/lora.py) the engine gets each adapted layer's merged weight (W + scale * B @ A),
 never the adapters; once it holds the base, a push may send the adapted layers alone. An engine with FP8
 weights (rollout.precision) quantizes each tensor as it takes it (rl/model/fp8.py): the stream is the same.
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from rl.model.expert_parallel import full_experts
 from rl.train.lora import changed_names, merged_weights, scales_of
 
 
@@ -89,6 +91,8 @@ def iter_full_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: 
         full = dict(zip(map(id, sharded), _gather_bucket(sharded, dtype))) if sharded else {}
         for p in bucket:
             tensor = full.get(id(p))
+            if tensor is None and hasattr(p, "expert_group"):  # experts split over ranks (rl/model/expert_parallel.py)
+                tensor = full_experts(p, dtype)
             if tensor is None:
                 tensor = p.detach().to(dtype)
             for name in names_of[id(p)]:
