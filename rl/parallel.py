@@ -256,6 +256,28 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def expert_parallel_groups(size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's two groups for expert parallelism over `size` ranks (rl/model/expert_parallel.py): its expert-
+    parallel group, the contiguous ranks [i * size, (i + 1) * size) that split the experts, and its replica group,
+    the ranks at the same place in every expert-parallel group (they hold the same experts; their gradients are
+    averaged over it). Every rank must call it, in the same order (it creates every group)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(f"expert parallelism over {size} ranks: it must divide the world size ({world})")
+    mine = {}
+    for first in range(0, world, size):
+        ranks = list(range(first, first + size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["experts"] = group
+    for place in range(size):
+        ranks = list(range(place, world, size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["replicas"] = group
+    return mine["experts"], mine["replicas"]
+
+
 def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     """A host tensor on `device` without the host waiting for the device's queue: pinned first where the device is
     CUDA (a copy from pageable memory waits, non_blocking or not)."""

@@ -2,7 +2,8 @@
 the experts split over the ranks, each rank's block output and its input, router and expert gradients equal the
 single-rank grouped forward's on the same tokens (the ranks holding different token counts, an expert getting no
 tokens, a rank sending none to the other); routing replay's experts are the ones used; a whole model's logits and
-every gradient match too, and the weight push gathers the split experts whole."""
+every gradient match too, and the weight push gathers the split experts whole. On four ranks (two replicas of
+each expert slice) the expert gradients average over the world as FSDP2's do."""
 
 import copy
 import json
@@ -140,6 +141,49 @@ def main(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def main_replicas(out_dir: str) -> None:
+    """Four ranks, experts split over pairs: each expert slice has two replicas. After `reduce_expert_grads`, each
+    rank's expert gradients are its slice of the single-rank gradient of the ranks' summed losses divided by the
+    world size (FSDP2's average of the dense ones)."""
+    import torch.distributed as dist
+
+    from rl.model.expert_parallel import reduce_expert_grads, shard_experts
+    from rl.model.moe import use_grouped_moe
+    from rl.parallel import expert_parallel_groups
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    experts_group, replicas = expert_parallel_groups(2)
+    reference = tiny_moe()
+    spread = copy.deepcopy(reference)
+    use_grouped_moe(reference)
+    for block in use_grouped_moe(spread):
+        shard_experts(block, experts_group)
+    gen = torch.Generator().manual_seed(5)
+    ids = [torch.randint(0, 64, (1, 3 + 2 * r), generator=gen) for r in range(world)]
+    sum(reference(input_ids=i).logits.square().mean() for i in ids).backward()
+    spread(input_ids=ids[rank]).logits.square().mean().backward()
+    reduce_expert_grads(spread, replicas)
+    place = dist.get_rank(experts_group)
+    part = slice(place * EXPERTS // 2, (place + 1) * EXPERTS // 2)
+    full = dict(reference.named_parameters())
+    worst = max(err(grad(p), full[n].grad[part] / world) for n, p in spread.named_parameters()
+                if hasattr(p, "expert_group"))
+    result = {"experts_group": dist.get_process_group_ranks(experts_group),
+              "replicas": dist.get_process_group_ranks(replicas), "expert_grads": worst}
+    (Path(out_dir) / f"replicas{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_replicas_average_the_expert_gradients_over_the_world(tmp_path):
+    from tests.test_distributed import torchrun
+    torchrun(4, "tests/test_expert_parallel.py", str(tmp_path), "replicas", timeout=180)
+    results = [json.loads((tmp_path / f"replicas{r}.json").read_text()) for r in range(4)]
+    assert [r["experts_group"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["replicas"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    for r in results:
+        assert r["expert_grads"] <= 1e-6, r
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from tests.test_distributed import torchrun
@@ -186,4 +230,4 @@ def test_whole_model_logits_and_gradients(results):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    main(sys.argv[1])
+    main_replicas(sys.argv[1]) if sys.argv[2:] == ["replicas"] else main(sys.argv[1])

@@ -29,9 +29,10 @@ tensors. `full_experts` gathers a split tensor whole again (the weight push, rl/
 tensors `shard_experts` marked). With plain slices, the rest of the wiring into the trainer (not done yet;
 `train.expert_parallel` > 1 is refused) is:
 FSDP2 told to ignore the expert tensors (`ignored_params`), their gradients all-reduced (averaged) over the data-
-parallel replicas of the same expert slice (the ranks with the same position in their EP groups) and divided by N
-(FSDP2 averages the dense gradients over the whole world, while the expert gradient already sums the EP group's
-tokens), the gradient-norm clip counting them once per slice, loading each rank's slice from the checkpoint files,
+parallel replicas of the same expert slice (the ranks with the same position in their EP groups, rl/parallel.py's
+`expert_parallel_groups`) and divided by the world size (`reduce_expert_grads`: FSDP2 averages the dense gradients
+over the whole world, while the expert gradient already sums the EP group's tokens) in the train step, the
+gradient-norm clip counting them once per slice, loading each rank's slice from the checkpoint files,
 and checkpoints saving each slice under its global expert range.
 """
 
@@ -133,3 +134,15 @@ def full_experts(local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
     return torch.cat(parts)
+
+
+def reduce_expert_grads(model: torch.nn.Module, replicas: dist.ProcessGroup) -> None:
+    """Averages the split experts' gradients as FSDP2 averages the others' over all W ranks: each local expert's
+    gradient already sums the tokens of its expert-parallel group, so it is summed over `replicas` (the ranks that
+    hold the same experts, rl/parallel.py's `expert_parallel_groups`) and divided by W. Call once per optimizer step,
+    after the last backward, before the gradient-norm clip."""
+    world = dist.get_world_size()
+    for param in model.parameters():
+        if hasattr(param, "expert_group") and param.grad is not None:
+            dist.all_reduce(param.grad, group=replicas)
+            param.grad.div_(world)
