@@ -137,8 +137,45 @@ def main(out_dir: str) -> None:
     expected = dict(reference.named_parameters())
     results["push_names"] = sorted(set(expected) ^ {n for n in full if n in dict(spread.named_parameters())})
     results["push"] = max(err(full[n], p) for n, p in expected.items())
+    results["fsdp"] = fsdp_case(reference, rank)
     (Path(out_dir) / f"results{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def fsdp_case(reference, rank) -> dict:
+    """The policy sharded by FSDP2 with the experts split (shard_policy's expert_parallel): logits, every gradient
+    (FSDP2 and reduce_expert_grads both average over the world) and the weight push, against the reference on every
+    rank's sequence (its losses summed)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from rl.model.expert_parallel import reduce_expert_grads
+    from rl.train.policy import shard_policy
+    from rl.train.weights import iter_full_weights
+    world = dist.get_world_size()
+    model = shard_policy(copy.deepcopy(reference), init_device_mesh("cpu", (world,)), torch.device("cpu"),
+                         gradient_checkpointing=False, expert_parallel=RANKS)
+    gen = torch.Generator().manual_seed(9)
+    ids = [torch.randint(0, 64, (1, n), generator=gen) for n in TOKENS]
+    reference.zero_grad(set_to_none=True)
+    expected = [reference(input_ids=i).logits for i in ids]
+    sum(e.square().mean() for e in expected).backward()
+    logits = model(input_ids=ids[rank]).logits
+    logits.square().mean().backward()
+    reduce_expert_grads(model, model.expert_groups[1])
+    full = dict(reference.named_parameters())
+    part = slice(rank * EXPERTS // RANKS, (rank + 1) * EXPERTS // RANKS)
+    worst, split = 0.0, []
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            worst = max(worst, err(p.grad.full_tensor(), full[name].grad / world))
+        else:
+            split.append(name)
+            worst = max(worst, err(grad(p), full[name].grad[part] / world))
+    pushed = dict(iter_full_weights(model, torch.float32, 20_000))
+    return {"logits": err(logits, expected[rank]), "grads": worst, "split": split,
+            "push": max(err(pushed[n], p) for n, p in full.items())}
 
 
 def main_replicas(out_dir: str) -> None:
@@ -221,6 +258,14 @@ def test_routing_replay_uses_the_replayed_experts(results):
 def test_the_weight_push_gathers_the_split_experts_whole(results):
     for r in results:
         assert r["push_names"] == [] and r["push"] == 0.0
+
+
+def test_fsdp2_with_split_experts(results):
+    for r in results:
+        got = r["fsdp"]
+        assert sorted(got["split"]) == [f"model.layers.{i}.mlp.experts.{n}" for i in range(2)
+                                        for n in ("down_proj", "gate_up_proj")]
+        assert got["logits"] <= 1e-5 and got["grads"] <= 1e-6 and got["push"] == 0.0, got
 
 
 def test_whole_model_logits_and_gradients(results):

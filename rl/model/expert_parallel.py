@@ -26,14 +26,17 @@ loss that sums the ranks' losses, exactly the slice of the single-rank gradient.
 Why plain local slices and not a DTensor Shard(0) on an EP sub-mesh: the forward needs the local slice itself (no
 gather ever happens), and a DTensor would make FSDP2 and the optimizer see a second mesh dimension for a handful of
 tensors. `full_experts` gathers a split tensor whole again (the weight push, rl/train/weights.py, calls it for the
-tensors `shard_experts` marked). With plain slices, the rest of the wiring into the trainer (not done yet;
-`train.expert_parallel` > 1 is refused) is:
-FSDP2 told to ignore the expert tensors (`ignored_params`), their gradients all-reduced (averaged) over the data-
-parallel replicas of the same expert slice (the ranks with the same position in their EP groups, rl/parallel.py's
-`expert_parallel_groups`) and divided by the world size (`reduce_expert_grads`: FSDP2 averages the dense gradients
-over the whole world, while the expert gradient already sums the EP group's tokens) in the train step, the
-gradient-norm clip counting them once per slice, loading each rank's slice from the checkpoint files,
-and checkpoints saving each slice under its global expert range.
+tensors `shard_experts` marked), and rl/train/policy.py's `shard_policy(..., expert_parallel=N)` splits the experts
+and tells FSDP2 to ignore them (`ignored_params`; their mixed-precision cast is done here, in the forward). The
+rest of the wiring into the trainer is not done, and `train.expert_parallel` > 1 is refused until it is:
+build_policy passing the key to shard_policy and loading each rank's expert slice from the safetensors (today's
+loader fills FSDP2 DTensor rows); the train step calling `reduce_expert_grads` (the sum over the replicas of each
+slice, rl/parallel.py's `expert_parallel_groups`, over the world size: FSDP2 averages the other gradients over the
+world, while an expert's gradient already sums its EP group's tokens) after the last backward of an optimizer step;
+the gradient-norm clip adding the split experts' squared norms summed over one EP group (today it takes the norm
+of the DTensors); the optimizer and host offload over plain tensors beside DTensors; checkpoints saving each slice
+under its global expert range (DCP would see the same name with different data on each rank); and the memory plan
+counting E / N experts per rank.
 """
 
 from __future__ import annotations
@@ -94,8 +97,9 @@ class ExpertParallel:
         local_ids = torch.arange(self.local, device=x.device).repeat(self.size)
         local_ids = local_ids.repeat_interleave(got.reshape(-1).to(x.device))
         ones = torch.ones(local_ids.shape[0], 1, dtype=x.dtype, device=x.device)
-        out = grouped_mlp(rows, local_ids.unsqueeze(-1), ones, experts.gate_up_proj, experts.down_proj,
-                          experts.act_fn)
+        # FSDP2 leaves the split experts alone (ignored_params), so its mixed precision does not cast them: here.
+        gate_up, down = experts.gate_up_proj.to(x.dtype), experts.down_proj.to(x.dtype)
+        out = grouped_mlp(rows, local_ids.unsqueeze(-1), ones, gate_up, down, experts.act_fn)
         out = exchange(out, recv, send, self.group)
         out = out.new_empty(out.shape).index_copy(0, order, out)  # sorted pair i back to pair order[i]
         return (out.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)

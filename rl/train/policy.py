@@ -31,11 +31,12 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rl.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
+from rl.model.expert_parallel import shard_experts
 from rl.model.invariant import make_batch_invariant
 from rl.model.linear_attention import use_packed_linear_attention
-from rl.model.moe import use_grouped_moe
+from rl.model.moe import moe_blocks, use_grouped_moe
 from rl.model.rope import fuse_rope
-from rl.parallel import copy_own_rows, own_rows
+from rl.parallel import copy_own_rows, expert_parallel_groups, own_rows
 from rl.rollout import derive_seed
 from rl.train.host_adamw import HostAdamW, PinnedArena, local
 from rl.train.lora import adapter_names, apply_lora, init_adapters, trainable
@@ -310,10 +311,18 @@ def compile_blocks(model: torch.nn.Module) -> None:
 
 
 def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_checkpointing: bool,
-                 compile: bool = False, reshard_after_forward: bool = True) -> torch.nn.Module:
+                 compile: bool = False, reshard_after_forward: bool = True, expert_parallel: int = 1) -> torch.nn.Module:
     """FSDP2 over `mesh`, per decoder block and at the root. `reshard_after_forward=False` keeps gathered
     parameters through forwards and backwards until `rl.train.step.reshard`, which `rl.train.step.optimizer_step` and
-    the no-grad passes call (the step's updated shards are gathered afresh)."""
+    the no-grad passes call (the step's updated shards are gathered afresh). `expert_parallel` > 1: each grouped MoE
+    block's experts split over groups of that many ranks (rl/model/expert_parallel.py), plain local slices FSDP2
+    ignores; their gradients are averaged by `reduce_expert_grads` (the groups: `model.expert_groups`)."""
+    ignored: set[torch.nn.Parameter] = set()
+    if expert_parallel > 1:
+        model.expert_groups = expert_parallel_groups(expert_parallel)
+        for block in moe_blocks(model):
+            shard_experts(block, model.expert_groups[0])
+            ignored |= {block.experts.gate_up_proj, block.experts.down_proj}
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -322,8 +331,10 @@ def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_ch
     if compile:
         compile_blocks(model)
     for block in decoder_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored or None)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                ignored_params=ignored or None)
     model.set_reshard_after_backward(reshard_after_forward)
     return model
 
