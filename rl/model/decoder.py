@@ -17,6 +17,9 @@ its torch reference from rl/model/kernels/ on the CPU and its Triton kernel from
 mode. With `precision="fp8"` the four matrices of each block (qkv, o, gate_up, down) are held in FP8 e4m3 with
 per-channel or per-block scales (rl/model/fp8.py), quantized tensor by tensor as the trainer pushes them, and every
 product with them goes through rl/model/fp8.py's linear; the embedding, the norms and the lm_head keep the engine dtype.
+With `kv_precision="fp8"` the attention layers' KV cache is e4m3 with float32 scales per layer and KV head (`kv_scale`,
+set by each layer's first write after `reset_kv_scales`, through the torch store): every store quantizes, every read
+of the cache dequantizes (rl/model/fp8.py).
 
 Qwen2-MoE and Qwen3-MoE run their sparse layers' MoE blocks through rl/model/moe.py's `route` and `grouped_mlp`, the
 functions the trainer's grouped blocks call, with the experts held fused as transformers holds them
@@ -283,11 +286,20 @@ class DecoderModel:
     """Weights (`self.weights`, internal names) and the forward; owns no KV cache and no batch state."""
 
     def __init__(self, hf_config, device: torch.device, dtype: torch.dtype, max_positions: int,
-                 batch_invariant: bool = False, precision: str = "bf16", fp8_scale: str = "channel"):
+                 batch_invariant: bool = False, precision: str = "bf16", fp8_scale: str = "channel",
+                 kv_precision: str = "auto"):
         self.shape = Shape.from_hf(hf_config)
         self.device, self.dtype = torch.device(device), dtype
         if precision == "fp8" and batch_invariant:
             raise ValueError("FP8 weights cannot be batch-invariant with a bf16 trainer: turn one off")
+        if kv_precision == "fp8" and batch_invariant:
+            raise ValueError("an FP8 KV cache cannot be batch-invariant with a bf16 trainer: turn one off")
+        # FP8 KV cache (rl/model/fp8.py): the attention layers' keys and values in e4m3, each layer's K and V scales
+        # (KV heads,) in `kv_scale` (2, layers, KV heads), set by the layer's first write after `reset_kv_scales`.
+        self.kv_fp8 = kv_precision == "fp8"
+        self.kv_dtype = fp8.E4M3 if self.kv_fp8 else dtype
+        self.kv_scale = torch.ones(2, self.shape.num_layers, self.shape.num_kv_heads, device=self.device)
+        self.kv_scaled: set[int] = set()
         if self.shape.moe_layers and batch_invariant:  # a grouped GEMM's rows per expert change with the batch
             raise ValueError(f"{hf_config.model_type}: batch-invariant mode does not cover MoE blocks")
         if self.shape.linear_layers and (batch_invariant or precision == "fp8"):
@@ -317,6 +329,16 @@ class DecoderModel:
         self.layer_tables = [tables[kind] for kind in kinds]
         self.weights: dict[str, torch.Tensor] = {}
         self.set_window_layers(())
+
+    def reset_kv_scales(self) -> None:
+        """A new (empty) FP8 KV cache: each layer's next write sets its scales (in place: graphs read them)."""
+        self.kv_scale.fill_(1.0)
+        self.kv_scaled.clear()
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer `layer`'s K and V scales (KV heads,) of an FP8 KV cache; (None, None) for a cache in the engine
+        dtype."""
+        return (self.kv_scale[0, layer], self.kv_scale[1, layer]) if self.kv_fp8 else (None, None)
 
     def set_window_layers(self, layers: tuple[int, ...]) -> None:
         """Keeps the KV of `layers` (sliding-window ones) in a `WindowCache`, the others in the global cache: each
@@ -397,13 +419,18 @@ class DecoderModel:
         split-K partial sums, summed with `bias`, and q alone comes back."""
         s = self.shape
         cos, sin = self.layer_tables[layer]
-        if self.fused and not s.rotary_dim:  # the kernel rotates whole heads: a partial RoPE takes the torch path
-            from rl.model.kernels.rope_triton import rope_and_store
+        k_scale, v_scale = self.layer_scales(layer)
+        # An FP8 cache's first write to a layer sets its scales from the keys and values it writes: the torch path.
+        scaling = self.kv_fp8 and layer not in self.kv_scaled
+        if self.fused and not s.rotary_dim and not scaling:  # the kernel rotates whole heads: a partial RoPE takes
+            from rl.model.kernels.rope_triton import rope_and_store  # the torch path
 
             q = rope_and_store(qkv, positions, slots, cos, sin, k_cache, v_cache, s.num_heads, s.num_kv_heads,
                                s.head_dim, bias=bias, qk_norm=(*qk_norm, s.rms_norm_eps) if qk_norm else None,
-                               plus_one=s.norm_plus_one)
+                               plus_one=s.norm_plus_one, k_scale=k_scale, v_scale=v_scale, dtype=self.dtype)
             return q if qkv.dim() == 3 else qkv
+        if qkv.dim() == 3:  # split-K partial sums
+            qkv = (qkv.sum(0) + (0 if bias is None else bias)).to(self.dtype)
         q, k, v = split_qkv(qkv, s)
         cos, sin = (full_table(t[positions])[:, None, :] for t in (cos, sin))  # (T, 1, rotated D)
         for x, norm in zip((q, k), qk_norm or (None, None)):  # in the activation dtype, as the HF forward rotates
@@ -411,6 +438,15 @@ class DecoderModel:
                 x = x.copy_(rms_norm_reference(x, norm, s.rms_norm_eps, s.norm_plus_one))
             rotated = x[..., : cos.shape[-1]]  # a partial RoPE leaves the rest of each head as it is
             rotated.copy_(rope_reference(rotated, cos, sin))
+        if self.kv_fp8:
+            if scaling:
+                k_scale.copy_(fp8.kv_scales(k))
+                v_scale.copy_(fp8.kv_scales(v))
+                self.kv_scaled.add(layer)
+            # as bytes: index_copy_ has no float8 form on the CPU
+            k_cache.view(torch.uint8).index_copy_(0, slots, fp8.quantize_kv(k, k_scale).view(torch.uint8))
+            v_cache.view(torch.uint8).index_copy_(0, slots, fp8.quantize_kv(v, v_scale).view(torch.uint8))
+            return qkv
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
         return qkv
@@ -594,6 +630,7 @@ class DecoderModel:
 
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache, layer_tables = self.layer_cache(layer, kv, tables, window)
+            k_scale, v_scale = self.layer_scales(layer)
             if self.batch_invariant:
                 from rl.model.kernels.attention_triton import invariant_attention
 
@@ -605,9 +642,10 @@ class DecoderModel:
                     from rl.model.kernels.attention_triton import prefill_paged_attention
 
                     return prefill_paged_attention(q, k_cache, v_cache, layer_tables, starts, contexts, length,
-                                                   page_size, s.scale, window=s.window(layer))
+                                                   page_size, s.scale, window=s.window(layer), k_scale=k_scale,
+                                                   v_scale=v_scale)
                 return paged_prefill_reference(q, k_cache, v_cache, layer_tables, starts, contexts, length,
-                                               page_size, s.scale, s.window(layer))
+                                               page_size, s.scale, s.window(layer), k_scale, v_scale)
             q, k, v = (t.reshape(n, length, -1, s.head_dim).transpose(1, 2) for t in split_qkv(qkv, s))
             group = s.num_heads // s.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -644,15 +682,16 @@ class DecoderModel:
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
             q = qkv[:, : s.num_heads * s.head_dim].view(-1, s.num_heads, s.head_dim)  # qkv, or q alone
             k_cache, v_cache, tables = self.layer_cache(layer, kv, block_tables, window)
+            k_scale, v_scale = self.layer_scales(layer)
             if self.fused:
                 from rl.model.kernels.attention_triton import decode_attention
 
                 return decode_attention(
                     q, k_cache, v_cache, tables, context_lens, page_size, s.scale, num_splits,
                     split_tokens=attention.INVARIANT_SPLIT_TOKENS if self.batch_invariant else 0,
-                    window=s.window(layer))
+                    window=s.window(layer), k_scale=k_scale, v_scale=v_scale)
             return paged_attention_reference(q, k_cache, v_cache, tables, context_lens, page_size, s.scale,
-                                             s.window(layer))
+                                             s.window(layer), k_scale, v_scale)
 
         def mix(layer: int, h: torch.Tensor) -> torch.Tensor:
             j = s.linear_layers.index(layer)

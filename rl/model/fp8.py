@@ -137,3 +137,33 @@ def scaled_mm_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None
     xq, x_scale = quantize_rows(x)
     out = (xq.float() * x_scale) @ w.dequantize(torch.float32).t()
     return out if bias is None else out + bias.float()
+
+
+# ---------------------------------------------------------------------------------------------- FP8 KV cache
+
+# FP8 KV cache (`rollout.kv_precision = "fp8"`): keys and values stored in e4m3, x ~= fp8 * scale, with float32 scales
+# one per (K or V, layer, KV head), set by the first write to the layer after the cache is laid out (`kv_scales`) and
+# fixed from then on: the pages of a cache must all read with one scale, so a later, larger value is clamped to
+# 448 * scale rather than the scale moved. KV_HEADROOM leaves that much room above the first write's largest value;
+# e4m3's normal range spans 2^15, so the headroom costs precision only to values below ~2^-15 x 448 / 4 of the scale.
+KV_HEADROOM = 4.0
+KV_PER_HEAD = True  # one scale per KV head; False: one per layer (for K and for V), the largest over its heads
+
+
+def kv_scales(x: torch.Tensor, per_head: bool | None = None) -> torch.Tensor:
+    """The scales (KV heads,) float32 of keys or values x (tokens, KV heads, D) that a cache takes from its first
+    write: each head's (or the layer's) largest magnitude times KV_HEADROOM maps to 448."""
+    amax = x.detach().abs().amax(dim=(0, 2)).float()
+    if not (KV_PER_HEAD if per_head is None else per_head):
+        amax = amax.amax().expand_as(amax)
+    return (amax * (KV_HEADROOM / E4M3_MAX)).clamp_min(MIN_SCALE)
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Keys or values x (..., KV heads, D) -> e4m3 at the heads' scales (KV heads,): x / scale, clamped to +-448."""
+    return to_e4m3(x.float() / scale[:, None])
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 keys or values (..., KV heads, D) at the heads' scales (KV heads,) -> `dtype`."""
+    return (x.float() * scale[:, None]).to(dtype)

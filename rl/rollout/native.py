@@ -233,13 +233,15 @@ class NativeEngine(Engine):
                  seed: int = 0, *, max_context_len: int = 4096, kv_cache_tokens: int = 0, cuda_graphs: bool = True,
                  steps_per_poll: int = 16, page_size: int = PAGE_SIZE, stable_memory: bool = True,
                  batch_invariant: bool = False, precision: str = "bf16", fp8_scale: str = "channel",
-                 window_cache_tokens: int = 0):
-        """`window_cache_tokens`: the sliding-window layers' cache in tokens (0: `window_cache_pages`' size)."""
+                 window_cache_tokens: int = 0, kv_precision: str = "auto"):
+        """`window_cache_tokens`: the sliding-window layers' cache in tokens (0: `window_cache_pages`' size);
+        `kv_precision` "fp8": both KV caches in FP8 e4m3 (rl/model/fp8.py), "auto": in `dtype`."""
         super().__init__(max_context_len)
         self.device, self.dtype = torch.device(device), dtype
         self.max_batch_size = max_batch_size
         self.page_size, self.steps_per_poll = page_size, steps_per_poll
-        self.model = DecoderModel(hf_config, self.device, dtype, max_context_len, batch_invariant, precision, fp8_scale)
+        self.model = DecoderModel(hf_config, self.device, dtype, max_context_len, batch_invariant, precision, fp8_scale,
+                                  kv_precision)
         self.on_gpu = self.device.type == "cuda"  # graphs, Triton sampling and bookkeeping, device syncs
         s = self.model.shape
         # A MoE block's grouped experts read each expert's token count on the host: not a step a graph can hold.
@@ -282,7 +284,7 @@ class NativeEngine(Engine):
         """The global layers' KV cache and the sliding-window layers' (`window_layers`: none without such layers),
         their shapes, and with `stable_memory` (and graphs) the buffers at addresses that outlive sleep: the
         weights', and one for both caches."""
-        s, page_size, dtype = self.model.shape, self.page_size, self.dtype
+        s, page_size, dtype = self.model.shape, self.page_size, self.model.kv_dtype
         self.window_layers = window_layers(s, max_context_len, page_size)
         self.model.set_window_layers(self.window_layers)
         self.window = max((s.window(i) for i in self.window_layers), default=0)
@@ -292,15 +294,15 @@ class NativeEngine(Engine):
         self.kv_shape = (2, s.attention_layers - len(self.window_layers), self.num_pages * page_size, s.num_kv_heads,
                          s.head_dim)
         self.window_kv_shape = (2, len(self.window_layers), self.window_pages * page_size, s.num_kv_heads, s.head_dim)
-        kv_bytes = cdiv(torch.Size(self.kv_shape).numel() * dtype.itemsize, 256) * 256
+        kv_bytes = cdiv(torch.Size(self.kv_shape).numel() * dtype.itemsize, 256) * 256  # the caches' dtype
         # Weights and KV cache at addresses that outlive sleep, so captured graphs stay valid
         # (`stable_memory=False`: torch allocations, graphs dropped at sleep and captured again).
         self.stable = stable_memory and self.use_graphs and vmem.supported(self.device)
         if self.stable:
             self.weight_layout, size = {}, 0
             for key, (shape, own) in self.model.tensors.items():
-                self.weight_layout[key] = (size, shape, own or dtype)
-                size += cdiv(torch.Size(shape).numel() * (own or dtype).itemsize, 256) * 256
+                self.weight_layout[key] = (size, shape, own or self.dtype)
+                size += cdiv(torch.Size(shape).numel() * (own or self.dtype).itemsize, 256) * 256
             self.weight_buffer = vmem.StableBuffer(size, self.device)
             self.kv_buffer = vmem.StableBuffer(kv_bytes + torch.Size(self.window_kv_shape).numel() * dtype.itemsize,
                                                self.device)
@@ -364,11 +366,13 @@ class NativeEngine(Engine):
             else:
                 if self.stable:
                     self.kv_buffer.map()
-                    self.kv = self.kv_buffer.view(0, self.kv_shape, self.dtype)
-                    self.kv_window = self.kv_buffer.view(self.kv_window_offset, self.window_kv_shape, self.dtype)
+                    self.kv = self.kv_buffer.view(0, self.kv_shape, self.model.kv_dtype)
+                    self.kv_window = self.kv_buffer.view(self.kv_window_offset, self.window_kv_shape,
+                                                         self.model.kv_dtype)
                 else:  # uninitialised (on the CPU, untouched pages then cost no memory)
-                    self.kv = torch.empty(self.kv_shape, dtype=self.dtype, device=self.device)
-                    self.kv_window = torch.empty(self.window_kv_shape, dtype=self.dtype, device=self.device)
+                    self.kv = torch.empty(self.kv_shape, dtype=self.model.kv_dtype, device=self.device)
+                    self.kv_window = torch.empty(self.window_kv_shape, dtype=self.model.kv_dtype, device=self.device)
+                self.model.reset_kv_scales()  # an FP8 cache's scales come from its first writes (rl/model/fp8.py)
                 self.kv[:, :, : self.page_size] = 0  # the scratch page idle rows attend to must be finite
                 # All of the (small) window cache: a ring's slots that a window masks are still read by the torch
                 # paths, and slots a ring has not written yet must be finite too.

@@ -38,16 +38,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=scale, enable_gqa=enable_gqa)
 
 
+def cached(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The keys or values of `slots` from a cache (slots, KV, D): an FP8 cache's dequantized to `dtype` by its
+    heads' `scale` (KV,) (rl/model/fp8.py), a cache in the engine dtype's as they are."""
+    x = cache[slots]
+    return x if scale is None else (x.float() * scale[:, None]).to(dtype)
+
+
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int,
-                              scale: float | None = None, window: int = 0) -> torch.Tensor:
+                              scale: float | None = None, window: int = 0, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention in plain torch: q (B, H, D) over each sequence's first context_lens cached tokens (its
-    last `window` of them with a sliding window), scaled by `scale` (head_dim ** -0.5 by default)."""
+    last `window` of them with a sliding window), scaled by `scale` (head_dim ** -0.5 by default). `k_scale`,
+    `v_scale` (KV,): an FP8 cache's scales."""
     batch, heads, dim = q.shape
     slots, valid = cached_slots(block_tables, context_lens, page_size)  # (B, T)
     group = heads // k_cache.shape[1]
-    k = k_cache[slots].repeat_interleave(group, dim=2).transpose(1, 2)  # (B, H, T, D)
-    v = v_cache[slots].repeat_interleave(group, dim=2).transpose(1, 2)
+    k = cached(k_cache, slots, k_scale, q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)  # (B, H, T, D)
+    v = cached(v_cache, slots, v_scale, q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
     if window:
         t = torch.arange(valid.shape[1], device=q.device)
         valid = valid & (t[None, :] >= context_lens[:, None].long() - window)
@@ -58,11 +67,12 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             starts: torch.Tensor, contexts: torch.Tensor, length: int, page_size: int,
-                            scale: float | None = None, window: int = 0) -> torch.Tensor:
+                            scale: float | None = None, window: int = 0, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill attention in plain torch over sequences that continue from cached tokens: q (N * length, H, D) of
     right-padded new tokens, the n-th sequence's first at position starts[n], its context ending at contexts[n];
     every key and value, the new tokens' too, is read from the cache; with a sliding `window` a token sees itself
-    and the window - 1 before it. Returns (N * length, H * D)."""
+    and the window - 1 before it; `k_scale`, `v_scale` (KV,): an FP8 cache's scales. Returns (N * length, H * D)."""
     rows, heads, dim = q.shape
     n = rows // length
     offsets = torch.arange(length, device=q.device)
@@ -75,7 +85,8 @@ def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         seen = seen & (t[None, None, :] > positions[:, :, None] - window)
     mask = (seen & held[:, None, :])[:, None]  # (N, 1, L, W)
     group = heads // k_cache.shape[1]
-    k, v = (cache[slots].transpose(1, 2).repeat_interleave(group, dim=1) for cache in (k_cache, v_cache))
+    k, v = (cached(cache, slots, sc, q.dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+            for cache, sc in ((k_cache, k_scale), (v_cache, v_scale)))
     out = F.scaled_dot_product_attention(q.view(n, length, heads, dim).transpose(1, 2), k, v, attn_mask=mask,
                                          scale=scale or dim ** -0.5)
     return out.transpose(1, 2).reshape(rows, heads * dim)

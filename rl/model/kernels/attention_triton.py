@@ -37,11 +37,15 @@ def _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, smask, m, l, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+def _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, smask, m, l, acc, scale_log2, k_scale, v_scale,
+                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """Folds one block of cached keys and values (at `offs`, rows masked by `tmask`) into the running
     max `m`, sum `l` and output `acc` of an online softmax over the query rows of `q`, in log2 units;
-    `smask` (query rows, keys) says which keys each query row sees."""
+    `smask` (query rows, keys) says which keys each query row sees. FP8: the cache holds e4m3 keys and values,
+    dequantized in float32 by their head's `k_scale`, `v_scale` and rounded to q's dtype before the products."""
     k = tl.load(k_cache_ptr + offs, mask=tmask[:, None], other=0.0)
+    if FP8:
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (rows, block)
     s = tl.where(smask, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -51,6 +55,8 @@ def _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, smask, m, l, acc, sc
     p = tl.exp2(s - m_safe[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache_ptr + offs, mask=tmask[:, None], other=0.0)
+    if FP8:
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l, acc
 
@@ -66,13 +72,17 @@ def _split_result(m, l, acc):
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr,
-                         part_lse_ptr, scale_log2, q_row_stride, bt_row_stride, num_splits, window,
-                         GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         part_lse_ptr, k_scale_ptr, v_scale_ptr, scale_log2, q_row_stride, bt_row_stride, num_splits,
+                         window, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SPLIT_TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         SPLIT_TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    k_scale, v_scale = 1.0, 1.0
+    if FP8:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
     start, end = _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N, SPLIT_TOKENS)
 
     h = tl.arange(0, BLOCK_H)
@@ -96,7 +106,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
             page = tl.load(block_tables_ptr + seq * bt_row_stride + t // PAGE, mask=tmask, other=0).to(tl.int64)
             offs = ((page * PAGE + t % PAGE) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         m, l, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, tmask[None, :], m, l, acc, scale_log2,
-                                  DOT_PRECISION)
+                                  k_scale, v_scale, DOT_PRECISION, FP8)
     out, lse = _split_result(m, l, acc)
     part = (seq * (NUM_KV_HEADS * GROUP) + head) * num_splits + split
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=hmask[:, None])
@@ -142,9 +152,11 @@ def merge_heads(num_heads: int, num_splits: int) -> int:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, page_size: int, scale: float, num_splits: int,
                      block_n: int = 64, num_warps: int = 4, num_stages: int = 2, split_tokens: int = 0,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """q (B, H, D) with unit stride over heads and dims; caches (slots, KV, D); returns (B, H * D). A sliding
-    `window` > 0 lets each row see only its context's last `window` keys.
+    `window` > 0 lets each row see only its context's last `window` keys. `k_scale`, `v_scale` (KV,): an FP8
+    cache's scales (rl/model/fp8.py).
 
     `split_tokens` > 0 cuts every context into splits of that many tokens (a multiple of `block_n`;
     `num_splits` must cover the longest context): each row's result then depends on its own
@@ -155,10 +167,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_out = q.new_empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32)
     part_lse = q.new_empty(batch, num_heads, num_splits, dtype=torch.float32)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale * 1.4426950408889634,
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
+        part_lse if k_scale is None else k_scale, part_lse if v_scale is None else v_scale, scale * 1.4426950408889634,
         q.stride(0), block_tables.stride(0), num_splits, window, GROUP=group, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, PAGE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        SPLIT_TOKENS=split_tokens, DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        SPLIT_TOKENS=split_tokens, DOT_PRECISION=dot_precision(q.dtype), FP8=k_scale is not None,
+        num_warps=num_warps, num_stages=num_stages)
     out = q.new_empty(batch, num_heads * head_dim)
     heads = merge_heads(num_heads, num_splits)
     _decode_merge_kernel[(batch, triton.cdiv(num_heads, heads))](
@@ -187,14 +201,18 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 @triton.jit
 def _prefill_paged_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, starts_ptr, contexts_ptr, out_ptr,
-                          scale_log2, q_row_stride, out_row_stride, bt_row_stride, length, window,
-                          NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                          k_scale_ptr, v_scale_ptr, scale_log2, q_row_stride, out_row_stride, bt_row_stride, length,
+                          window, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                           HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One program per BLOCK_M new tokens of a sequence and one query head: causal attention over the
     sequence's cache, read through its block table, the new tokens' own keys and values included."""
     seq = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
+    k_scale, v_scale = 1.0, 1.0
+    if FP8:
+        k_scale = tl.load(k_scale_ptr + head // GROUP)
+        v_scale = tl.load(v_scale_ptr + head // GROUP)
     start = tl.load(starts_ptr + seq)
     ctx = tl.load(contexts_ptr + seq)
     j = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -220,7 +238,7 @@ def _prefill_paged_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, sta
         if window > 0:
             seen = seen & (t[None, :] > last[:, None] - window)
         m, l, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, offs, tmask, seen, m, l, acc, scale_log2,
-                                  DOT_PRECISION)
+                                  k_scale, v_scale, DOT_PRECISION, FP8)
     out = acc / l[:, None]  # every row sees key 0
     tl.store(out_ptr + rows[:, None] * out_row_stride + head * HEAD_DIM + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(j < length)[:, None])
@@ -229,7 +247,8 @@ def _prefill_paged_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, sta
 def prefill_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             starts: torch.Tensor, contexts: torch.Tensor, length: int, page_size: int, scale: float,
                             block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                            window: int = 0) -> torch.Tensor:
+                            window: int = 0, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a prefill whose sequences may continue from tokens already in the cache.
 
     q (N * length, H, D), unit stride over heads and dims: `length` right-padded new tokens a sequence, the n-th's
@@ -237,7 +256,7 @@ def prefill_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_tables (N, P), and sequence n's context ends at contexts[n] (starts[n] + its new tokens). Each new token
     attends to its sequence's tokens up to itself (the window - 1 before it and itself, with a sliding `window`).
     Returns (N * length, H * D); a pad's row is finite and meaningless. Its torch reference is
-    `rl.model.kernels.attention.paged_prefill_reference`.
+    `rl.model.kernels.attention.paged_prefill_reference`. `k_scale`, `v_scale` (KV,): an FP8 cache's scales.
 
     One query head a program: a tile of all the heads of a GQA group (each key read once for them, 16 tokens x 8
     heads) was slower on an H200 (benchmarks/RESULTS.md, "The decode step's fixed part, and prefill over cached
@@ -246,8 +265,9 @@ def prefill_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_kv_heads = k_cache.shape[1]
     out = q.new_empty(rows, num_heads * head_dim)
     _prefill_paged_kernel[(triton.cdiv(length, block_m), rows // length * num_heads)](
-        q, k_cache, v_cache, block_tables, starts, contexts, out, scale * 1.4426950408889634, q.stride(0),
+        q, k_cache, v_cache, block_tables, starts, contexts, out, out if k_scale is None else k_scale,
+        out if v_scale is None else v_scale, scale * 1.4426950408889634, q.stride(0),
         out.stride(0), block_tables.stride(0), length, window, NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        DOT_PRECISION=dot_precision(q.dtype), FP8=k_scale is not None, num_warps=num_warps, num_stages=num_stages)
     return out

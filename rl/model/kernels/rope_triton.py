@@ -61,13 +61,14 @@ def _head_norm(x1, x2, w_ptr, i, eps, HEAD_DIM: tl.constexpr, DT: tl.constexpr, 
 
 @triton.jit
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr,
-                       q_norm_ptr, k_norm_ptr, eps, row_stride, part_stride, q_out_stride,
+                       q_norm_ptr, k_norm_ptr, k_scale_ptr, v_scale_ptr, eps, row_stride, part_stride, q_out_stride,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr):
+                       QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr, FP8: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
-    dt: tl.constexpr = k_cache_ptr.dtype.element_ty
+    dt: tl.constexpr = q_out_ptr.dtype.element_ty  # the activation dtype
+    cdt: tl.constexpr = k_cache_ptr.dtype.element_ty  # the cache's: dt, or e4m3 (FP8)
     pos = tl.load(pos_ptr + tok)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     i = tl.arange(0, half)
@@ -98,37 +99,48 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
         tl.store(base + col, k1, mask=mask)
         tl.store(base + col + half, k2, mask=mask)
     cache = slot * (NUM_KV_HEADS * HEAD_DIM) + kh * HEAD_DIM + i[None, :]
-    tl.store(k_cache_ptr + cache, k1, mask=mask)
-    tl.store(k_cache_ptr + cache + half, k2, mask=mask)
     col = (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kh * HEAD_DIM + i[None, :]
     v1 = load_gemm_result(base, part_stride, bias_ptr, col, mask, PARTS, HAS_BIAS, dt)
     v2 = load_gemm_result(base, part_stride, bias_ptr, col + half, mask, PARTS, HAS_BIAS, dt)
-    tl.store(v_cache_ptr + cache, v1.to(dt), mask=mask)
-    tl.store(v_cache_ptr + cache + half, v2.to(dt), mask=mask)
+    if FP8:  # x / its head's scale, clamped to e4m3's largest value, rounded to e4m3 (rl/model/fp8.py's quantize_kv)
+        ks = tl.load(k_scale_ptr + kh, mask=mask, other=1.0)
+        vs = tl.load(v_scale_ptr + kh, mask=mask, other=1.0)
+        k1 = tl.clamp(k1.to(tl.float32) / ks, -448.0, 448.0).to(cdt, fp_downcast_rounding="rtne")
+        k2 = tl.clamp(k2.to(tl.float32) / ks, -448.0, 448.0).to(cdt, fp_downcast_rounding="rtne")
+        v1 = tl.clamp(v1.to(dt).to(tl.float32) / vs, -448.0, 448.0).to(cdt, fp_downcast_rounding="rtne")
+        v2 = tl.clamp(v2.to(dt).to(tl.float32) / vs, -448.0, 448.0).to(cdt, fp_downcast_rounding="rtne")
+    tl.store(k_cache_ptr + cache, k1.to(cdt), mask=mask)
+    tl.store(k_cache_ptr + cache + half, k2.to(cdt), mask=mask)
+    tl.store(v_cache_ptr + cache, v1.to(dt).to(cdt), mask=mask)
+    tl.store(v_cache_ptr + cache + half, v2.to(dt).to(cdt), mask=mask)
 
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
                    num_kv_heads: int, head_dim: int, bias: torch.Tensor | None = None,
-                   qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, plus_one: bool = False
-                   ) -> torch.Tensor:
+                   qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, plus_one: bool = False,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rotates q and k of `qkv` (T, (H + 2 KV) * D), writes k, v to their cache slots, returns the
     rotated q (T, H * D). `qkv` is rotated in place and q is a view of it; or `qkv` is (parts, T, W)
     float32 split-K partial sums (`linear_split_k`), summed here with `bias`, and q is a new tensor.
     `qk_norm` (q weight, k weight, eps) normalises each q and k head before the rotation (by 1 + weight with
-    `plus_one`, Gemma's)."""
+    `plus_one`, Gemma's). `k_scale`, `v_scale` (KV,): an FP8 cache's scales, k and v stored as x / scale in e4m3;
+    `dtype`: the activation dtype (the cache's by default)."""
     parts = qkv.shape[0] if qkv.dim() == 3 else 1
     tokens = qkv.shape[-2]
     q = qkv[:, : num_heads * head_dim] if parts == 1 else qkv.new_empty(tokens, num_heads * head_dim,
-                                                                         dtype=k_cache.dtype)
-    q_norm, k_norm, eps = qk_norm or (k_cache, k_cache, 0.0)
-    _rope_store_kernel[(tokens,)](qkv, cos, sin, positions, slots, k_cache, v_cache, q, k_cache if bias is None else bias,
-                                  q_norm, k_norm, eps, qkv.stride(-2), tokens * qkv.shape[-1], q.stride(0),
+                                                                         dtype=dtype or k_cache.dtype)
+    q_norm, k_norm, eps = qk_norm or (q, q, 0.0)
+    fp8 = k_scale is not None
+    _rope_store_kernel[(tokens,)](qkv, cos, sin, positions, slots, k_cache, v_cache, q, q if bias is None else bias,
+                                  q_norm, k_norm, k_scale if fp8 else q, v_scale if fp8 else q, eps, qkv.stride(-2),
+                                  tokens * qkv.shape[-1], q.stride(0),
                                   NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                                   BLOCK_H=triton.next_power_of_2(num_heads),
                                   BLOCK_KV=triton.next_power_of_2(num_kv_heads), PARTS=parts,
                                   HAS_BIAS=bias is not None and parts > 1, QK_NORM=qk_norm is not None,
-                                  PLUS_ONE=plus_one, num_warps=2)
+                                  PLUS_ONE=plus_one, FP8=fp8, num_warps=2)
     return q
 
 
