@@ -116,6 +116,10 @@ ROLLOUT_PRECISIONS = {
     "bf16": "the engine's weights in rollout.dtype (bf16 on GPU), as the trainer computes",
     "fp8": "each block's q/k/v, o and MLP matrices in FP8 e4m3 with rollout.fp8_scale scales, quantized at each push",
 }
+KV_PRECISIONS = {
+    "auto": "the KV cache in the engine dtype (rollout.dtype)",
+    "fp8": "the attention layers' KV cache in FP8 e4m3 with float32 scales per layer and KV head: half the bytes",
+}
 FP8_SCALES = {
     "channel": "one scale per output channel (row) of each matrix",
     "block": "one scale per 128x128 tile: an outlier costs precision in its own tile alone",
@@ -161,6 +165,9 @@ class RolloutConfig:
     # (rl/model/fp8.py; vLLM: its online fp8_per_channel / fp8_per_block quantization; docs/engines.md)
     precision: str = "bf16"
     fp8_scale: str = "channel"  # FP8 weight scales (rollout.precision = "fp8")
+    # The attention layers' KV cache: "fp8" stores keys and values in FP8 e4m3 with float32 scales set by each
+    # layer's first write (rl/model/fp8.py; vLLM: kv_cache_dtype="fp8"; docs/engines.md)
+    kv_precision: str = "auto"
     seed: int = 1234  # engines of one TP group share seed + group index
     native: NativeEngineConfig = field(default_factory=NativeEngineConfig)  # the [rollout.native] table
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)  # the [rollout.vllm] table
@@ -274,6 +281,10 @@ class TrainConfig:
     # logprobs are those of the network that sampled; the router still learns from its weights at those experts.
     # train/routing_mismatch (logged either way) is how often the trainer's own router picks other experts
     routing_replay: bool = False
+    # Expert parallelism for MoE models: each rank of a group of this many holds 1/N of every MoE block's experts
+    # and tokens travel to their experts by all-to-all (rl/model/expert_parallel.py). Must divide the world size
+    # and the model's num_experts. 1: off; > 1 is not yet wired into the trainer and is refused
+    expert_parallel: int = 1
     lr: float = 1e-6
     lr_warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -672,6 +683,9 @@ def check_paths(cfg: Config) -> None:
              f"{key} {folder!r}: no tokenizer.json or tokenizer_config.json in the folder{hint}")
     if cfg.train.routing_replay:
         check_routing_replay_model(cfg.model.path, json.loads((model / "config.json").read_text()))
+    if cfg.train.expert_parallel > 1:
+        check_expert_parallel_model(cfg.model.path, json.loads((model / "config.json").read_text()),
+                                    cfg.train.expert_parallel)
 
 
 ROUTING_REPLAY_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next")  # the MoE families whose routing the native engine records
@@ -686,6 +700,15 @@ def check_routing_replay_model(path: str, hf_config: dict) -> None:
              f"train.routing_replay: model.path {path!r} has model_type {kind!r}, not a mixture of experts whose "
              f"routing the native engine records ({', '.join(ROUTING_REPLAY_MODEL_TYPES)}); turn train.routing_replay "
              f"off")
+
+
+def check_expert_parallel_model(path: str, hf_config: dict, size: int) -> None:
+    """train.expert_parallel > 1 splits each MoE block's experts evenly over its group: config.json's num_experts
+    (or its text model's) must be a multiple of the group's size."""
+    experts = hf_config.get("num_experts") or (hf_config.get("text_config") or {}).get("num_experts") or 0
+    _require(experts > 0 and experts % size == 0,
+             f"train.expert_parallel={size}: model.path {path!r} has num_experts={experts}, which must be a positive "
+             f"multiple of {size} (each rank holds num_experts / train.expert_parallel experts)")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -714,6 +737,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     validate_lora(cfg.lora, cfg.model)
     if world_size is not None:
         validate_layout(cfg.rollout, cfg.train, world_size)
+    validate_expert_parallel(cfg.train, world_size)
 
 
 def validate_engine(model: ModelConfig, ro: RolloutConfig) -> None:
@@ -729,6 +753,12 @@ def validate_engine(model: ModelConfig, ro: RolloutConfig) -> None:
     _require(not (model.batch_invariant and ro.precision == "fp8"),
              "model.batch_invariant and rollout.precision='fp8': FP8 rollouts cannot match the bf16 trainer to the "
              "bit; turn one off")
+    _one_of("rollout.kv_precision", ro.kv_precision)
+    _require(not (model.batch_invariant and ro.kv_precision == "fp8"),
+             "model.batch_invariant and rollout.kv_precision='fp8': an FP8 KV cache cannot match the bf16 trainer "
+             "to the bit; turn one off")
+    _require(ro.engine != "vllm" or ro.kv_precision != "fp8" or "kv_cache_dtype" not in ro.vllm.kwargs,
+             "rollout.vllm.kwargs sets kv_cache_dtype and rollout.kv_precision='fp8' sets it too: set one")
     _require(ro.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
     _require(ro.engine == "vllm" or ro.tensor_parallel_size == 1,
              f"rollout.tensor_parallel_size={ro.tensor_parallel_size} needs rollout.engine='vllm'; the native engine is TP=1")
@@ -950,6 +980,17 @@ def validate_layout(ro: RolloutConfig, tr: TrainConfig, world_size: int) -> None
              f"train.global_batch_size ({tr.global_batch_size}) must be divisible by the data-parallel size ({world_size})")
 
 
+def validate_expert_parallel(tr: TrainConfig, world_size: int | None) -> None:
+    """train.expert_parallel: at least 1, a divisor of the world size; > 1 refused until the trainer shards and
+    pushes the experts over its groups (rl/model/expert_parallel.py holds the tested block forward)."""
+    ep = tr.expert_parallel
+    _require(ep >= 1, f"train.expert_parallel must be >= 1 (1: off), got {ep}")
+    _require(world_size is None or world_size % ep == 0,
+             f"train.expert_parallel ({ep}) must divide the world size ({world_size})")
+    _require(ep == 1, f"train.expert_parallel={ep}: expert parallelism is not yet wired into the trainer (FSDP2 "
+                      f"sharding, gradient reduction, the weight push and checkpoints of the split experts); set 1")
+
+
 def choices() -> dict[str, dict[str, str]]:
     """Each key that picks a variant -> its names and one line on each, read from the tables that hold the
     variants (rl/train/algo.py's for the maths), so validation, --help and the docs list exactly those."""
@@ -960,6 +1001,7 @@ def choices() -> dict[str, dict[str, str]]:
               "algo.tis_level": algo.TIS_LEVELS, "algo.tis_mode": algo.TIS_MODES}
     return {"rollout.engine": ROLLOUT_ENGINES, "rollout.dynamic_filter": DYNAMIC_FILTERS,
             "rollout.precision": ROLLOUT_PRECISIONS, "rollout.fp8_scale": FP8_SCALES,
+            "rollout.kv_precision": KV_PRECISIONS,
             **{key: {name: row.doc for name, row in table.items()} for key, table in tables.items()}}
 
 

@@ -273,6 +273,25 @@ def test_whole_model_logits_and_gradients(results):
         assert r["model"]["logits"] <= 1e-5 and r["model"]["grads"] <= 1e-5, r["model"]
 
 
+def test_the_config_key_is_checked_and_refused_until_wired():
+    from rl.config import ConfigError, check_expert_parallel_model, config_from_dict, resolve
+    base = {"model": {"path": "m"}, "data": {"source": "d.jsonl"}}
+    assert config_from_dict(base).train.expert_parallel == 1
+    with pytest.raises(ConfigError, match=r"train.expert_parallel must be >= 1"):
+        config_from_dict({**base, "train": {"expert_parallel": 0}})
+    unchecked = config_from_dict({**base, "train": {"expert_parallel": 3}}, checked=False)
+    with pytest.raises(ConfigError, match=r"train.expert_parallel \(3\) must divide the world size \(4\)"):
+        resolve(unchecked, world_size=4)
+    with pytest.raises(ConfigError, match=r"train.expert_parallel=2: expert parallelism is not yet wired"):
+        config_from_dict({**base, "train": {"expert_parallel": 2}})
+    check_expert_parallel_model("m", {"num_experts": 8}, 2)
+    check_expert_parallel_model("m", {"text_config": {"num_experts": 8}}, 4)
+    with pytest.raises(ConfigError, match=r"num_experts=6, which must be a positive multiple of 4"):
+        check_expert_parallel_model("m", {"num_experts": 6}, 4)
+    with pytest.raises(ConfigError, match=r"num_experts=0"):
+        check_expert_parallel_model("m", {"model_type": "qwen3"}, 2)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     main_replicas(sys.argv[1]) if sys.argv[2:] == ["replicas"] else main(sys.argv[1])

@@ -92,6 +92,7 @@ def build_engine(cfg: RolloutConfig, model_path: str, hf_config, device: torch.d
 
     return NativeEngine(hf_config, device, dtype, cfg.max_batch_size, seed, max_context_len=cfg.max_context_len,
                         batch_invariant=batch_invariant, precision=cfg.precision, fp8_scale=cfg.fp8_scale,
+                        kv_precision=cfg.kv_precision,
                         **dataclasses.asdict(cfg.native))
 
 

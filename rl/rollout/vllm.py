@@ -44,6 +44,8 @@ Departures from vLLM defaults, and why:
   now refuses unquantized weights). Its linear layers hold FP8 weights made from the bf16 ones by
   `process_weights_after_loading`, so a push cannot copy bf16 tensors into them in place: every load goes through
   `reload_weights`, which rebuilds each layer, loads it and quantizes it again once all of its weights are in.
+- `rollout.kv_precision = "fp8"` is vLLM's `kv_cache_dtype="fp8"` (e4m3 on CUDA; uncalibrated, its scales are 1.0);
+  a `kv_cache_dtype` of the user's in `rollout.vllm.kwargs` is refused then, as two settings of one thing.
 - With TP > 1 on GPUs, NVLink multicast stays off: vLLM 0.26 otherwise builds flashinfer's `mnnvl`
   all-reduce workspace (multicast) for its all-reduce + RMSNorm fusion and takes symmetric-memory
   all-reduce. Here `pass_config.fuse_allreduce_rms` is off, and the environment gets
@@ -95,6 +97,11 @@ def engine_kwargs(model_path: str, cfg: RolloutConfig, device: torch.device, dty
     )
     if cfg.precision == "fp8":  # module docstring
         kwargs["quantization"] = FP8_QUANTIZATION[cfg.fp8_scale]
+    if cfg.kv_precision == "fp8":  # module docstring
+        if "kv_cache_dtype" in own.kwargs:
+            raise ValueError("rollout.vllm.kwargs sets kv_cache_dtype and rollout.kv_precision='fp8' sets it too: "
+                             "set one")
+        kwargs["kv_cache_dtype"] = "fp8"
     if own.kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = own.kv_cache_memory_bytes
     else:

@@ -237,7 +237,11 @@ def engine_terms(cfg: Config, s: ModelShape, engine_bytes: int, device_total: fl
         window = max((s.window(i) for i in windowed), default=0)
         window_pages = window_cache_pages(window, ro.max_batch_size, ro.max_context_len, PAGE_SIZE,
                                           ro.native.window_cache_tokens) if window else 0
-        kv = kv_cache_bytes(s, native_kv_tokens(cfg) + PAGE_SIZE, engine_bytes, window_pages * PAGE_SIZE, len(windowed))
+        # rollout.kv_precision = "fp8": 1 byte an element, and float32 K and V scales per layer and KV head
+        fp8_kv = ro.kv_precision == "fp8"
+        kv = kv_cache_bytes(s, native_kv_tokens(cfg) + PAGE_SIZE, 1 if fp8_kv else engine_bytes,
+                            window_pages * PAGE_SIZE, len(windowed))
+        kv += 2 * FP32 * s.num_layers * s.num_kv_heads if fp8_kv else 0
         # linear-attention layers: a state per running row, and one per prompt its rows start from
         kv += 2 * ro.max_batch_size * s.linear_state_bytes(engine_bytes)
     elif ro.vllm.kv_cache_memory_bytes is not None:
