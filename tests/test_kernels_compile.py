@@ -11,14 +11,17 @@ import rl.model.kernels.rope_triton as p
 import rl.model.kernels.silu_triton as s
 
 decode = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
-          "context_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "scale_log2": "fp32",
+          "context_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32",
+          "v_scale_ptr": "*fp32", "scale_log2": "fp32",
           "q_row_stride": "i32", "bt_row_stride": "i32", "num_splits": "i32", "window": "i32"}
 prefill = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
-           "starts_ptr": "*i64", "contexts_ptr": "*i64", "out_ptr": "*bf16", "scale_log2": "fp32",
+           "starts_ptr": "*i64", "contexts_ptr": "*i64", "out_ptr": "*bf16", "k_scale_ptr": "*fp32",
+           "v_scale_ptr": "*fp32", "scale_log2": "fp32",
            "q_row_stride": "i32", "out_row_stride": "i32", "bt_row_stride": "i32", "length": "i32", "window": "i32"}
 rope = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64", "slot_ptr": "*i64",
         "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16", "bias_ptr": "*bf16",
-        "q_norm_ptr": "*bf16", "k_norm_ptr": "*bf16", "eps": "fp32", "row_stride": "i32", "part_stride": "i32",
+        "q_norm_ptr": "*bf16", "k_norm_ptr": "*bf16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+        "eps": "fp32", "row_stride": "i32", "part_stride": "i32",
         "q_out_stride": "i32"}
 rounded = {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16", "norm_ptr": "*bf16",
            "eps": "fp32"}
@@ -34,14 +37,14 @@ def typed(signature, constants):
 kernels = []
 for split_tokens in (0, 512):
     c = {"GROUP": 4, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "PAGE": 16, "BLOCK_H": 16, "BLOCK_N": 64,
-         "SPLIT_TOKENS": split_tokens, "DOT_PRECISION": "tf32"}
+         "SPLIT_TOKENS": split_tokens, "DOT_PRECISION": "tf32", "FP8": False}
     kernels.append((a._decode_split_kernel, typed(decode, c), c))
 c = {"NUM_HEADS": 4, "GROUP": 4, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 64,
-     "DOT_PRECISION": "tf32"}
+     "DOT_PRECISION": "tf32", "FP8": False}
 kernels.append((a._prefill_paged_kernel, typed(prefill, c), c))
 for parts, qk_norm, plus_one in ((1, True, True), (2, True, False), (1, False, False)):
     c = {"NUM_HEADS": 4, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "BLOCK_H": 4, "BLOCK_KV": 1, "PARTS": parts,
-         "HAS_BIAS": False, "QK_NORM": qk_norm, "PLUS_ONE": plus_one}
+         "HAS_BIAS": False, "QK_NORM": qk_norm, "PLUS_ONE": plus_one, "FP8": False}
     kernels.append((p._rope_store_kernel, typed(rope, c), c))
 c = {"HEADS": 4, "HEAD_DIM": 256, "BLOCK_H": 4, "QK_NORM": True, "PLUS_ONE": True}
 kernels.append((p._rope_rounded_kernel, typed(rounded, c), c))

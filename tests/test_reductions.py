@@ -3,14 +3,13 @@
 import pytest
 
 from rl.env.reward import reduce_metrics
-from rl.train.step import train_metrics
+from rl.train.step import SUM_KEYS, train_metrics
 
 
 def rank_stats(**values: float) -> dict[str, float]:
-    keys = ("loss_sum", "clipped_tokens", "entropy_sum", "tokens", "mismatch_abs_sum", "mismatch_abs_max",
-            "mismatch_k3_sum", "mismatch_k3_max", "mismatch_tokens", "grad_norm", "lr", "skipped_steps",
-            "leading_skipped_steps",
-            "trailing_skipped_steps", "longest_skipped_run")
+    """One rank's outputs of train_on_rollout: its sums (SUM_KEYS) and the rest it returns, zero unless given."""
+    keys = (*SUM_KEYS, "grad_norm", "lr", "skipped_steps", "leading_skipped_steps", "trailing_skipped_steps",
+            "longest_skipped_run", "router_aux_coef")
     return {key: 0.0 for key in keys} | values
 
 
