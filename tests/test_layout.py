@@ -103,3 +103,24 @@ def test_a_built_in_named_by_its_former_path_still_loads():
     assert load_function("rl.code_reward:all_tests_pass") is all_tests_pass
     assert load_function("rl.envs.python_tool:make_env", "env.fn") is python_tool.make_env
     assert load_function("rl.env.code_reward:all_tests_pass") is all_tests_pass
+
+
+def long_functions(limit: int = 60) -> list[str]:
+    """Functions (methods and nested ones included) in rl/ longer than `limit` lines, outside the GPU kernels."""
+    out = []
+    for path in sorted((ROOT / "rl").rglob("*.py")):
+        if "kernels" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= limit:
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                           f"({node.end_lineno - node.lineno + 1} lines)")
+    return out
+
+
+def test_no_function_outside_the_kernels_is_over_60_lines():
+    assert long_functions() == []
+
+
+def test_the_length_check_sees_long_functions():
+    assert any(" prefill " in f for f in long_functions(limit=40))

@@ -637,37 +637,38 @@ class DecoderModel:
                 return invariant_attention(split_qkv(qkv, s)[0], k_cache, v_cache, rows[id(layer_tables)], context_lens,
                                            page_size, longest, scale=s.scale, window=s.window(layer))
             if continued:  # the cached part's keys and values are read back from the cache, the new ones' too
-                q = split_qkv(qkv, s)[0]
+                paged = paged_prefill_reference
                 if self.fused:
-                    from rl.model.kernels.attention_triton import prefill_paged_attention
+                    from rl.model.kernels.attention_triton import prefill_paged_attention as paged
+                return paged(split_qkv(qkv, s)[0], k_cache, v_cache, layer_tables, starts, contexts, length,
+                                 page_size, s.scale, window=s.window(layer), k_scale=k_scale, v_scale=v_scale)
+            return padded_causal_attention(qkv, s, n, length, s.window(layer))
 
-                    return prefill_paged_attention(q, k_cache, v_cache, layer_tables, starts, contexts, length,
-                                                   page_size, s.scale, window=s.window(layer), k_scale=k_scale,
-                                                   v_scale=v_scale)
-                return paged_prefill_reference(q, k_cache, v_cache, layer_tables, starts, contexts, length,
-                                               page_size, s.scale, s.window(layer), k_scale, v_scale)
-            q, k, v = (t.reshape(n, length, -1, s.head_dim).transpose(1, 2) for t in split_qkv(qkv, s))
-            group = s.num_heads // s.num_kv_heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            out = causal_attention(q, k, v, s.scale, s.window(layer))
-            return out.transpose(1, 2).reshape(n * length, s.num_heads * s.head_dim)
+        with sdpa_kernel(PREFILL_ATTENTION):
+            x, residual, experts = self.layers(tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1), kv,
+                                               attend, window=window, mix=self.packed_mix(new, counts, linear))
+        last = torch.arange(n, device=tokens.device) * length + counts - 1
+        return self.logits(x[last], residual[last]), None if experts is None else experts.unflatten(1, (n, length))
 
+    def packed_mix(self, new: torch.Tensor, counts: torch.Tensor, linear: LinearState | None
+                   ) -> Callable[[int, torch.Tensor], torch.Tensor] | None:
+        """A prefill's linear-attention layers (None without `linear`): `new` (N, L) marks each padded row's new
+        tokens, counts (N,) how many; the layer runs over them packed end to end from each row's state in
+        `linear`, which it replaces with the state after the row's last token."""
+        if linear is None:
+            return None
         real = new.reshape(-1).nonzero().squeeze(1)  # the new tokens of the padded rows, packed
         cu_seqlens = F.pad(counts.cumsum(0), (1, 0))
 
         def mix(layer: int, h: torch.Tensor) -> torch.Tensor:
-            j = s.linear_layers.index(layer)
+            j = self.shape.linear_layers.index(layer)
             out, conv, recurrent = gated_deltanet_forward(h[real][None], self.linear_weights(layer),
                                                           cu_seqlens=cu_seqlens, conv_state=linear.conv[:, j],
                                                           recurrent_state=linear.recurrent[:, j])
             linear.conv[:, j], linear.recurrent[:, j] = conv, recurrent
             return h.new_zeros(h.shape).index_copy(0, real, out[0])
 
-        with sdpa_kernel(PREFILL_ATTENTION):
-            x, residual, experts = self.layers(tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1), kv,
-                                               attend, window=window, mix=mix)
-        last = torch.arange(n, device=tokens.device) * length + counts - 1
-        return self.logits(x[last], residual[last]), None if experts is None else experts.unflatten(1, (n, length))
+        return mix
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, num_splits: int,
@@ -712,6 +713,16 @@ def split_qkv(qkv: torch.Tensor, s: Shape) -> tuple[torch.Tensor, torch.Tensor, 
     t = qkv.shape[0]
     return (qkv[:, :q].view(t, s.num_heads, s.head_dim), qkv[:, q : q + kv].view(t, s.num_kv_heads, s.head_dim),
             qkv[:, q + kv :].view(t, s.num_kv_heads, s.head_dim))
+
+
+def padded_causal_attention(qkv: torch.Tensor, s: Shape, n: int, length: int, window: int) -> torch.Tensor:
+    """Fresh prompts' causal attention over their own tokens: qkv of N right-padded rows of `length`, flattened
+    (N * length, ...) -> (N * length, heads * head_dim); key-value heads repeated for their query groups."""
+    q, k, v = (t.reshape(n, length, -1, s.head_dim).transpose(1, 2) for t in split_qkv(qkv, s))
+    group = s.num_heads // s.num_kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = causal_attention(q, k, v, s.scale, window)
+    return out.transpose(1, 2).reshape(n * length, s.num_heads * s.head_dim)
 
 
 def _hf_reference(hf_config) -> torch.nn.Module:

@@ -211,41 +211,51 @@ class Scheduler:
             if self.short(need, window_need):
                 break
             if not prompt.pages:
-                if key is not None:
-                    kept = self.kept.pop(key)
-                    prompt.pages = kept.pages + self.pool.take(self.prompt_pages(prompt) - held)
-                    prompt.cached, prompt.kept_experts, prompt.kept_state = len(kept.tokens), kept.experts, kept.state
-                    prompt.ring_from = kept.ring
-                elif base is not None:
-                    if not base.pages:
-                        base.pages = self.pool.take(self.prompt_pages(base))
-                        self.take_window(base, 0)
-                        to_prefill.append(base)
-                    self.pool.share(base.pages[:held])
-                    prompt.pages = base.pages[:held] + self.pool.take(self.prompt_pages(prompt) - held)
-                    prompt.cached = held * self.page_size
-                else:
-                    prompt.pages = self.pool.take(self.prompt_pages(prompt))
-                self.take_window(prompt, prompt.cached)
-                to_prefill.append(prompt)
+                to_prefill += self.place(prompt, key, base, held)
             request.pages = self.pool.take(self.private_pages(prompt))
             if self.ring:
                 request.ring = self.window_pool.take(self.ring)
             new.append(self.waiting.popleft())
         if self.waiting and not self.running and not new:
-            prompt = self.waiting[0].prompt
-            window = (f", and {self.ring + self.window_pages(prompt, 0)} of the sliding-window layers' cache, which "
-                      f"has {len(self.window_pool.free)}") if self.ring else ""
-            short = ("rollout.native.kv_cache_tokens" if self.short(self.private_pages(prompt)
-                                                                   + self.prompt_pages(prompt), 0)
-                     else "rollout.native.window_cache_tokens")
-            raise RuntimeError(f"KV cache too small: one request of a {len(prompt.tokens)}-token prompt needs "
-                               f"{self.private_pages(prompt) + self.prompt_pages(prompt)} pages of {self.page_size} "
-                               f"tokens, the cache has {len(self.pool.free)}{window}; raise {short}")
+            self.too_small(self.waiting[0].prompt)
         self.running += new
         if self.ring:
             self.window_peak = max(self.window_peak, self.window_pool.in_use())
         return to_prefill, new
+
+    def place(self, prompt: PromptKV, key: Hashable | None, base: PromptKV | None, held: int) -> list[PromptKV]:
+        """Gives an admitted prompt its pages: its kept sequence's (`key`) and new ones after them, or the first
+        `held` pages of its base's (shared; the base is placed too if it has none yet) and its own after them, or
+        all its own; and its window-cache pages. Returns the prompts to prefill, in order (a base before the prompts
+        continued from it)."""
+        to_prefill = []
+        if key is not None:
+            kept = self.kept.pop(key)
+            prompt.pages = kept.pages + self.pool.take(self.prompt_pages(prompt) - held)
+            prompt.cached, prompt.kept_experts, prompt.kept_state = len(kept.tokens), kept.experts, kept.state
+            prompt.ring_from = kept.ring
+        elif base is not None:
+            if not base.pages:
+                base.pages = self.pool.take(self.prompt_pages(base))
+                self.take_window(base, 0)
+                to_prefill.append(base)
+            self.pool.share(base.pages[:held])
+            prompt.pages = base.pages[:held] + self.pool.take(self.prompt_pages(prompt) - held)
+            prompt.cached = held * self.page_size
+        else:
+            prompt.pages = self.pool.take(self.prompt_pages(prompt))
+        self.take_window(prompt, prompt.cached)
+        return to_prefill + [prompt]
+
+    def too_small(self, prompt: PromptKV) -> None:
+        """Raises the one line that says which cache cannot hold even one request of `prompt`, alone."""
+        window = (f", and {self.ring + self.window_pages(prompt, 0)} of the sliding-window layers' cache, which "
+                  f"has {len(self.window_pool.free)}") if self.ring else ""
+        need = self.private_pages(prompt) + self.prompt_pages(prompt)
+        short = "rollout.native.kv_cache_tokens" if self.short(need, 0) else "rollout.native.window_cache_tokens"
+        raise RuntimeError(f"KV cache too small: one request of a {len(prompt.tokens)}-token prompt needs {need} "
+                           f"pages of {self.page_size} tokens, the cache has {len(self.pool.free)}{window}; "
+                           f"raise {short}")
 
     def take_window(self, prompt: PromptKV, cached: int) -> None:
         """The prompt's window-cache pages for its prefill over `cached` tokens (none before the first its first new

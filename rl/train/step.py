@@ -596,12 +596,7 @@ def train_on_rollout(model, optimizer, scheduler, schedule: Schedule, *, dp_size
         if measured:
             add_mismatch(sums, logprobs, mb.rollout_logprobs, mb.loss_mask, mb.indices, per_sample)
             add_routing_mismatch(sums, mismatch_counts(model))
-        if reuse:
-            old_lp = logprobs.detach()
-        elif algo.use_rollout_logprobs:
-            old_lp = mb.rollout_logprobs
-        else:
-            old_lp = mb.old_logprobs
+        old_lp = ratio_denominator(mb, logprobs, reuse, algo.use_rollout_logprobs)
         mb_loss = micro_batch_loss(sums, mb, logprobs, entropy, old_lp, mb.ref_logprobs, algo, *totals)
         if aux_coef > 0:
             mb_loss = mb_loss + aux_coef * micro_batch_aux_loss(sums, model, mb, totals[0])
@@ -619,6 +614,15 @@ def train_on_rollout(model, optimizer, scheduler, schedule: Schedule, *, dp_size
     out["router_aux_coef"] = aux_coef
     out["lr"] = scheduler.get_last_lr()[0]
     return out
+
+
+def ratio_denominator(mb: MicroBatch, logprobs: torch.Tensor, reuse: bool, use_rollout: bool) -> torch.Tensor:
+    """The old logprobs the policy ratio divides by: this forward's own, detached, where no update came before it
+    (`reuse`, see can_reuse_old_logprobs), else the rollout engine's (algo.use_rollout_logprobs) or the pass
+    before the first update's."""
+    if reuse:
+        return logprobs.detach()
+    return mb.rollout_logprobs if use_rollout else mb.old_logprobs
 
 
 def step_outputs(sums: dict[str, torch.Tensor], per_sample: list[tuple[list[int], torch.Tensor, torch.Tensor]],
