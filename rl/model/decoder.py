@@ -625,8 +625,9 @@ class DecoderModel:
         if self.batch_invariant:  # every new token is a row of the decode kernel, as in the trainer
             context_lens = (positions + 1).reshape(-1).to(torch.int32)
             longest = int(contexts.max())
-            rows = {id(t): t.repeat_interleave(length, dim=0) for t in (tables, *([] if window is None else
-                                                                                   [window.tables]))}
+            rows = {False: tables.repeat_interleave(length, dim=0)}  # keyed by "is a sliding-window cache layer"
+            if window is not None:
+                rows[True] = window.tables.repeat_interleave(length, dim=0)
 
         def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache, layer_tables = self.layer_cache(layer, kv, tables, window)
@@ -634,14 +635,14 @@ class DecoderModel:
             if self.batch_invariant:
                 from rl.model.kernels.attention_triton import invariant_attention
 
-                return invariant_attention(split_qkv(qkv, s)[0], k_cache, v_cache, rows[id(layer_tables)], context_lens,
-                                           page_size, longest, scale=s.scale, window=s.window(layer))
+                return invariant_attention(split_qkv(qkv, s)[0], k_cache, v_cache, rows[self.cache_index[layer][0]],
+                                           context_lens, page_size, longest, scale=s.scale, window=s.window(layer))
             if continued:  # the cached part's keys and values are read back from the cache, the new ones' too
                 paged = paged_prefill_reference
                 if self.fused:
                     from rl.model.kernels.attention_triton import prefill_paged_attention as paged
                 return paged(split_qkv(qkv, s)[0], k_cache, v_cache, layer_tables, starts, contexts, length,
-                                 page_size, s.scale, window=s.window(layer), k_scale=k_scale, v_scale=v_scale)
+                             page_size, s.scale, window=s.window(layer), k_scale=k_scale, v_scale=v_scale)
             return padded_causal_attention(qkv, s, n, length, s.window(layer))
 
         with sdpa_kernel(PREFILL_ATTENTION):
