@@ -341,7 +341,7 @@ def bench_engine(name: str, variant: dict, path: str, model, prompts: list[list[
     row["roofline_tok_s"] = tokens / row["roofline_s"]
     row["roofline_frac"] = row["roofline_s"] / engine_s
     row["roofline_shared_prompt_frac"] = row["roofline_shared_prompt_s"] / engine_s
-    if name == "vllm":
+    if name == "vllm" and args.vllm_calls:
         row["call_s"] = {label: vllm_call_s(engine, prompts, params, change, device)
                          for label, change in VLLM_CALLS.items()}
     row["load_weights_s"] = time_weight_loads(engine, model, device)
@@ -455,6 +455,8 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["native"], choices=["native", "vllm"])
     parser.add_argument("--vllm-variants", nargs="+", default=["{}"],
                         help="JSON objects of extra vllm.LLM arguments (rollout.vllm.kwargs), one engine each")
+    parser.add_argument("--no-vllm-calls", dest="vllm_calls", action="store_false",
+                        help="skip generating the batch again with each of vLLM's per-call choices undone")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the device")
     parser.add_argument("--vllm-child", default="", help=argparse.SUPPRESS)  # vllm_in_child's row file
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
