@@ -281,9 +281,10 @@ class TrainConfig:
     # logprobs are those of the network that sampled; the router still learns from its weights at those experts.
     # train/routing_mismatch (logged either way) is how often the trainer's own router picks other experts
     routing_replay: bool = False
-    # Expert parallelism for MoE models: each rank of a group of this many holds 1/N of every MoE block's experts
-    # and tokens travel to their experts by all-to-all (rl/model/expert_parallel.py). Must divide the world size
-    # and the model's num_experts. 1: off; > 1 is not yet wired into the trainer and is refused
+    # Expert parallelism for MoE models (Qwen2-MoE, Qwen3-MoE): each rank of a group of N contiguous ranks holds
+    # num_experts / N of every MoE block's experts whole (FSDP2 shards the rest of the model over all ranks) and
+    # tokens travel to their experts by all-to-all (rl/model/expert_parallel.py); the groups replicate the experts.
+    # Must divide the world size and the model's num_experts. 1: off (FSDP2 shards the experts like the rest)
     expert_parallel: int = 1
     lr: float = 1e-6
     lr_warmup_steps: int = 0
@@ -981,14 +982,12 @@ def validate_layout(ro: RolloutConfig, tr: TrainConfig, world_size: int) -> None
 
 
 def validate_expert_parallel(tr: TrainConfig, world_size: int | None) -> None:
-    """train.expert_parallel: at least 1, a divisor of the world size; > 1 refused until the trainer shards and
-    pushes the experts over its groups (rl/model/expert_parallel.py holds the tested block forward)."""
+    """train.expert_parallel: at least 1, and a divisor of the world size (the model's num_experts is checked with
+    the model folder, `check_expert_parallel_model`)."""
     ep = tr.expert_parallel
     _require(ep >= 1, f"train.expert_parallel must be >= 1 (1: off), got {ep}")
     _require(world_size is None or world_size % ep == 0,
              f"train.expert_parallel ({ep}) must divide the world size ({world_size})")
-    _require(ep == 1, f"train.expert_parallel={ep}: expert parallelism is not yet wired into the trainer (FSDP2 "
-                      f"sharding, gradient reduction, the weight push and checkpoints of the split experts); set 1")
 
 
 def choices() -> dict[str, dict[str, str]]:

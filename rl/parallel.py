@@ -256,26 +256,22 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def expert_parallel_groups(size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's two groups for expert parallelism over `size` ranks (rl/model/expert_parallel.py): its expert-
-    parallel group, the contiguous ranks [i * size, (i + 1) * size) that split the experts, and its replica group,
-    the ranks at the same place in every expert-parallel group (they hold the same experts; their gradients are
-    averaged over it). Every rank must call it, in the same order (it creates every group)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+def expert_parallel_mesh(size: int, device_type: str = "cpu") -> DeviceMesh:
+    """The (replica, expert) mesh of expert parallelism over `size` ranks (rl/model/expert_parallel.py): along
+    "expert", the contiguous ranks [i * size, (i + 1) * size) that split the experts (an expert-parallel group);
+    along "replica", the ranks at the same place in every expert-parallel group (they hold the same experts; their
+    gradients are averaged over it). Checkpoints place the split experts on it (rl/run/checkpoint.py). Every rank
+    must call it, in the same order (it creates the groups)."""
+    world = dist.get_world_size()
     if size < 1 or world % size:
         raise ValueError(f"expert parallelism over {size} ranks: it must divide the world size ({world})")
-    mine = {}
-    for first in range(0, world, size):
-        ranks = list(range(first, first + size))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine["experts"] = group
-    for place in range(size):
-        ranks = list(range(place, world, size))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine["replicas"] = group
-    return mine["experts"], mine["replicas"]
+    return init_device_mesh(device_type, (world // size, size), mesh_dim_names=("replica", "expert"))
+
+
+def expert_parallel_groups(size: int, device_type: str = "cpu") -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's expert-parallel group and replica group (`expert_parallel_mesh`)."""
+    mesh = expert_parallel_mesh(size, device_type)
+    return mesh.get_group("expert"), mesh.get_group("replica")
 
 
 def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -352,10 +348,18 @@ def balanced_partition(costs: list[float], parts: int) -> list[list[int]]:
     return [sorted(part) for part in out]
 
 
+def full_shape(target: torch.Tensor) -> torch.Size:
+    """The shape of the whole tensor of which this rank holds `target`: a DTensor's global shape, a split expert
+    tensor's with every expert (rl/model/expert_parallel.py marks it `global_experts`), else its own."""
+    experts = getattr(target, "global_experts", None)
+    return torch.Size((experts, *target.shape[1:])) if experts else target.shape
+
+
 def own_rows(target: torch.Tensor) -> tuple[int, int]:
-    """(first row, rows) of a tensor that this rank holds: FSDP2 shards dim 0 like torch.chunk."""
+    """(first row, rows) of the whole tensor (`full_shape`) that this rank holds: FSDP2 shards dim 0 like
+    torch.chunk; a split expert tensor holds its experts (`first_expert`, and as many as it has)."""
     if not isinstance(target, DTensor):
-        return 0, target.shape[0]
+        return getattr(target, "first_expert", 0), target.shape[0]
     mesh, local = target.device_mesh, target.to_local()
     rows = math.ceil(target.shape[0] / mesh.size())
     start = mesh.get_local_rank() * rows
@@ -371,4 +375,3 @@ def copy_own_rows(target: torch.Tensor, full: torch.Tensor) -> None:
     start, rows = own_rows(target)
     if rows:
         (target.to_local() if isinstance(target, DTensor) else target).copy_(full[start : start + rows])
-

@@ -208,17 +208,75 @@ def main_replicas(out_dir: str) -> None:
     result = {"experts_group": dist.get_process_group_ranks(experts_group),
               "replicas": dist.get_process_group_ranks(replicas), "expert_grads": worst}
     (Path(out_dir) / f"replicas{rank}.json").write_text(json.dumps(result))
+    from tests.expert_parallel_training import training_checks
+    training_checks(out_dir, {"hub": str(Path(out_dir) / "hub"), "fused": str(Path(out_dir) / "fused")})
     dist.destroy_process_group()
 
 
-def test_replicas_average_the_expert_gradients_over_the_world(tmp_path):
+def model_folders(out: Path) -> None:
+    """tiny_moe's folder as the hub holds it (one tensor per expert: transformers' save_pretrained), the same weights
+    fused (one tensor per block and projection, transformers' own names), and its tensors by name (reference.pt)."""
+    from safetensors.torch import save_file
+    model = tiny_moe()
+    model.save_pretrained(out / "hub")
+    (out / "fused").mkdir()
+    (out / "fused" / "config.json").write_bytes((out / "hub" / "config.json").read_bytes())
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, out / "fused" / "model.safetensors")
+    torch.save(weights, out / "hub" / "reference.pt")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """One launch of four ranks: the replicas' gradients (`main_replicas`), then the trainer with
+    train.expert_parallel (tests/expert_parallel_training.py)."""
     from tests.test_distributed import torchrun
-    torchrun(4, "tests/test_expert_parallel.py", str(tmp_path), "replicas", timeout=180)
-    results = [json.loads((tmp_path / f"replicas{r}.json").read_text()) for r in range(4)]
+    out = tmp_path_factory.mktemp("ep4")
+    model_folders(out)
+    torchrun(4, "tests/test_expert_parallel.py", str(out), "replicas", timeout=300)
+    return [json.loads((out / f"replicas{r}.json").read_text()) | json.loads((out / f"training{r}.json").read_text())
+            for r in range(4)]
+
+
+def test_replicas_average_the_expert_gradients_over_the_world(four_ranks):
+    results = four_ranks
     assert [r["experts_group"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["replicas"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     for r in results:
         assert r["expert_grads"] <= 1e-6, r
+
+
+def test_training_with_split_experts_matches_fsdp2_alone(four_ranks):
+    """expert_parallel=2 (two replicas of each slice) against 1, two clipped AdamW steps: the same losses, grad norms
+    (the clip's norm counts each slice once), pushed weights and AdamW state, which names every expert's moments."""
+    for r in four_ranks:
+        (loss_1, loss_2), (norm_1, norm_2) = r["losses"], r["norms"]
+        assert loss_2 == pytest.approx(loss_1, rel=1e-6) and norm_2 == pytest.approx(norm_1, rel=1e-6), r
+        assert min(norm_1) > 10 * 0.05  # the clip (0.05) scaled every step
+        assert r["push"] <= 1e-6 and r["state"] <= 1e-6, r
+        assert r["groups"] == 2  # the split experts apart from FSDP2's DTensors (fused AdamW refuses a mix)
+        assert r["host_adamw"] == [True, 0.0], r  # train.optimizer_offload: the same steps, bitwise
+        for layer in range(2):
+            for name in ("gate_up_proj", "down_proj"):
+                assert {f"optim.model.layers.{layer}.mlp.experts.{name}.{k}" for k in ("exp_avg", "exp_avg_sq")} \
+                    <= set(r["state_keys"])
+
+
+def test_each_rank_loads_its_own_experts(four_ranks):
+    """From the hub's one tensor per expert and from the fused tensors, and drawn by model.random_init: the weight
+    push of the split model is the folder's (the unsplit model's) exactly."""
+    for r in four_ranks:
+        assert r["load_hub"] == r["load_fused"] == r["random_init"] == 0.0, r
+
+
+def test_a_checkpoint_under_expert_parallelism_resumes_exactly(four_ranks):
+    """Saved at expert_parallel=2 and loaded into fresh policies: every weight and AdamW tensor as saved at
+    expert_parallel 2, 1 and 4 and in the export's read of it; the next step of the resumed policy is the
+    uninterrupted one's, bitwise."""
+    for r in four_ranks:
+        assert r["resume_ep2"] == r["resume_ep1"] == r["resume_ep4"] == r["export"] == 0.0, r
+        resumed, original = r["resume_next_step"]
+        assert resumed == original and r["resume_next_weights"] == 0.0, r
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +331,7 @@ def test_whole_model_logits_and_gradients(results):
         assert r["model"]["logits"] <= 1e-5 and r["model"]["grads"] <= 1e-5, r["model"]
 
 
-def test_the_config_key_is_checked_and_refused_until_wired():
+def test_the_config_key_is_checked():
     from rl.config import ConfigError, check_expert_parallel_model, config_from_dict, resolve
     base = {"model": {"path": "m"}, "data": {"source": "d.jsonl"}}
     assert config_from_dict(base).train.expert_parallel == 1
@@ -282,8 +340,8 @@ def test_the_config_key_is_checked_and_refused_until_wired():
     unchecked = config_from_dict({**base, "train": {"expert_parallel": 3}}, checked=False)
     with pytest.raises(ConfigError, match=r"train.expert_parallel \(3\) must divide the world size \(4\)"):
         resolve(unchecked, world_size=4)
-    with pytest.raises(ConfigError, match=r"train.expert_parallel=2: expert parallelism is not yet wired"):
-        config_from_dict({**base, "train": {"expert_parallel": 2}})
+    assert resolve(config_from_dict({**base, "train": {"expert_parallel": 2}}, checked=False),
+                   world_size=4).train.expert_parallel == 2
     check_expert_parallel_model("m", {"num_experts": 8}, 2)
     check_expert_parallel_model("m", {"text_config": {"num_experts": 8}}, 4)
     with pytest.raises(ConfigError, match=r"num_experts=6, which must be a positive multiple of 4"):

@@ -530,3 +530,26 @@ def test_the_plan_of_a_moe_model_counts_what_its_experts_hold():
     assert memory.push_bytes(s, 0, 2, 1) == 2 * 32_768 * 2
     assert memory.routing_record_bytes(s, 10) == 10 * (2 * 2 * 8 + 1)
     assert memory.forward_bytes(s, 1, 2) == 2 * (2 * 64 + 3 * 64 + 96)
+
+
+def test_expert_parallelism_holds_its_share_of_the_experts_whole():
+    """train.expert_parallel=2 on 4 ranks, the MoE shape above: each rank holds FSDP2's quarter of all but the routed
+    experts (2 layers x 8 x 3 x 64 x 32 = 98,304 weights) and half of those, for parameters, gradients and AdamW
+    moments; the block FSDP2 gathers has no experts, their bf16 copies take half the experts' weights; a checkpoint
+    still holds every expert once."""
+    from transformers import Qwen3MoeConfig
+
+    s = ModelShape.from_hf(Qwen3MoeConfig(vocab_size=96, hidden_size=64, moe_intermediate_size=32,
+                                          intermediate_size=500, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2))
+    experts = 98_304
+    assert memory.split_expert_params(s, 2) == experts and memory.split_expert_params(s, 1) == 0
+    plain, split = (memory.plan_memory(make(train={"expert_parallel": ep}), Models(s), 4)["train"] for ep in (1, 2))
+    held = FP32 * ((s.num_params - experts) / 4 + experts / 2)
+    assert plain["policy params"] == FP32 * s.num_params / 4
+    assert split["policy params"] == held and split["policy AdamW"] == 2 * held
+    assert split["policy grads"] == held + (s.block_params - experts / 2) * (2 + FP32)
+    assert split["policy gathered"] == (s.num_params - experts + experts / 2) * 2  # kept through the step
+    assert memory.checkpoint_bytes(make(train={"expert_parallel": 2}), Models(s)) == 3 * FP32 * s.num_params
+    host = memory.host_plan(make(train={"expert_parallel": 2, "optimizer_offload": True}), Models(s), 4)
+    assert host["AdamW moments"] == 2 * held

@@ -25,18 +25,28 @@ loss that sums the ranks' losses, exactly the slice of the single-rank gradient.
 
 Why plain local slices and not a DTensor Shard(0) on an EP sub-mesh: the forward needs the local slice itself (no
 gather ever happens), and a DTensor would make FSDP2 and the optimizer see a second mesh dimension for a handful of
-tensors. `full_experts` gathers a split tensor whole again (the weight push, rl/train/weights.py, calls it for the
-tensors `shard_experts` marked), and rl/train/policy.py's `shard_policy(..., expert_parallel=N)` splits the experts
-and tells FSDP2 to ignore them (`ignored_params`; their mixed-precision cast is done here, in the forward). The
-rest of the wiring into the trainer is not done, and `train.expert_parallel` > 1 is refused until it is:
-build_policy passing the key to shard_policy and loading each rank's expert slice from the safetensors (today's
-loader fills FSDP2 DTensor rows); the train step calling `reduce_expert_grads` (the sum over the replicas of each
-slice, rl/parallel.py's `expert_parallel_groups`, over the world size: FSDP2 averages the other gradients over the
-world, while an expert's gradient already sums its EP group's tokens) after the last backward of an optimizer step;
-the gradient-norm clip adding the split experts' squared norms summed over one EP group (today it takes the norm
-of the DTensors); the optimizer and host offload over plain tensors beside DTensors; checkpoints saving each slice
-under its global expert range (DCP would see the same name with different data on each rank); and the memory plan
-counting E / N experts per rank.
+tensors. `train.expert_parallel` = N > 1 wires it into the trainer:
+
+- rl/train/policy.py's `shard_policy(..., expert_parallel=N)` splits the experts over the "expert" groups of
+  rl/parallel.py's `expert_parallel_mesh` (contiguous ranks; its "replica" groups hold the same slice) and has FSDP2
+  ignore them (`ignored_params`; their mixed-precision cast is done here, in the forward); `mark_split_experts` marks
+  them (`expert_group`, `global_experts`, `first_expert`), and `build_policy` loads each rank's experts from the
+  safetensors, or draws them with `model.random_init`, as the same rows of the whole tensor;
+- the train step (rl/train/step.py's `optimizer_step`) calls `reduce_expert_grads` after the last backward of each
+  optimizer step: FSDP2 averages the other gradients over the world, while an expert's gradient already sums its
+  EP group's tokens, so it is summed over its replicas and divided by the world size;
+- the gradient-norm clip adds `expert_grad_square_norm`, each slice counted once (summed over one EP group, not over
+  the replicas), to the DTensors' squared norm, and clips the two kinds apart;
+- the optimizer puts the split experts in a param group of their own (torch's fused and multi-tensor AdamW refuse
+  plain tensors beside DTensors); HostAdamW and the host offload take them as they are;
+- checkpoints (rl/run/checkpoint.py) save each slice and its AdamW moments as a DTensor of the whole tensor on the
+  (replica, expert) mesh, so DCP writes it at its global expert rows once and a resume reshards it to any EP size
+  (1 included, where FSDP2 shards the experts);
+- the weight push (rl/train/weights.py) gathers a split tensor whole with `full_experts`;
+- the memory plan (rl/run/memory.py) counts E / N experts per rank for parameters, gradients and AdamW state.
+
+Verified on CPU gloo ranks only (tests/test_expert_parallel.py, tests/expert_parallel_training.py): two and four
+ranks, EP 2 against 1 to fp32 rounding, checkpoint resumes at EP 2, 1 and 4. Not measured on GPUs (NCCL, bf16).
 """
 
 from __future__ import annotations
@@ -125,9 +135,28 @@ def shard_experts(block: torch.nn.Module, group: dist.ProcessGroup) -> None:
     for name in ("gate_up_proj", "down_proj"):
         full = getattr(experts, name)
         local = torch.nn.Parameter(full.detach()[part].clone(), requires_grad=full.requires_grad)
-        local.expert_group = group  # what `full_experts` gathers over (the weight push)
         setattr(experts, name, local)
     block.expert_parallel = ExpertParallel(group, num_experts)
+    mark_split_experts(block)
+
+
+def mark_split_experts(model: torch.nn.Module) -> None:
+    """Marks the split expert tensors of every block `shard_experts` split (again after `Module.to_empty`, which
+    makes new parameters of a meta model's): `expert_group` (what `full_experts` gathers over, and how the train
+    step, the optimizer and checkpoints tell them from FSDP2's DTensors), `global_experts` and `first_expert` (the
+    slice's place in the whole tensor: the loader's rows, the checkpoint's offsets)."""
+    for block in model.modules():
+        spread = getattr(block, "expert_parallel", None)
+        if isinstance(spread, ExpertParallel):
+            for name in ("gate_up_proj", "down_proj"):
+                local = getattr(block.experts, name)
+                local.expert_group, local.global_experts, local.first_expert = \
+                    spread.group, spread.num_experts, spread.first
+
+
+def split_experts(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The model's expert tensors split over ranks (`shard_experts`), none without expert parallelism."""
+    return [p for p in model.parameters() if hasattr(p, "expert_group")]
 
 
 def full_experts(local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -146,7 +175,23 @@ def reduce_expert_grads(model: torch.nn.Module, replicas: dist.ProcessGroup) -> 
     hold the same experts, rl/parallel.py's `expert_parallel_groups`) and divided by W. Call once per optimizer step,
     after the last backward, before the gradient-norm clip."""
     world = dist.get_world_size()
-    for param in model.parameters():
-        if hasattr(param, "expert_group") and param.grad is not None:
-            dist.all_reduce(param.grad, group=replicas)
-            param.grad.div_(world)
+    for param in split_experts(model):
+        if not param.requires_grad:  # LoRA's frozen base
+            continue
+        if param.grad is None:  # every replica joins each reduction, with or without a gradient of its own
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, group=replicas)
+        param.grad.div_(world)
+
+
+def expert_grad_square_norm(model: torch.nn.Module) -> torch.Tensor | None:
+    """The squared L2 norm of the split experts' gradients, each slice counted once: this rank's slices' summed over
+    its expert-parallel group (its replicas hold the same gradients after `reduce_expert_grads`, and are not added).
+    None without split experts; every rank of the world calls it."""
+    params = split_experts(model)
+    if not params:
+        return None
+    grads = [p.grad for p in params if p.grad is not None]
+    square = sum((g.detach().float().square().sum() for g in grads), torch.zeros((), device=params[0].device))
+    dist.all_reduce(square, group=params[0].expert_group)
+    return square

@@ -60,6 +60,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from rl import parallel
 from rl.config import ConfigError, RunStopped
@@ -84,6 +86,7 @@ BUFFER_FILE = "rollout_buffer.json"
 OLD_BUFFER_FILE = "rollout_buffer.pkl"  # written before the JSON form: never unpickled
 WRITER_THREADS = 8
 Models = dict[str, tuple[torch.nn.Module, Any]]  # name -> (model, its optimizer): the checkpoint's tensors
+EXPERT_MESH = ("replica", "expert")  # rl/parallel.py's expert_parallel_mesh: the split experts' DTensors
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
             "added_tokens.json")
@@ -395,6 +398,42 @@ def _state_dicts(models: Models) -> dict[str, Any]:
     out = {}
     for name, (model, optimizer) in models.items():
         out[name], out[_optim_key(name)] = get_state_dict(model, optimizer, options=_options(model))
+        _place_split_experts(model, out[name], out[_optim_key(name)])
+    return out
+
+
+def _place_split_experts(model: torch.nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+    """Experts split by expert parallelism (rl/model/expert_parallel.py) are plain tensors, each rank's its own
+    experts under the same name: in the state dicts, each (and its AdamW moments) becomes a DTensor of the whole
+    tensor's shape on the (replica, expert) mesh, Shard(0) along "expert", so that DCP saves every slice at its
+    global expert rows (once, over the replicas), and loads them resharded to any expert-parallel size or to
+    FSDP2's shards. In place; `_local_split_experts` undoes it after a load."""
+    split = {name: p for name, p in model.named_parameters() if hasattr(p, "expert_group")}
+    state = optim_sd.get("state", {})
+    for name, param in split.items():
+        if name in model_sd:
+            model_sd[name] = _on_expert_mesh(model_sd[name], param, model.expert_mesh)
+        if name in state:  # a new dict: the optimizer's state_dict hands out its own per-parameter dicts
+            state[name] = {key: _on_expert_mesh(value, param, model.expert_mesh)
+                           if torch.is_tensor(value) and value.dim() > 0 else value
+                           for key, value in state[name].items()}
+
+
+def _on_expert_mesh(local: torch.Tensor, param: torch.Tensor, mesh) -> DTensor:
+    shape = parallel.full_shape(param)
+    meta = TensorMeta(shape, torch.empty(shape, device="meta").stride(), local.dtype)
+    # same data, not a copy (from_local would move a host tensor, HostAdamW's moments, to the mesh's device)
+    return DTensor(local, DTensorSpec(mesh, (Replicate(), Shard(0)), tensor_meta=meta), requires_grad=False)
+
+
+def _local_split_experts(sd: dict[str, Any]) -> dict[str, Any]:
+    """A loaded state dict with the split experts' DTensors (`_place_split_experts`) back to their local slices."""
+    def local(v: Any) -> Any:
+        return v.to_local() if isinstance(v, DTensor) and v.device_mesh.mesh_dim_names == EXPERT_MESH else v
+
+    out = {k: local(v) for k, v in sd.items()}
+    if isinstance(sd.get("state"), dict):
+        out["state"] = {fqn: {k: local(v) for k, v in s.items()} for fqn, s in sd["state"].items()}
     return out
 
 
@@ -409,8 +448,8 @@ def load(path: Path, models: Models) -> TrainerState:
     reader = SafeReader(str(path / "model_optim"))
     dcp.load(sds, storage_reader=reader, planner=SafeLoadPlanner(reader))
     for name, (model, optimizer) in models.items():
-        set_state_dict(model, optimizer, model_state_dict=sds[name], optim_state_dict=sds[_optim_key(name)],
-                       options=_options(model))
+        set_state_dict(model, optimizer, model_state_dict=_local_split_experts(sds[name]),
+                       optim_state_dict=_local_split_experts(sds[_optim_key(name)]), options=_options(model))
     return state
 
 

@@ -75,19 +75,38 @@ def lora_activation_bytes(s: ModelShape, tokens: int, compute_bytes: int, checkp
     return tokens * per_token * compute_bytes * (1 if checkpointing else s.num_layers)
 
 
-def gathered_bytes(s: ModelShape, compute_bytes: int, reshard_after_forward: bool) -> int:
+def split_expert_params(s: ModelShape, expert_parallel: int) -> int:
+    """The routed experts' weights of all MoE blocks when train.expert_parallel > 1 splits them over its groups
+    (rl/model/expert_parallel.py: each rank holds 1 / expert_parallel of them whole, outside FSDP2); 0 otherwise."""
+    return len(s.moe_layers) * s.num_experts * 3 * s.hidden_size * s.moe_intermediate_size if expert_parallel > 1 else 0
+
+
+def rank_params(s: ModelShape, dp: int, expert_parallel: int = 1) -> float:
+    """The parameters one rank holds: FSDP2's shard of the model, and with expert parallelism FSDP2's shard of all
+    but the routed experts plus 1 / expert_parallel of those."""
+    experts = split_expert_params(s, expert_parallel)
+    return (s.num_params - experts) / dp + experts / expert_parallel
+
+
+def gathered_bytes(s: ModelShape, compute_bytes: int, reshard_after_forward: bool, expert_parallel: int = 1) -> float:
     """FSDP2's unsharded copy in the compute dtype: the whole model when it stays gathered through a step;
     otherwise the root (FSDP2 keeps the root gathered from forward to backward) and two blocks (the one
-    running and the one prefetched)."""
+    running and the one prefetched). Experts split by expert parallelism are never gathered: their compute-dtype
+    copies instead, 1 / expert_parallel of them, kept from the forward to the backward."""
+    experts = split_expert_params(s, expert_parallel)
+    block_experts = experts / max(len(s.moe_layers), 1)
+    held = experts / expert_parallel if experts else 0
     if not reshard_after_forward:
-        return s.num_params * compute_bytes
-    return (s.root_params + 2 * s.block_params) * compute_bytes
+        return (s.num_params - experts + held) * compute_bytes
+    return (s.root_params + 2 * (s.block_params - block_experts) + held) * compute_bytes
 
 
-def grad_bytes(s: ModelShape, dp: int, compute_bytes: int) -> float:
-    """The fp32 gradient shards, and one block's unsharded gradient in the compute dtype with its fp32 copy that
-    FSDP2 reduce-scatters (reduce_dtype float32) during backward."""
-    return FP32 * s.num_params / dp + s.block_params * (compute_bytes + FP32)
+def grad_bytes(s: ModelShape, dp: int, compute_bytes: int, expert_parallel: int = 1) -> float:
+    """The fp32 gradients of this rank's parameters (`rank_params`), and one block's unsharded gradient in the
+    compute dtype with its fp32 copy that FSDP2 reduce-scatters (reduce_dtype float32) during backward (split
+    experts left out: their gradients are their own fp32 ones)."""
+    block_experts = split_expert_params(s, expert_parallel) / max(len(s.moe_layers), 1)
+    return FP32 * rank_params(s, dp, expert_parallel) + (s.block_params - block_experts) * (compute_bytes + FP32)
 
 
 def block_activation_bytes(s: ModelShape, compute_bytes: int, compiled: bool = False) -> int:
@@ -282,14 +301,15 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
         plan["reference"] = {**resting, **critic_parked, **kept, "reference": FP32 * r.num_params / dp
                              + gathered_bytes(r, b, cfg.model.reshard_after_forward) + forward_bytes(r, tokens, b)}
     grads = trained + lora_block_params(s, lora.rank, lora.target_modules) * (b + FP32) if lora.rank \
-        else grad_bytes(s, dp, b)
+        else grad_bytes(s, dp, b, cfg.train.expert_parallel)
     activations = activation_bytes(s, tokens, b, cfg.model.gradient_checkpointing, cfg.model.compile)
     if lora.rank:
         activations += lora_activation_bytes(s, tokens, b, cfg.model.gradient_checkpointing, lora.rank,
                                              lora.target_modules, lora.dropout > 0)
     streamed = {"AdamW stream": stream_bytes(cfg, trained)} if cfg.train.optimizer_offload else {}
     plan["train"] = {**resting, "policy grads": grads, **streamed, **critic_resting, **kept,
-                     "policy gathered": gathered_bytes(s, b, cfg.model.reshard_after_forward),
+                     "policy gathered": gathered_bytes(s, b, cfg.model.reshard_after_forward,
+                                                       cfg.train.expert_parallel),
                      "activations": activations,
                      "logits": logits_bytes(s, tokens, b, FUSED_LOGPROBS and device_type == "cuda"),
                      **({"routing record": routing_record_bytes(s, tokens)} if s.moe_layers else {})}
@@ -302,12 +322,15 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
     return plan
 
 
-def policy_state_bytes(cfg: Config, s: ModelShape, dp: int) -> tuple[float, float]:
-    """One rank's shard of the policy's fp32 parameters (LoRA's adapters included), and of those that train (LoRA:
-    the adapters alone; the frozen base has no gradients nor moments)."""
+def policy_state_bytes(cfg: Config, s: ModelShape, dp: int, expert_parallel: int | None = None
+                       ) -> tuple[float, float]:
+    """One rank's shard of the policy's fp32 parameters (LoRA's adapters included; with train.expert_parallel its
+    split experts, `rank_params`), and of those that train (LoRA: the adapters alone; the frozen base has no
+    gradients nor moments). `expert_parallel`: train.expert_parallel unless given."""
     lora = cfg.lora
+    ep = cfg.train.expert_parallel if expert_parallel is None else expert_parallel
     adapters = s.num_layers * lora_block_params(s, lora.rank, lora.target_modules) if lora.rank else 0
-    shard = FP32 * (s.num_params + adapters) / dp
+    shard = FP32 * (rank_params(s, dp, ep) + adapters / dp)
     return shard, FP32 * adapters / dp if lora.rank else shard
 
 
@@ -336,7 +359,7 @@ def host_plan(cfg: Config, models: Models, world_size: int) -> dict[str, float]:
 def checkpoint_bytes(cfg: Config, models: Models) -> float:
     """One checkpoint, all ranks' shards (rl/run/checkpoint.py): the policy's fp32 parameters and AdamW's two moments
     (LoRA: the adapters alone, the base being the model folder's), the critic's parameters and moments."""
-    _, trained = policy_state_bytes(cfg, models.policy, 1)
+    _, trained = policy_state_bytes(cfg, models.policy, 1, expert_parallel=1)  # every expert once
     critic = FP32 * models.critic.num_params if models.critic is not None else 0
     return 3 * (trained + critic)
 

@@ -59,7 +59,7 @@ class Learner:
         self.cfg, self.dist = cfg, dist
         t = time.perf_counter()
         self.policy = build_policy(cfg.model, dist.mesh, dist.device, cfg.train.seed, cfg.rollout.max_context_len,
-                                   lora=cfg.lora)
+                                   lora=cfg.lora, expert_parallel=cfg.train.expert_parallel)
         print0(f"policy: built, sharded and loaded in {time.perf_counter() - t:.1f} s; host memory peak of rank 0 "
                f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
         self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)

@@ -14,6 +14,11 @@ gate rows first, and `mlp.experts.down_proj` (E, H, I)), and loads either that o
 per expert (`mlp.experts.N.gate_proj.weight`, `up_proj`, `down_proj`), which its `save_pretrained` also writes.
 The loader takes both: a fused tensor the files do not hold under its own name is stacked from its experts' tensors,
 each rank reading only its own experts (its FSDP2 rows), one expert's matrix at a time.
+
+Expert parallelism (`train.expert_parallel` = N > 1, rl/model/expert_parallel.py): each rank of a group of N holds
+E / N of every MoE block's experts whole, plain tensors FSDP2 leaves alone; the loader and the random init fill them
+with their experts' rows of the whole tensor (rl/parallel.py's `own_rows` and `full_shape`), as they fill FSDP2's
+shards with theirs.
 """
 
 from __future__ import annotations
@@ -31,26 +36,28 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rl.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
-from rl.model.expert_parallel import shard_experts
+from rl.model.expert_parallel import mark_split_experts, shard_experts
 from rl.model.invariant import make_batch_invariant
 from rl.model.linear_attention import use_packed_linear_attention
 from rl.model.moe import moe_blocks, use_grouped_moe
 from rl.model.rope import fuse_rope
-from rl.parallel import copy_own_rows, expert_parallel_groups, own_rows
+from rl.parallel import copy_own_rows, expert_parallel_mesh, full_shape, own_rows
 from rl.rollout import derive_seed
 from rl.train.host_adamw import HostAdamW, PinnedArena, local
 from rl.train.lora import adapter_names, apply_lora, init_adapters, trainable
 
 
 def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_context_len: int,
-                 value_head: bool = False, lora: LoraConfig | None = None) -> torch.nn.Module:
+                 value_head: bool = False, lora: LoraConfig | None = None,
+                 expert_parallel: int = 1) -> torch.nn.Module:
     """The sharded policy with its weights: meta model -> (grouped MoE blocks, batch-invariant patch, LoRA, the
     packed linear-attention forward) -> fully_shard -> to_empty -> each rank loads its rows from the safetensors,
     or with `model.random_init` fills them with random weights drawn on the device from `seed`
     (init_random_weights). `max_context_len` sizes the batch-invariant RoPE tables. `value_head`: the critic of PPO,
     the same body with `lm_head` replaced by a zero-initialised (hidden -> 1) projection, so its "logits" are one
     value per position (every value starts at 0). `lora` with rank > 0: the base frozen, adapters on its target
-    layers (rl/train/lora.py), initialised from `seed` after the load."""
+    layers (rl/train/lora.py), initialised from `seed` after the load. `expert_parallel` > 1: the MoE blocks' experts
+    split over groups of that many ranks (`shard_policy`), each rank loading or drawing its own experts."""
     hf_config = AutoConfig.from_pretrained(cfg.path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
@@ -63,8 +70,10 @@ def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_co
     if lora is not None and lora.rank:
         apply_lora(model, lora)  # before sharding: FSDP2 records which parameters train
     use_packed_linear_attention(model)  # Qwen3-Next, Qwen3.5: a packed row's sequences apart (linear_attention.py)
-    model = shard_policy(model, mesh, device, cfg.gradient_checkpointing, cfg.compile, cfg.reshard_after_forward)
+    model = shard_policy(model, mesh, device, cfg.gradient_checkpointing, cfg.compile, cfg.reshard_after_forward,
+                         expert_parallel)
     model.to_empty(device=device)
+    mark_split_experts(model)  # to_empty made new parameters of the split experts
     init_non_persistent_buffers(model)
     skip = ({"lm_head.weight"} if value_head else set()) | adapter_names(model)
     if cfg.random_init:
@@ -115,7 +124,7 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float, skip: set
         shard = local(target)
         generator = torch.Generator(shard.device).manual_seed(derive_seed(seed, zlib.crc32(name.encode())))
         with torch.no_grad():
-            whole = torch.empty(target.shape, dtype=shard.dtype, device=shard.device)
+            whole = torch.empty(full_shape(target), dtype=shard.dtype, device=shard.device)
             if whole.dim() >= 2:
                 whole.normal_(0.0, std, generator=generator)
             else:
@@ -193,7 +202,7 @@ def stacked_experts(targets: dict[str, torch.Tensor], file_keys: set[str], path:
             continue
         prefix, kind = match.groups()
         per_expert = [tuple(f"{prefix}.{e}.{part}.weight" for part in EXPERT_PARTS[kind])
-                      for e in range(target.shape[0])]
+                      for e in range(full_shape(target)[0])]
         keys = [k for group in per_expert for k in group]
         absent = [k for k in keys if k not in file_keys]
         if len(absent) == len(keys):
@@ -265,15 +274,15 @@ def _stack_own_experts(target: torch.Tensor, per_expert: list[tuple[str, ...]], 
 def _copy_own_rows(target: torch.Tensor, f, key: str, path: str) -> None:
     stored = f.get_slice(key)
     shape = tuple(stored.get_shape())
-    if shape != tuple(target.shape):
+    if shape != tuple(full_shape(target)):
         raise ConfigError(f"model.path {path!r}: {key} has shape {list(shape)} in the safetensors but "
-                          f"{list(target.shape)} in the model of its config.json")
-    if not isinstance(target, DTensor):
+                          f"{list(full_shape(target))} in the model of its config.json")
+    if not isinstance(target, DTensor) and not hasattr(target, "expert_group"):
         target.copy_(f.get_tensor(key))
         return
     start, rows = own_rows(target)
     if rows:
-        target.to_local().copy_(stored[start : start + rows])
+        (target.to_local() if isinstance(target, DTensor) else target).copy_(stored[start : start + rows])
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -316,10 +325,12 @@ def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_ch
     parameters through forwards and backwards until `rl.train.step.reshard`, which `rl.train.step.optimizer_step` and
     the no-grad passes call (the step's updated shards are gathered afresh). `expert_parallel` > 1: each grouped MoE
     block's experts split over groups of that many ranks (rl/model/expert_parallel.py), plain local slices FSDP2
-    ignores; their gradients are averaged by `reduce_expert_grads` (the groups: `model.expert_groups`)."""
+    ignores; their gradients are averaged by `reduce_expert_grads` (the groups: `model.expert_groups`, the
+    (expert, replica) groups of `model.expert_mesh`)."""
     ignored: set[torch.nn.Parameter] = set()
     if expert_parallel > 1:
-        model.expert_groups = expert_parallel_groups(expert_parallel)
+        model.expert_mesh = expert_parallel_mesh(expert_parallel, device.type)
+        model.expert_groups = (model.expert_mesh.get_group("expert"), model.expert_mesh.get_group("replica"))
         for block in moe_blocks(model):
             shard_experts(block, model.expert_groups[0])
             ignored |= {block.experts.gate_up_proj, block.experts.down_proj}
@@ -343,18 +354,30 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool | None
     """AdamW over the parameters that train (with LoRA the adapters alone: the frozen base gets no moments), and
     its warm-up schedule; with train.optimizer_offload its moments live in host memory (rl/train/host_adamw.py).
     `fused` (default: on CUDA) takes torch's single-kernel AdamW, 2% of the train step faster than the
-    multi-tensor one at 1.5B on one H200 (benchmarks/ARCHIVE.md)."""
+    multi-tensor one at 1.5B on one H200 (benchmarks/ARCHIVE.md). Experts split by expert parallelism are a param
+    group of their own (`param_groups`)."""
     if fused is None:
         fused = next(model.parameters()).device.type == "cuda"
     hyper = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     if cfg.optimizer_offload:  # the moments in host memory, streamed through the device at each step
-        optimizer = HostAdamW(trainable(model), **hyper)
+        optimizer = HostAdamW(param_groups(model), **hyper)
     else:
-        optimizer = torch.optim.AdamW(trainable(model), fused=fused, **hyper)
+        optimizer = torch.optim.AdamW(param_groups(model), fused=fused, **hyper)
     warmup = cfg.lr_warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
     return optimizer, scheduler
+
+
+def param_groups(model: torch.nn.Module) -> list:
+    """The parameters that train; with experts split by expert parallelism (plain tensors beside FSDP2's DTensors)
+    two param groups, the DTensors' and the experts': torch's fused and multi-tensor AdamW refuse a group that
+    mixes the two kinds."""
+    params = trainable(model)
+    split = [p for p in params if hasattr(p, "expert_group")]
+    if not split:
+        return params
+    return [{"params": [p for p in params if not hasattr(p, "expert_group")]}, {"params": split}]
 
 
 class HostOffloader:
@@ -390,6 +413,7 @@ class HostOffloader:
             self.arena.reserve(sum(PinnedArena.aligned(t.numel() * t.element_size()) for t in self._movable()))
         order = iter(range(1 << 62))
         self.model._apply(lambda t: self._moved(("module", next(order)), t, device))
+        mark_split_experts(self.model)  # in case `_apply` made new parameters of the split experts
         for i, state in enumerate(self.optimizer.state.values() if self.moves_moments else ()):
             for key, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0:  # Adam's 0-dim `step` stays on the host

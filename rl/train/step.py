@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from rl import parallel
 from rl.config import AlgoConfig, RunStopped, TrainConfig
 from rl.data import Sample, Status
+from rl.model.expert_parallel import expert_grad_square_norm, reduce_expert_grads, split_experts
 from rl.model.moe import mismatch_counts, no_router_outputs, router_aux_coef, router_aux_loss, set_routing_replay
 from rl.train.algo import (
     aggregate,
@@ -394,12 +395,21 @@ def add_mismatch(sums: dict[str, torch.Tensor], train_lp: torch.Tensor, rollout_
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    """The gradient's L2 norm over the whole model, and the clip to `max_norm` (0: none). Experts split by expert
+    parallelism (plain tensors beside FSDP2's DTensors) add their squared norm, each slice counted once
+    (`expert_grad_square_norm`); the two kinds are clipped apart, as torch's multi-tensor kernels refuse a mix."""
+    split = {id(p) for p in split_experts(model)}
+    sharded = [p for p in model.parameters() if id(p) not in split]
+    experts = [p for p in model.parameters() if id(p) in split]
+    total = torch.nn.utils.get_total_norm([p.grad for p in sharded if p.grad is not None], 2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()
+    square = expert_grad_square_norm(model)
+    if square is not None:
+        total = (total.float().square() + square.to(total.device)).sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+        for params in (sharded, experts):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return float(total)
 
 
@@ -415,6 +425,8 @@ def optimizer_step(model, optimizer, scheduler, step_loss: torch.Tensor, max_nor
     """Clips the gradients and steps, unless the step's loss or grad norm is not finite on any rank: then every
     rank skips it, so the weights keep their last finite values. Returns (grad norm, skipped)."""
     reshard(model)  # the shards hold the gradients, and the step's update is gathered afresh by the next pass
+    if getattr(model, "expert_groups", None):  # experts split over ranks: averaged as FSDP2 averages the rest
+        reduce_expert_grads(model, model.expert_groups[1])
     grad_norm = clip_grad_norm(model, max_norm)
     skipped = bool(parallel.all_reduce_max(float(not (torch.isfinite(step_loss) and math.isfinite(grad_norm)))))
     if not skipped:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from rl.model.expert_parallel import full_experts
+from rl.parallel import full_shape
 from rl.train.lora import changed_names, merged_weights, scales_of
 
 
@@ -101,7 +102,7 @@ def iter_full_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: 
     with torch.no_grad():
         for param in unique:
             bucket.append(param)
-            size += param.numel() * itemsize
+            size += math.prod(full_shape(param)) * itemsize  # gathered whole (a split expert tensor too)
             if size >= bucket_bytes:
                 yield from flush()
                 bucket, size = [], 0
