@@ -705,8 +705,11 @@ def check_routing_replay_model(path: str, hf_config: dict) -> None:
 
 def check_expert_parallel_model(path: str, hf_config: dict, size: int) -> None:
     """train.expert_parallel > 1 splits each MoE block's experts evenly over its group: config.json's num_experts
-    (or its text model's) must be a multiple of the group's size."""
-    experts = hf_config.get("num_experts") or (hf_config.get("text_config") or {}).get("num_experts") or 0
+    (num_local_experts as transformers 5 writes it; or its text model's) must be a multiple of the group's size."""
+    def count(c: dict) -> int:
+        return c.get("num_experts") or c.get("num_local_experts") or 0
+
+    experts = count(hf_config) or count(hf_config.get("text_config") or {})
     _require(experts > 0 and experts % size == 0,
              f"train.expert_parallel={size}: model.path {path!r} has num_experts={experts}, which must be a positive "
              f"multiple of {size} (each rank holds num_experts / train.expert_parallel experts)")

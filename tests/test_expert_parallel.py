@@ -279,6 +279,52 @@ def test_a_checkpoint_under_expert_parallelism_resumes_exactly(four_ranks):
         assert resumed == original and r["resume_next_weights"] == 0.0, r
 
 
+def moe_model_dir(path: Path) -> Path:
+    """A tiny random Qwen3-MoE folder (8 experts, 2 a token) with the tiny tokenizer, as rl.main loads one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+
+    from rl.prepare import tiny_tokenizer
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(path)
+    cfg = Qwen3MoeConfig(vocab_size=max(len(AutoTokenizer.from_pretrained(path)), 256), hidden_size=HIDDEN,
+                         intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                         norm_topk_prob=True, initializer_range=0.1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    return path
+
+
+def test_the_main_loop_with_expert_parallelism_trains_and_resumes_as_without(tmp_path):
+    """rl.main on two ranks, routing replay on: two rollouts at train.expert_parallel=2, then a resume at 1 for the
+    third, give the rows of three rollouts at 1 (losses, grad norms, rewards: the engine samples from the pushed
+    weights)."""
+    from tests.test_distributed import torchrun
+    from tests.tiny import write_arithmetic_jsonl
+    model, data = moe_model_dir(tmp_path / "model"), write_arithmetic_jsonl(tmp_path / "train.jsonl")
+
+    def run(out: str, ep: int, rollouts: int) -> str:
+        return torchrun(2, "-m", "rl.main", "--config", str(ROOT / "configs/tiny.toml"), f"--model.path={model}",
+                        f"--data.source={data}", f"--log.output_dir={tmp_path / out}", "--train.lr=1e-3",
+                        "--reward.user_fn=tests.reward_fns:digit_fraction", "--train.routing_replay=true",
+                        f"--train.expert_parallel={ep}", f"--train.num_rollout={rollouts}", "--checkpoint.interval=1",
+                        timeout=300).stdout
+
+    def rows(out: str) -> list[float]:
+        lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)[k] for line in lines
+                for k in ("rollout_id", "train/loss", "train/grad_norm", "rollout/reward_mean")]
+
+    assert "split over groups of 2 ranks, 4 of 8 on each" in run("split", 2, 2)
+    assert "changed keys train.expert_parallel" in run("split", 1, 3)
+    whole = run("whole", 1, 3)
+    assert "split over groups" not in whole
+    assert rows("split")[::4] == [0, 1, 2] and min(rows("whole")[2::4]) > 0
+    assert rows("split") == pytest.approx(rows("whole"), rel=1e-5, abs=1e-7)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from tests.test_distributed import torchrun
@@ -344,6 +390,7 @@ def test_the_config_key_is_checked():
                    world_size=4).train.expert_parallel == 2
     check_expert_parallel_model("m", {"num_experts": 8}, 2)
     check_expert_parallel_model("m", {"text_config": {"num_experts": 8}}, 4)
+    check_expert_parallel_model("m", {"num_local_experts": 8}, 4)  # transformers 5's save_pretrained
     with pytest.raises(ConfigError, match=r"num_experts=6, which must be a positive multiple of 4"):
         check_expert_parallel_model("m", {"num_experts": 6}, 4)
     with pytest.raises(ConfigError, match=r"num_experts=0"):

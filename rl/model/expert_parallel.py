@@ -46,7 +46,10 @@ tensors. `train.expert_parallel` = N > 1 wires it into the trainer:
 - the memory plan (rl/run/memory.py) counts E / N experts per rank for parameters, gradients and AdamW state.
 
 Verified on CPU gloo ranks only (tests/test_expert_parallel.py, tests/expert_parallel_training.py): two and four
-ranks, EP 2 against 1 to fp32 rounding, checkpoint resumes at EP 2, 1 and 4. Not measured on GPUs (NCCL, bf16).
+ranks, EP 2 against 1 to fp32 rounding (the train step, HostAdamW, the push, rl.main's loop with routing replay),
+checkpoint resumes at EP 2, 1 and 4. Not run on GPUs: NCCL, bf16 compute and train.offload's moves of the split
+experts (rl/train/policy.py's HostOffloader, CUDA only) are untested, as is torch.compile of the blocks
+(model.compile) with the all-to-all inside.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from rl.model.invariant import make_batch_invariant
 from rl.model.linear_attention import use_packed_linear_attention
 from rl.model.moe import moe_blocks, use_grouped_moe
 from rl.model.rope import fuse_rope
-from rl.parallel import copy_own_rows, expert_parallel_mesh, full_shape, own_rows
+from rl.parallel import copy_own_rows, expert_parallel_mesh, full_shape, own_rows, print0
 from rl.rollout import derive_seed
 from rl.train.host_adamw import HostAdamW, PinnedArena, local
 from rl.train.lora import adapter_names, apply_lora, init_adapters, trainable
@@ -334,6 +334,12 @@ def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_ch
         for block in moe_blocks(model):
             shard_experts(block, model.expert_groups[0])
             ignored |= {block.experts.gate_up_proj, block.experts.down_proj}
+        spread = [b.expert_parallel for b in moe_blocks(model)]
+        if not spread:
+            raise ConfigError(f"train.expert_parallel={expert_parallel}: {type(model).__name__} has no MoE blocks whose "
+                              f"experts it splits (Qwen2-MoE, Qwen3-MoE); set 1")
+        print0(f"policy: the experts of {len(spread)} MoE blocks split over groups of {expert_parallel} ranks, "
+               f"{spread[0].local} of {spread[0].num_experts} on each (train.expert_parallel)")
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
