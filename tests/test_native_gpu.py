@@ -104,12 +104,16 @@ def reference_model(dtype, **overrides) -> DecoderModel:
 
 
 def family_model(family: str, seed: int, layers: int = 2) -> torch.nn.Module:
-    """The tiny Qwen2 model (tied or not) or tests/test_families.py's tiny Qwen3 (QK-norm) or Gemma 3 (sliding
-    windows, sandwich norms, GeGLU), float32."""
+    """The tiny Qwen2 model (tied or not), tests/test_families.py's tiny Qwen3 (QK-norm) or Gemma 3 (sliding
+    windows, sandwich norms, GeGLU), or tests/test_qwen35_engine.py's tiny Qwen3.5 (linear attention), float32."""
     if family == "qwen3":
         return random_model(qwen3_config(layers=layers), seed=seed)
     if family == "gemma3":
         return random_model(gemma3_config(layers=max(layers, 3)), seed=seed)
+    if family == "qwen35":  # three Gated DeltaNet layers and a gated full-attention one
+        from tests.test_qwen35_engine import gated_model
+
+        return gated_model(seed)
     return tiny_model(seed=seed, tie=family == "qwen2_tied", layers=layers).eval()
 
 
@@ -556,7 +560,7 @@ def test_the_engines_kernels_run_each_family_as_its_torch_forward(family):
 
 
 @needs_cuda
-@pytest.mark.parametrize("family", ["qwen2", "qwen2_tied", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_tied", "qwen3", "gemma3", "qwen35"])
 def test_cuda_engine_matches_cpu_engine(family):
     model = family_model(family, seed=3)
     cpu = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=5, page_size=8)
@@ -567,10 +571,12 @@ def test_cuda_engine_matches_cpu_engine(family):
         gpu = NativeEngine(model.config, DEVICE, torch.float32, max_batch_size=5, page_size=8, cuda_graphs=graphs,
                            steps_per_poll=4)
         gpu.load_weights(full_weights(model))
-        outs = gpu.generate(GROUPED, params)
-        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
-        got, ref = torch.tensor([o.logprobs for o in outs]), torch.tensor([o.logprobs for o in want])
-        assert (got - ref).abs().max().item() < 1e-4
+        for _ in range(2):  # the second call replays the graphs the first captured
+            outs = gpu.generate(GROUPED, params)
+            assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+            got, ref = torch.tensor([o.logprobs for o in outs]), torch.tensor([o.logprobs for o in want])
+            assert (got - ref).abs().max().item() < 1e-4
+        assert bool(gpu.graphs) == graphs
 
 
 @needs_cuda
@@ -592,12 +598,14 @@ def test_cuda_engine_stops_at_text_as_the_cpu_engine():
 
 
 @needs_cuda
-def test_cuda_engine_continues_kept_sequences_as_the_cpu_engine_prefills_them():
-    """Turns continued from kept KV on the GPU (the prefill reads the kept prefix back from its pages, decode steps
-    replay graphs) sample the CPU engine's tokens, with its logprobs, when it prefills every turn whole."""
+@pytest.mark.parametrize("family", ["qwen2", "qwen35"])
+def test_cuda_engine_continues_kept_sequences_as_the_cpu_engine_prefills_them(family):
+    """Turns continued from kept KV (and a Qwen3.5 model's kept linear-attention states) on the GPU (the prefill
+    reads the kept prefix back from its pages, decode steps replay graphs) sample the CPU engine's tokens, with its
+    logprobs, when it prefills every turn whole."""
     from tests.test_native_engine import episode_turns
 
-    model = tiny_model(seed=3).eval()
+    model = family_model(family, seed=3)
     params = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1)
     cpu = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=5, page_size=8)
     cpu.load_weights(full_weights(model))
@@ -765,3 +773,27 @@ def test_a_wake_up_keeps_the_trainers_cached_blocks_unless_the_engine_needs_them
     wake()
     assert torch.cuda.memory_reserved() < reserved - (1 << 30)  # no room: the cached blocks went back first
     engine.close()
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_moe_decode_graphs_replay_the_eager_steps(family):
+    """bf16 on the GPU, where the experts run as torch's grouped GEMM: decode steps captured in CUDA graphs (and
+    replayed by a second call) pick the eager engine's greedy tokens, with its logprobs, and record the same experts
+    for every token; the routing is a graph's too (the experts' counts never reach the host)."""
+    from tests.test_moe_engine import tiny_moe
+
+    model = tiny_moe(family).to(torch.bfloat16)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, top_k=1)
+    outs = {}
+    for graphs in (False, True):
+        engine = NativeEngine(model.config, DEVICE, torch.bfloat16, max_batch_size=5, page_size=8, cuda_graphs=graphs,
+                              steps_per_poll=4)
+        engine.load_weights(full_weights(model))
+        outs[graphs] = [engine.generate(GROUPED, params) for _ in range(2)]
+        assert bool(engine.graphs) == graphs
+    for eager, captured in zip(outs[False], outs[True]):
+        for a, b in zip(eager, captured):
+            assert b.token_ids == a.token_ids
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-2)  # cuBLAS may choose other kernels under capture
+            assert torch.equal(b.routed_experts, a.routed_experts)

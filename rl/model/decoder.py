@@ -676,7 +676,7 @@ class DecoderModel:
                window: WindowCache | None = None, linear: LinearState | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One new token per sequence (B,) -> next-token logits (B, V), and the expert ids it took in each MoE
-        layer, (MoE layers, B, k) (None for a dense model); graph-safe on CUDA for a dense model. `window`: the
+        layer, (MoE layers, B, k) (None for a dense model); graph-safe on CUDA without MoE layers. `window`: the
         window layers' cache, each row's tables into it and its fed token's slot there. `linear`: the rows'
         linear-attention states (B, ...), advanced in place for the `live` rows."""
         s = self.shape

@@ -222,11 +222,15 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
 
 def _grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM kernel runs these operands: CUDA, bf16, and a GPU torch has the kernel for."""
-    if not hasattr(torch, "_grouped_mm") or x.device.type != "cuda":
+    return x.dtype == weight.dtype and grouped_mm_runs(x.device, x.dtype)
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the grouped experts run as torch's grouped GEMM on this device and dtype (CUDA, bf16, a GPU torch has
+    the kernel for): their segments then stay on the device, and a decode step over them is a CUDA graph's."""
+    if not hasattr(torch, "_grouped_mm") or device.type != "cuda" or dtype != torch.bfloat16:
         return False
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        return False
-    capability = torch.cuda.get_device_capability(x.device)
+    capability = torch.cuda.get_device_capability(device)
     return capability >= (8, 0) if TorchVersion(torch.__version__) >= "2.9" else capability[0] == 9
 
 
@@ -254,7 +258,9 @@ def grouped_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     tokens, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert; pair p is token p // k, slot p % k
-    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    # Counted into a tensor of fixed size: bincount on CUDA reads the largest id on the host (no CUDA graph holds it).
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))
     if _grouped_mm_supported(x, down):
         segments = torch.cumsum(counts, dim=0, dtype=torch.int32)
     else:

@@ -34,8 +34,9 @@ A mixture-of-experts model's forward returns the top-k expert ids each token too
 for every prompt token, each decode step's for the token it fed, written into the row's columns as its token was.
 Each completion carries them for its prompt and response tokens (`Completion.routed_experts`), so the trainer can
 replay them; a kept sequence keeps its routing beside its KV, and a prompt continued from it (or from a shared
-base) takes the routing of the tokens it did not prefill from there. Such models decode without CUDA graphs:
-grouping tokens by expert reads the counts on the host.
+base) takes the routing of the tokens it did not prefill from there. Their decode steps run in CUDA graphs where the
+experts run as torch's grouped GEMM (bf16 on a recent GPU, rl/model/moe.py's `grouped_mm_runs`), whose segments stay
+on the device; elsewhere the loop over experts reads each expert's count on the host, and they decode eagerly.
 
 Qwen3.5's linear-attention (Gated DeltaNet) layers keep a state per sequence instead of KV: the short convolution's
 last inputs and the delta rule's matrix (`LinearState`). Each running row holds its own in `Rows` (row i's state at
@@ -43,8 +44,9 @@ index i, moved with the row when rows compact), a decode step advances the live 
 runs those layers over the prompts packed end to end, each from the state after its cached tokens (zero for a fresh
 prompt, a kept sequence's, or its base's) to the state after its last token, which the prompt holds until its last
 request starts: each request copies it into its row. A kept sequence keeps its row's state beside its KV, so a turn
-continued from it goes on from there. Such models decode without CUDA graphs for now (the prefill's packing reads
-the lengths on the host, and the recurrent step was not checked under capture).
+continued from it goes on from there. Their decode steps run in CUDA graphs as a dense model's do: the states are
+`Rows` tensors at fixed addresses and the step (`gated_deltanet_step`) reads nothing on the host; the prefill, which
+packs the prompts by their lengths on the host, runs outside graphs, as every prefill does.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ import torch
 
 from rl.model.decoder import DecoderModel, LinearState, WindowCache
 from rl.model.kernels.attention import invariant_num_splits
+from rl.model.moe import grouped_mm_runs
 from rl.rollout import vmem
 from rl.rollout.engine import TAGS, Completion, Engine, SamplingParams
 from rl.rollout.scheduler import Kept, PagePool, PromptKV, Request, Scheduler, cdiv
@@ -244,9 +247,9 @@ class NativeEngine(Engine):
                                   kv_precision)
         self.on_gpu = self.device.type == "cuda"  # graphs, Triton sampling and bookkeeping, device syncs
         s = self.model.shape
-        # A MoE block's grouped experts read each expert's token count on the host: not a step a graph can hold.
-        # Linear-attention layers: not checked under capture yet (module docstring).
-        self.use_graphs = cuda_graphs and self.on_gpu and not s.moe_layers and not s.linear_layers
+        # A MoE block's grouped experts go in a graph where they run as torch's grouped GEMM (bf16 on a recent GPU):
+        # the loop over experts that serves elsewhere reads each expert's token count on the host.
+        self.use_graphs = cuda_graphs and self.on_gpu and (not s.moe_layers or grouped_mm_runs(self.device, dtype))
         self.linear = ((len(s.linear_layers), s.linear_conv_channels, s.linear_conv_kernel - 1),
                        (len(s.linear_layers), s.linear_value_heads, s.linear_key_dim, s.linear_value_dim),
                        dtype) if s.linear_layers else None
