@@ -427,3 +427,27 @@ def test_lora_on_a_moe_model_adapts_attention_and_the_engine_follows():
     engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=8, seed=0, page_size=4)
     sync_weights(model, engine, torch.float32, bucket_mb=0.05)
     assert engine_vs_trainer(engine, model) < 1e-4
+
+
+def test_lora_on_a_qwen35_model_adapts_attention_and_mlp_and_the_engine_follows():
+    """Qwen3.5 (Gated DeltaNet layers beside gated full attention): the default targets put adapters on the full-
+    attention layers' projections and every layer's MLP, none on the linear-attention projections, and the merged
+    push (its buckets split between layers) brings the engine to the trainer's logprobs."""
+    from rl.model.linear_attention import use_packed_linear_attention
+    from tests.test_qwen35_engine import gated_model
+
+    model = gated_model(seed=2)
+    use_packed_linear_attention(model)
+    adapted = apply_lora(model, LORA)
+    assert not any(".linear_attn." in path for path in adapted)
+    attention = [path for path in adapted if ".self_attn." in path]
+    assert {path.rpartition(".")[2] for path in attention} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    full = {i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"}
+    assert full and {int(path.split(".")[2]) for path in attention} == full
+    layers = model.config.num_hidden_layers
+    assert {int(p.split(".")[2]) for p in adapted if ".mlp." in p} == set(range(layers))
+    init_adapters(model, 0)
+    randomize_b(model, 3)
+    engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=8, seed=0, page_size=4)
+    sync_weights(model, engine, torch.float32, bucket_mb=0.05)
+    assert engine_vs_trainer(engine, model) < 1e-4
