@@ -151,7 +151,8 @@ def restarted_store(timeout: datetime.timedelta) -> dist.Store | None:
 
 
 def set_collective_timeout(seconds: float, mesh: DeviceMesh | None = None) -> None:
-    """Sets the timeout of collectives issued from now on, on the default group and the mesh's groups (FSDP2's).
+    """Sets the timeout of collectives issued from now on, on the default group, the mesh's groups (FSDP2's) and
+    those of every expert-parallel mesh (`expert_parallel_mesh`: the experts' all-to-alls and reductions).
 
     Start-up keeps a long one (loading, compiling, the first rollout); after the first step a rank stuck
     for `seconds` fails the collective on the others (gloo raises, NCCL's watchdog aborts) instead of
@@ -160,8 +161,8 @@ def set_collective_timeout(seconds: float, mesh: DeviceMesh | None = None) -> No
         return
     timeout = datetime.timedelta(seconds=seconds)
     groups = [dist.distributed_c10d._get_default_group()]
-    if mesh is not None:
-        groups += [g for g in mesh.get_all_groups() if g not in groups]
+    for m in ([mesh] if mesh is not None else []) + _EXPERT_MESHES:
+        groups += [g for g in m.get_all_groups() if g not in groups]
     for group in groups:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
@@ -265,7 +266,12 @@ def expert_parallel_mesh(size: int, device_type: str = "cpu") -> DeviceMesh:
     world = dist.get_world_size()
     if size < 1 or world % size:
         raise ValueError(f"expert parallelism over {size} ranks: it must divide the world size ({world})")
-    return init_device_mesh(device_type, (world // size, size), mesh_dim_names=("replica", "expert"))
+    mesh = init_device_mesh(device_type, (world // size, size), mesh_dim_names=("replica", "expert"))
+    _EXPERT_MESHES.append(mesh)
+    return mesh
+
+
+_EXPERT_MESHES: list[DeviceMesh] = []  # every expert_parallel_mesh made, for set_collective_timeout
 
 
 def expert_parallel_groups(size: int, device_type: str = "cpu") -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

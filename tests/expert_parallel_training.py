@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from rl import parallel
 from rl.config import ModelConfig, TrainConfig
 from rl.run import checkpoint, export
 from rl.train.policy import build_optimizer, build_policy
@@ -125,5 +126,8 @@ def training_checks(out_dir: str, folders: dict[str, str]) -> None:
               "state_keys": sorted(states[2]), "groups": len(runs[2][1].param_groups),
               "host_adamw": [trained["host"] == trained[2], worst(states["host"], states[2])]}
     result |= load_checks(folders, reference)
+    parallel.set_collective_timeout(123.0)  # what rl.main sets after its first step: the experts' groups too
+    result["timeouts"] = [group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                          for group in runs[2][0].expert_groups]
     result |= resume_checks(Path(out_dir), folders["hub"], runs[2], states[2])
     (Path(out_dir) / f"training{dist.get_rank()}.json").write_text(json.dumps(result))

@@ -256,6 +256,7 @@ def test_training_with_split_experts_matches_fsdp2_alone(four_ranks):
         assert r["push"] <= 1e-6 and r["state"] <= 1e-6, r
         assert r["groups"] == 2  # the split experts apart from FSDP2's DTensors (fused AdamW refuses a mix)
         assert r["host_adamw"] == [True, 0.0], r  # train.optimizer_offload: the same steps, bitwise
+        assert r["timeouts"] == [123.0, 123.0]  # train.collective_timeout_s reaches the experts' groups
         for layer in range(2):
             for name in ("gate_up_proj", "down_proj"):
                 assert {f"optim.model.layers.{layer}.mlp.experts.{name}.{k}" for k in ("exp_avg", "exp_avg_sq")} \
@@ -298,9 +299,9 @@ def moe_model_dir(path: Path) -> Path:
 
 
 def test_the_main_loop_with_expert_parallelism_trains_and_resumes_as_without(tmp_path):
-    """rl.main on two ranks, routing replay on: two rollouts at train.expert_parallel=2, then a resume at 1 for the
-    third, give the rows of three rollouts at 1 (losses, grad norms, rewards: the engine samples from the pushed
-    weights)."""
+    """rl.main on two ranks, routing replay on: two rollouts at train.expert_parallel=1, then a resume at 2 for the
+    third (its checkpoint's one param group split in two), give the rows of three rollouts at 2 (losses, grad norms,
+    rewards: the engine samples from the pushed weights)."""
     from tests.test_distributed import torchrun
     from tests.tiny import write_arithmetic_jsonl
     model, data = moe_model_dir(tmp_path / "model"), write_arithmetic_jsonl(tmp_path / "train.jsonl")
@@ -317,10 +318,10 @@ def test_the_main_loop_with_expert_parallelism_trains_and_resumes_as_without(tmp
         return [json.loads(line)[k] for line in lines
                 for k in ("rollout_id", "train/loss", "train/grad_norm", "rollout/reward_mean")]
 
-    assert "split over groups of 2 ranks, 4 of 8 on each" in run("split", 2, 2)
-    assert "changed keys train.expert_parallel" in run("split", 1, 3)
-    whole = run("whole", 1, 3)
-    assert "split over groups" not in whole
+    assert "split over groups" not in run("split", 1, 2)
+    resumed = run("split", 2, 3)
+    assert "changed keys train.expert_parallel" in resumed and "warning" not in resumed
+    assert "split over groups of 2 ranks, 4 of 8 on each" in resumed and "split over groups" in run("whole", 2, 3)
     assert rows("split")[::4] == [0, 1, 2] and min(rows("whole")[2::4]) > 0
     assert rows("split") == pytest.approx(rows("whole"), rel=1e-5, abs=1e-7)
 

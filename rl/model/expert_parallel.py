@@ -41,7 +41,7 @@ tensors. `train.expert_parallel` = N > 1 wires it into the trainer:
   plain tensors beside DTensors); HostAdamW and the host offload take them as they are;
 - checkpoints (rl/run/checkpoint.py) save each slice and its AdamW moments as a DTensor of the whole tensor on the
   (replica, expert) mesh, so DCP writes it at its global expert rows once and a resume reshards it to any EP size
-  (1 included, where FSDP2 shards the experts);
+  (1 included, where FSDP2 shards the experts), the param groups saved as one;
 - the weight push (rl/train/weights.py) gathers a split tensor whole with `full_experts`;
 - the memory plan (rl/run/memory.py) counts E / N experts per rank for parameters, gradients and AdamW state.
 

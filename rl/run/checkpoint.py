@@ -5,6 +5,8 @@ loop needs to continue after rollout N as if it had never stopped:
 - `model_optim/`: the policy and AdamW state, sharded with `torch.distributed.checkpoint`
   (DCP): each rank writes its own FSDP2 shards, and a later load reshards to any rank count;
   with LoRA the adapters and their AdamW state alone (the frozen base is `model.path`'s weights);
+  experts split by train.expert_parallel at their rows of the whole tensor, the optimizer's param groups as one,
+  so that a resume may change train.expert_parallel too;
 - `trainer_state.json`: rollout_id, weight_version, the resolved config and the rank count, and
   every stateful part's `state_dict()` under the part's name (the learning-rate schedules, the data
   cursor, the health counters: whatever the run hands RunCheckpointer.parts) (rank 0);
@@ -399,7 +401,30 @@ def _state_dicts(models: Models) -> dict[str, Any]:
     for name, (model, optimizer) in models.items():
         out[name], out[_optim_key(name)] = get_state_dict(model, optimizer, options=_options(model))
         _place_split_experts(model, out[name], out[_optim_key(name)])
+        _merge_param_groups(out[_optim_key(name)])
     return out
+
+
+def _merge_param_groups(optim_sd: dict[str, Any]) -> None:
+    """The optimizer's param groups as one when they differ in their parameters alone (expert parallelism's
+    split experts are a group of their own, rl/train/policy.py's `param_groups`): a checkpoint holds the same
+    groups at any expert-parallel size, so that it resumes at another. `_split_param_groups` undoes it after a
+    load. In place."""
+    groups = optim_sd.get("param_groups", [])
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    if len(groups) > 1 and all(h == hyper[0] for h in hyper):
+        optim_sd["param_groups"] = [{**groups[0], "params": [fqn for g in groups for fqn in g["params"]]}]
+
+
+def _split_param_groups(optim_sd: dict[str, Any], model: torch.nn.Module, optimizer) -> dict[str, Any]:
+    """A loaded optimizer state dict of `_merge_param_groups`'s one group as the optimizer's own groups, each with
+    the loaded hyperparameters."""
+    groups = optim_sd.get("param_groups", [])
+    if len(optimizer.param_groups) < 2 or len(groups) != 1:
+        return optim_sd
+    fqn = {id(p): name for name, p in model.named_parameters()}
+    return {**optim_sd, "param_groups": [{**groups[0], "params": [fqn[id(p)] for p in g["params"]]}
+                                         for g in optimizer.param_groups]}
 
 
 def _place_split_experts(model: torch.nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
@@ -448,8 +473,9 @@ def load(path: Path, models: Models) -> TrainerState:
     reader = SafeReader(str(path / "model_optim"))
     dcp.load(sds, storage_reader=reader, planner=SafeLoadPlanner(reader))
     for name, (model, optimizer) in models.items():
-        set_state_dict(model, optimizer, model_state_dict=_local_split_experts(sds[name]),
-                       optim_state_dict=_local_split_experts(sds[_optim_key(name)]), options=_options(model))
+        optim_sd = _split_param_groups(_local_split_experts(sds[_optim_key(name)]), model, optimizer)
+        set_state_dict(model, optimizer, model_state_dict=_local_split_experts(sds[name]), optim_state_dict=optim_sd,
+                       options=_options(model))
     return state
 
 
