@@ -169,6 +169,23 @@ def linear_tensor_names(s: Shape) -> dict[str, str]:
     return {**{k: v for k, v in LINEAR_TENSORS.items() if not k.startswith("in_proj_")}, **INTERLEAVED_TENSORS}
 
 
+def interleaved_row_order(s: Shape) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's fused projections, each key head's q, k, v, z rows (and b, a rows) side by side: the rows of the
+    HF tensor in the order the engine holds them (each part's heads together: q, k, v, z; b, a), so that the forward
+    takes each part as a view. Internal name -> the HF rows to take, in order ({} for other models)."""
+    if not s.linear_interleaved:
+        return {}
+    n_k, k_dim = s.linear_key_heads, s.linear_key_dim
+    group = s.linear_value_heads // n_k
+    qkvz = torch.arange(n_k * (2 * k_dim + 2 * group * s.linear_value_dim)).reshape(n_k, -1)
+    ba = torch.arange(n_k * 2 * group).reshape(n_k, -1)
+    qkvz = torch.cat([part.reshape(-1) for part in qkvz.split([k_dim, k_dim, group * s.linear_value_dim,
+                                                               group * s.linear_value_dim], dim=1)])
+    ba = torch.cat([part.reshape(-1) for part in ba.chunk(2, dim=1)])
+    return {f"layers.{i}.linear.{key}": order for i in s.linear_layers
+            for key, order in (("in_proj_qkvz", qkvz), ("in_proj_ba", ba))}
+
+
 def mlp_name_map(s: Shape, layer: int, hf: str, own: str) -> dict[str, Slot]:
     """Layer `layer`'s MLP: a MoE block's names, or the gated MLP's three matrices."""
     if s.is_moe(layer):
@@ -320,6 +337,7 @@ class DecoderModel:
         self.hf_shapes = {n: tuple(p.shape) for n, p in reference.named_parameters(remove_duplicate=False)}
         self.hf_buffers = {n for n, _ in reference.named_buffers(remove_duplicate=False)}
         self.name_map = hf_name_map(self.shape)
+        self.row_order = interleaved_row_order(self.shape)  # tensors loaded with their rows reordered
         unknown = sorted(self.hf_shapes.keys() - self.name_map.keys())
         if unknown:
             raise ValueError(f"{hf_config.model_type}: parameters the native engine does not implement: {unknown[:4]}")
@@ -525,14 +543,10 @@ class DecoderModel:
         """Layer `layer`'s Gated DeltaNet weights as rl/model/linear_attention.py takes them."""
         s, own = self.shape, f"layers.{layer}.linear."
         w = {key: self.weights[own + key] for key in linear_tensor_names(s).values()}
-        if s.linear_interleaved:  # Qwen3-Next: cut q, k, v, z and b, a out of each key head's rows
-            n_k, h, k_dim = s.linear_key_heads, s.hidden_size, s.linear_key_dim
-            group = s.linear_value_heads // n_k * s.linear_value_dim
-            q, k, v, z = w.pop("in_proj_qkvz").reshape(n_k, -1, h).split([k_dim, k_dim, group, group], dim=1)
-            w["in_proj_qkv"] = torch.cat([x.reshape(-1, h) for x in (q, k, v)])
-            w["in_proj_z"] = z.reshape(-1, h)
-            b, a = w.pop("in_proj_ba").reshape(n_k, -1, h).chunk(2, dim=1)
-            w["in_proj_b"], w["in_proj_a"] = b.reshape(-1, h), a.reshape(-1, h)
+        if s.linear_interleaved:  # Qwen3-Next: loaded as q, k, v | z and b | a (interleaved_row_order): views
+            value = s.linear_value_heads * s.linear_value_dim
+            w["in_proj_qkv"], w["in_proj_z"] = w.pop("in_proj_qkvz").split([s.linear_conv_channels, value])
+            w["in_proj_b"], w["in_proj_a"] = w.pop("in_proj_ba").chunk(2)
         return GatedDeltaNetWeights(w["in_proj_qkv"], w["in_proj_z"], w["in_proj_b"], w["in_proj_a"], w["conv"][:, 0],
                                     w["dt_bias"], w["A_log"], w["norm"], w["out_proj"], s.linear_key_heads,
                                     s.linear_key_dim, s.linear_value_dim, s.rms_norm_eps)

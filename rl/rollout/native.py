@@ -324,6 +324,8 @@ class NativeEngine(Engine):
             if self.model.hf_shapes.get(name, tuple(tensor.shape)) != tuple(tensor.shape):
                 raise ValueError(f"{name}: engine shape {self.model.hf_shapes[name]} != pushed {tuple(tensor.shape)}")
             key, start, end = self.model.name_map[name]
+            if key in self.model.row_order:
+                tensor = tensor[self.model.row_order[key].to(tensor.device)]
             if key in self.model.fp8_ranges:  # quantized on arrival (rl/model/fp8.py)
                 self.model.load_fp8(key, start, end, tensor)
             else:
