@@ -3,7 +3,9 @@ the experts split over the ranks, each rank's block output and its input, router
 single-rank grouped forward's on the same tokens (the ranks holding different token counts, an expert getting no
 tokens, a rank sending none to the other); routing replay's experts are the ones used; a whole model's logits and
 every gradient match too, and the weight push gathers the split experts whole. On four ranks (two replicas of
-each expert slice) the expert gradients average over the world as FSDP2's do."""
+each expert slice) the expert gradients average over the world as FSDP2's do, and the trainer with
+train.expert_parallel=2 trains, loads, pushes and checkpoints as with 1 (tests/expert_parallel_training.py); rl.main
+runs and resumes across the two."""
 
 import copy
 import json

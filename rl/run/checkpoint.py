@@ -494,10 +494,14 @@ def check_critic(path: Path, state: TrainerState, models: Models) -> None:
 
 
 def check_lora(path: Path, saved: dict[str, Any], model: torch.nn.Module) -> None:
-    """A checkpoint of adapters resumes only into the same adapters (a full-parameter one only without)."""
+    """A checkpoint of adapters resumes only into the same adapters (a full-parameter one only without). The saved
+    run's targets that name no layer of this model adapted nothing (the default's MLP projections on a MoE model,
+    whose fused experts take none) and are left out of the comparison."""
     layers = adapted_layers(model)
     now = (next(iter(layers.values())).rank if layers else 0, sorted({p.rpartition(".")[2] for p in layers}))
-    then = (saved.get("rank", 0), sorted(set(saved.get("target_modules", []))) if saved.get("rank", 0) else [])
+    present = {path.rpartition(".")[2] for path, _ in model.named_modules()}
+    targets = set(saved.get("target_modules", [])) & present
+    then = (saved.get("rank", 0), sorted(targets) if saved.get("rank", 0) else [])
     if now != then:
         raise ConfigError(f"checkpoint {path} was trained with lora.rank={then[0]} on {then[1] or 'no layers'}, and "
                           f"this run has lora.rank={now[0]} on {now[1] or 'no layers'}: resume with the checkpoint's "
