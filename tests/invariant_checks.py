@@ -5,8 +5,9 @@ sandwich norms, GeGLU)).
 
 The native engine (batch_invariant=True) generates; the trainer's forward of the same sequences,
 patched by `make_batch_invariant`, scores them through `rl.train.step.token_logprobs` in one
-right-padded micro-batch. Splits are cut every 64 tokens here (512 in production) so that short
-contexts already cross split bounds and exercise the merge.
+right-padded micro-batch. Splits are cut every 64 tokens here (512 in production) so that Qwen2's short
+contexts already cross split bounds and exercise the merge; the other families' contexts fit one split. Each
+family's context bound is the least that holds its sequences: the interpreter runs every split of every row.
 """
 
 import copy
@@ -29,7 +30,6 @@ from tests.test_families import gemma3_config, qwen3_config, random_model  # noq
 from tests.tiny import tiny_model  # noqa: E402
 
 rl.model.kernels.attention.INVARIANT_SPLIT_TOKENS = 64
-MAX_CONTEXT = 192
 PROMPTS = [[1, 5, 9, 13] * 18, [1, 7], [1, 3, 3, 3, 3, 3, 8] * 9, [2]]  # 72, 2, 63 and 1 tokens
 
 
@@ -47,8 +47,9 @@ def trainer_logprobs(model, seqs, prompt_lens, responses, logprobs):
 def main(out: str, family: str = "qwen2") -> None:
     configs = {"qwen3": qwen3_config, "gemma3": gemma3_config}
     hf = random_model(configs[family](), seed=1) if family in configs else tiny_model(seed=1).eval()
+    max_context = 128 if family == "qwen2" else 64  # two splits, one
     engine = NativeEngine(hf.config, torch.device("cpu"), torch.float32, max_batch_size=8, seed=0,
-                          max_context_len=MAX_CONTEXT, batch_invariant=True)
+                          max_context_len=max_context, batch_invariant=True)
     engine.load_weights(full_weights(hf))
     seqs = list(PROMPTS) if family == "qwen2" else [p[:12] for p in PROMPTS]  # the splits are qwen2's to cross
     outs = engine.generate(seqs, SamplingParams(max_new_tokens=8, temperature=1.0), keep=list(range(len(seqs))))
@@ -64,7 +65,7 @@ def main(out: str, family: str = "qwen2") -> None:
     engine.reset_prefix_cache()
     whole = engine.generate(turn_2, params)
 
-    patched = make_batch_invariant(copy.deepcopy(hf), MAX_CONTEXT)
+    patched = make_batch_invariant(copy.deepcopy(hf), max_context)
     with torch.no_grad():
         batched, _ = trainer_logprobs(patched, full, lens, responses, engine_lp)
         alone = [trainer_logprobs(patched, [f], [n], [r], [e])[0][0]

@@ -15,6 +15,7 @@ import pytest
 
 from rl.run.checkpoint import complete_checkpoints
 from tests.test_distributed import ROOT
+from tests.test_reward import worker_running
 from tests.tiny import save_tiny_model_dir, write_arithmetic_jsonl
 
 
@@ -157,9 +158,14 @@ def test_a_stopped_rank_is_named_in_one_line(inputs, tmp_path):
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_rows(out, 3, [proc])
-        stopped = rank_pid(out, 1)
+        reporter, stopped = rank_pid(out, 0), rank_pid(out, 1)
         os.kill(stopped, signal.SIGSTOP)
         rows_then = strict_rows(out)
+        # Once rank 0 has stopped the run, the stopped rank is killed here: torchrun's SIGTERM would wait 30 s on it.
+        deadline = time.time() + 180
+        while worker_running(reporter) and time.time() < deadline:
+            time.sleep(0.1)
+        os.kill(stopped, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=180)
     finally:
         proc.kill()
@@ -177,8 +183,9 @@ def test_a_stopped_rank_is_named_in_one_line(inputs, tmp_path):
     # and the check-in after it do.
     assert line.startswith(("rl: stopped: rank 1 stopped answering: a collective waited 3 s "
                             "(train.collective_timeout_s) for it, and did not check in after (stopped or hung, not "
-                            "crashed", "rl: stopped: rank(s) [1] did not reach the end of rollout generation within 3 s "
-                                       "(stalled or dead)")), line
+                            "crashed",
+                            "rl: stopped: rank(s) [1] did not reach the end of rollout generation within 3 s "
+                            "(stalled or dead)")), line
     assert "rl/main.py" not in stderr  # no traceback of the ranks (torchrun's own, of its ChildFailedError, stays)
     rows = strict_rows(out)
     assert rows[: len(rows_then)] == rows_then and [r["rollout_id"] for r in rows] == list(range(len(rows)))

@@ -20,14 +20,36 @@ from rl.config import ConfigError, load_config, resolve
 ROOT = Path(__file__).resolve().parents[1]
 
 
+FAMILIES = ["qwen2", "qwen3", "gemma3"]
+
+
+@pytest.fixture(scope="module")
+def invariant_checks(tmp_path_factory):
+    """Starts tests/invariant_checks.py for every family at once (the interpreter keeps one core busy each) and
+    gives each test a wait for its own family's results."""
+    root = tmp_path_factory.mktemp("invariant")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    procs = {}
+    for family in FAMILIES:
+        with open(root / f"{family}.log", "w") as log:
+            procs[family] = subprocess.Popen([sys.executable, str(ROOT / "tests" / "invariant_checks.py"),
+                                              str(root / f"{family}.json"), family], cwd=ROOT, env=env,
+                                             stdout=log, stderr=subprocess.STDOUT)
+
+    def results(family: str) -> dict:
+        assert procs[family].wait(timeout=900) == 0, (root / f"{family}.log").read_text()[-3000:]
+        return json.loads((root / f"{family}.json").read_text())
+
+    yield results
+    for proc in procs.values():
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
-def test_engine_and_trainer_forward_agree_in_batch_invariant_mode(tmp_path, family):
-    out = tmp_path / "invariant.json"
-    script = str(ROOT / "tests" / "invariant_checks.py")
-    subprocess.run([sys.executable, script, str(out), family], check=True, cwd=ROOT,
-                   env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=900)
-    r = json.loads(out.read_text())
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_and_trainer_forward_agree_in_batch_invariant_mode(invariant_checks, family):
+    r = invariant_checks(family)
     assert r["tokens"] == 32
     assert max(r["lengths"]) > 64 or family != "qwen2"  # contexts cross the (test-sized) 64-token splits
     assert r["engine_vs_trainer"] < 1e-5  # the rest is the float32 order of the two log-softmaxes
