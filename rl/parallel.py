@@ -274,12 +274,6 @@ def expert_parallel_mesh(size: int, device_type: str = "cpu") -> DeviceMesh:
 _EXPERT_MESHES: list[DeviceMesh] = []  # every expert_parallel_mesh made, for set_collective_timeout
 
 
-def expert_parallel_groups(size: int, device_type: str = "cpu") -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's expert-parallel group and replica group (`expert_parallel_mesh`)."""
-    mesh = expert_parallel_mesh(size, device_type)
-    return mesh.get_group("expert"), mesh.get_group("replica")
-
-
 def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     """A host tensor on `device` without the host waiting for the device's queue: pinned first where the device is
     CUDA (a copy from pageable memory waits, non_blocking or not)."""

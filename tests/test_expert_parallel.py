@@ -188,10 +188,11 @@ def main_replicas(out_dir: str) -> None:
 
     from rl.model.expert_parallel import reduce_expert_grads, shard_experts
     from rl.model.moe import use_grouped_moe
-    from rl.parallel import expert_parallel_groups
+    from rl.parallel import expert_parallel_mesh
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    experts_group, replicas = expert_parallel_groups(2)
+    mesh = expert_parallel_mesh(2)
+    experts_group, replicas = mesh.get_group("expert"), mesh.get_group("replica")
     reference = tiny_moe()
     spread = copy.deepcopy(reference)
     use_grouped_moe(reference)
