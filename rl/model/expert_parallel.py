@@ -90,10 +90,9 @@ class ExpertParallel:
     `moe_forward` as `ep(experts, x, ids, weights)` in place of `grouped_experts`, same arguments, same result."""
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int):
-        self.group, self.num_experts = group, num_experts
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.local = num_experts // self.size
-        self.first = self.rank * self.local  # this rank's first global expert id
+        self.group, self.num_experts, self.size = group, num_experts, dist.get_world_size(group)
+        self.held = expert_slice(num_experts, group)  # this rank's global expert ids
+        self.local, self.first = self.held.stop - self.held.start, self.held.start
 
     def __call__(self, experts: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
@@ -133,13 +132,11 @@ def shard_experts(block: torch.nn.Module, group: dist.ProcessGroup) -> None:
     if not hasattr(block, "moe_routing"):
         raise ValueError(f"{type(block).__name__}: patch it with use_grouped_moe before shard_experts")
     experts = block.experts
-    num_experts = experts.gate_up_proj.shape[0]
-    part = expert_slice(num_experts, group)
+    block.expert_parallel = spread = ExpertParallel(group, experts.gate_up_proj.shape[0])
     for name in ("gate_up_proj", "down_proj"):
         full = getattr(experts, name)
-        local = torch.nn.Parameter(full.detach()[part].clone(), requires_grad=full.requires_grad)
+        local = torch.nn.Parameter(full.detach()[spread.held].clone(), requires_grad=full.requires_grad)
         setattr(experts, name, local)
-    block.expert_parallel = ExpertParallel(group, num_experts)
     mark_split_experts(block)
 
 
@@ -164,19 +161,20 @@ def split_experts(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def full_experts(local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The full fused expert tensor (E, ...) in `dtype` from each rank's slice of a tensor `shard_experts` split: one
-    all-gather over its group (every rank of the group must call it)."""
+    all-gather over its group into one tensor (every rank of the group must call it): the whole tensor and this rank's
+    slice are all it holds, as FSDP2's gather of a sharded tensor (rl/run/memory.py's `push_bytes`)."""
     group = local.expert_group
     local = local.detach().to(dtype).contiguous()
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local, group=group)
-    return torch.cat(parts)
+    full = local.new_empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]))
+    dist.all_gather_into_tensor(full, local, group=group)
+    return full
 
 
 def reduce_expert_grads(model: torch.nn.Module, replicas: dist.ProcessGroup) -> None:
     """Averages the split experts' gradients as FSDP2 averages the others' over all W ranks: each local expert's
     gradient already sums the tokens of its expert-parallel group, so it is summed over `replicas` (the ranks that
-    hold the same experts, rl/parallel.py's `expert_parallel_groups`) and divided by W. Call once per optimizer step,
-    after the last backward, before the gradient-norm clip."""
+    hold the same experts: the "replica" dimension of rl/parallel.py's `expert_parallel_mesh`) and divided by W.
+    Call once per optimizer step, after the last backward, before the gradient-norm clip."""
     world = dist.get_world_size()
     for param in split_experts(model):
         if not param.requires_grad:  # LoRA's frozen base
@@ -187,13 +185,10 @@ def reduce_expert_grads(model: torch.nn.Module, replicas: dist.ProcessGroup) -> 
         param.grad.div_(world)
 
 
-def expert_grad_square_norm(model: torch.nn.Module) -> torch.Tensor | None:
-    """The squared L2 norm of the split experts' gradients, each slice counted once: this rank's slices' summed over
-    its expert-parallel group (its replicas hold the same gradients after `reduce_expert_grads`, and are not added).
-    None without split experts; every rank of the world calls it."""
-    params = split_experts(model)
-    if not params:
-        return None
+def expert_grad_square_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The squared L2 norm of the split experts' gradients (`params`: this rank's slices, `split_experts`), each slice
+    counted once: this rank's slices' summed over its expert-parallel group (its replicas hold the same gradients
+    after `reduce_expert_grads`, and are not added). Every rank of the world calls it."""
     grads = [p.grad for p in params if p.grad is not None]
     square = sum((g.detach().float().square().sum() for g in grads), torch.zeros((), device=params[0].device))
     dist.all_reduce(square, group=params[0].expert_group)

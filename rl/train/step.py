@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from rl import parallel
 from rl.config import AlgoConfig, RunStopped, TrainConfig
 from rl.data import Sample, Status
-from rl.model.expert_parallel import expert_grad_square_norm, reduce_expert_grads, split_experts
+from rl.model.expert_parallel import expert_grad_square_norm, reduce_expert_grads
 from rl.model.moe import mismatch_counts, no_router_outputs, router_aux_coef, router_aux_loss, set_routing_replay
 from rl.train.algo import (
     aggregate,
@@ -398,15 +398,14 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     """The gradient's L2 norm over the whole model, and the clip to `max_norm` (0: none). Experts split by expert
     parallelism (plain tensors beside FSDP2's DTensors) add their squared norm, each slice counted once
     (`expert_grad_square_norm`); the two kinds are clipped apart, as torch's multi-tensor kernels refuse a mix."""
-    split = {id(p) for p in split_experts(model)}
-    sharded = [p for p in model.parameters() if id(p) not in split]
-    experts = [p for p in model.parameters() if id(p) in split]
+    sharded, experts = [], []
+    for p in model.parameters():
+        (experts if hasattr(p, "expert_group") else sharded).append(p)  # `split_experts`' test
     total = torch.nn.utils.get_total_norm([p.grad for p in sharded if p.grad is not None], 2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()
-    square = expert_grad_square_norm(model)
-    if square is not None:
-        total = (total.float().square() + square.to(total.device)).sqrt()
+    if experts:
+        total = (total.float().square() + expert_grad_square_norm(experts).to(total.device)).sqrt()
     if max_norm > 0:
         for params in (sharded, experts):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
