@@ -169,16 +169,16 @@ def linear_tensor_names(s: Shape) -> dict[str, str]:
     return {**{k: v for k, v in LINEAR_TENSORS.items() if not k.startswith("in_proj_")}, **INTERLEAVED_TENSORS}
 
 
-def interleaved_row_order(s: Shape) -> dict[str, torch.Tensor]:
+def interleaved_row_order(s: Shape, device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """Qwen3-Next's fused projections, each key head's q, k, v, z rows (and b, a rows) side by side: the rows of the
     HF tensor in the order the engine holds them (each part's heads together: q, k, v, z; b, a), so that the forward
-    takes each part as a view. Internal name -> the HF rows to take, in order ({} for other models)."""
+    takes each part as a view. Internal name -> the HF rows to take, in order, on `device` ({} for other models)."""
     if not s.linear_interleaved:
         return {}
     n_k, k_dim = s.linear_key_heads, s.linear_key_dim
     group = s.linear_value_heads // n_k
-    qkvz = torch.arange(n_k * (2 * k_dim + 2 * group * s.linear_value_dim)).reshape(n_k, -1)
-    ba = torch.arange(n_k * 2 * group).reshape(n_k, -1)
+    qkvz = torch.arange(n_k * (2 * k_dim + 2 * group * s.linear_value_dim), device=device).reshape(n_k, -1)
+    ba = torch.arange(n_k * 2 * group, device=device).reshape(n_k, -1)
     qkvz = torch.cat([part.reshape(-1) for part in qkvz.split([k_dim, k_dim, group * s.linear_value_dim,
                                                                group * s.linear_value_dim], dim=1)])
     ba = torch.cat([part.reshape(-1) for part in ba.chunk(2, dim=1)])
@@ -337,7 +337,7 @@ class DecoderModel:
         self.hf_shapes = {n: tuple(p.shape) for n, p in reference.named_parameters(remove_duplicate=False)}
         self.hf_buffers = {n for n, _ in reference.named_buffers(remove_duplicate=False)}
         self.name_map = hf_name_map(self.shape)
-        self.row_order = interleaved_row_order(self.shape)  # tensors loaded with their rows reordered
+        self.row_order = interleaved_row_order(self.shape, self.device)  # tensors loaded with their rows reordered
         unknown = sorted(self.hf_shapes.keys() - self.name_map.keys())
         if unknown:
             raise ValueError(f"{hf_config.model_type}: parameters the native engine does not implement: {unknown[:4]}")

@@ -325,7 +325,7 @@ class NativeEngine(Engine):
                 raise ValueError(f"{name}: engine shape {self.model.hf_shapes[name]} != pushed {tuple(tensor.shape)}")
             key, start, end = self.model.name_map[name]
             if key in self.model.row_order:
-                tensor = tensor[self.model.row_order[key].to(tensor.device)]
+                tensor = tensor[self.model.row_order[key].to(tensor.device)]  # a no-op for pushes on the device
             if key in self.model.fp8_ranges:  # quantized on arrival (rl/model/fp8.py)
                 self.model.load_fp8(key, start, end, tensor)
             else:
