@@ -42,7 +42,10 @@ FIRST_RECORD_S = 5.0  # how long the other ranks of a node wait for its first ra
 
 
 class StopRequests:
-    """Collects stop requests; `reason()` says whether one came and how."""
+    """Collects stop requests; `reason()` says whether one came and how. `signalled`: whether a stop signal came
+    to this process (the class's: `rl.parallel.lost_rank_error` reads it, as torchrun's SIGTERM ends its wait)."""
+
+    signalled = False
 
     def __init__(self, stop_file: str | None, rank: str):
         self.received: str | None = None
@@ -55,6 +58,7 @@ class StopRequests:
 
     def _handle(self, signum, _frame) -> None:
         self.received = self.received or signal.Signals(signum).name
+        StopRequests.signalled = True
 
     def _interrupt(self, signum, frame) -> None:
         self.interrupts += 1
@@ -181,7 +185,7 @@ def cli(main: Callable[[list[str]], None], argv: list[str]) -> int:
     except (ConfigError, RunStopped, StalledRankError, RepeatedError) as e:
         return report(e)
     except RuntimeError as e:  # a collective that another rank stopped answering, or died in, else a bug
-        if (lost := lost_rank_error(e)) is None:
+        if (lost := lost_rank_error(e, stopping=lambda: StopRequests.signalled)) is None:
             raise
         return report(lost)
     return 0
@@ -218,8 +222,10 @@ def report(e: Exception) -> int:
     handed_on = final and hand_to_launcher(message, code)
     if int(os.environ.get("RANK", "0")) == (e.reporter if isinstance(e, StalledRankError) else 0):
         print(message, file=sys.stderr, flush=True)
-        if not handed_on:
-            await_recorded(files[1:], PEERS_RECORD_S)
+        if not handed_on:  # not for the ranks the line names: stopped or dead, they record nothing
+            first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
+            lost = e.missing if isinstance(e, StalledRankError) else ()
+            await_recorded([f for i, f in enumerate(files) if i and first + i not in lost], PEERS_RECORD_S)
     elif not handed_on:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(RANK0_REPORT_S)

@@ -58,11 +58,12 @@ class Dist:
 
 class StalledRankError(RuntimeError):
     """Some rank did not reach a `step_barrier` in time, or stopped answering or died in a collective: the run
-    stops instead of hanging. `reporter`: the rank that prints the line (rank 0, unless it is the one lost)."""
+    stops instead of hanging. `reporter`: the rank that prints the line (rank 0, unless it is the one lost);
+    `missing`: the ranks it names, whose error files the reporter does not wait for."""
 
-    def __init__(self, message: str, reporter: int = 0):
+    def __init__(self, message: str, reporter: int = 0, missing: tuple[int, ...] = ()):
         super().__init__(message)
-        self.reporter = reporter
+        self.reporter, self.missing = reporter, tuple(missing)
 
 
 def exit_with_launcher(parent_pid: int) -> None:
@@ -183,7 +184,8 @@ def step_barrier(d: Dist, timeout_s: float, where: str) -> None:
         if d.rank == 0 and found:
             ranks = [int(r) for r in found.group(1).replace(",", " ").split()]
             raise StalledRankError(f"rank(s) {ranks} did not reach {where} within {timeout_s:g} s (stalled or dead); "
-                                   f"stopping the run. See those ranks' output for where they were") from e
+                                   f"stopping the run. See those ranks' output for where they were",
+                                   missing=tuple(ranks)) from e
         raise StalledRankError(f"rank {d.rank} reached {where} but rank 0 did not confirm that every rank did "
                                f"within {timeout_s:g} s: rank 0's message names the stalled ranks (or rank 0 "
                                f"is the one that stalled)") from e
@@ -194,19 +196,29 @@ _TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _CONNECTION_LOST = re.compile(r"connection (reset|closed) by peer|broken pipe|connection refused", re.IGNORECASE)
 
 
-def lost_rank_error(e: BaseException) -> StalledRankError | None:
+def lost_rank_error(e: BaseException, stopping=lambda: False) -> StalledRankError | None:
     """A collective that failed because another rank stopped answering (it timed out: SIGSTOP, a hang) or died
     (its connection closed: kill -9, a crash), as one line naming that rank; None for any other error, a bug that
     keeps its traceback. The ranks still alive check in through the rendezvous store, whose connections do not
     pass through the failed collective's; those that do not within the collective timeout (CHECK_IN_MAX_S at
-    most) are the ones named."""
+    most) are the ones named. A SIGTERM during the wait, or a stop signal before it (`stopping()`), ends it early:
+    torchrun stops a node's ranks once one of them has exited (a killed rank), and kills those still running 30 s
+    later, which would lose the line; the ranks not checked in by then are named, with how long they had."""
     if not isinstance(e, RuntimeError) or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     timed_out, closed = _TIMED_OUT.search(str(e)), _CONNECTION_LOST.search(str(e))
     if not (timed_out or closed):
         return None
     rank, timeout_s = dist.get_rank(), collective_timeout_s()
-    missing = unanswered_ranks(rank, dist.get_world_size(), min(timeout_s, CHECK_IN_MAX_S))
+    terminated: list[bool] = []
+    start = time.monotonic()
+    previous = signal.signal(signal.SIGTERM, lambda *_: terminated.append(True))
+    try:
+        missing = unanswered_ranks(rank, dist.get_world_size(), min(timeout_s, CHECK_IN_MAX_S),
+                                   stop=lambda: bool(terminated) or stopping())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    waited = time.monotonic() - start
     what = (f"stopped answering: a collective waited {timeout_s:g} s (train.collective_timeout_s) for it"
             if timed_out else "died: its connection closed in the middle of a collective")
     if missing is None:
@@ -221,9 +233,11 @@ def lost_rank_error(e: BaseException) -> StalledRankError | None:
     ranks = f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"
     why = ("stopped or hung, not crashed: a crashed rank's connections close at once" if timed_out
            else "killed by a signal or crashed")
-    return StalledRankError(f"{ranks} {what}, and did not check in after ({why}); stopping the run. The output "
+    checked = (f"had not checked in when a stop signal came {waited:.1f} s later"
+               if terminated or stopping() else "did not check in after")
+    return StalledRankError(f"{ranks} {what}, and {checked} ({why}); stopping the run. The output "
                             f"of {ranks} shows where {'they were' if len(missing) > 1 else 'it was'}",
-                            reporter=min(set(range(dist.get_world_size())) - set(missing)))
+                            reporter=min(set(range(dist.get_world_size())) - set(missing)), missing=tuple(missing))
 
 
 def collective_timeout_s() -> float:
@@ -233,9 +247,9 @@ def collective_timeout_s() -> float:
     return backend.options._timeout.total_seconds()
 
 
-def unanswered_ranks(rank: int, world_size: int, wait_s: float) -> list[int] | None:
-    """The ranks that have not checked in through the rendezvous store `wait_s` after this one did; None when
-    the store does not answer."""
+def unanswered_ranks(rank: int, world_size: int, wait_s: float, stop=lambda: False) -> list[int] | None:
+    """The ranks that have not checked in through the rendezvous store `wait_s` after this one did, or when
+    `stop()` turns true; None when the store does not answer."""
     store = dist.distributed_c10d._get_default_store()
     prefix = f"rl_check_in/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     deadline = time.monotonic() + wait_s
@@ -244,7 +258,7 @@ def unanswered_ranks(rank: int, world_size: int, wait_s: float) -> list[int] | N
         store.set(f"{prefix}{rank}", "alive")
         while True:
             missing = [r for r in range(world_size) if not store.check([f"{prefix}{r}"])]
-            if not missing or time.monotonic() > deadline:
+            if not missing or time.monotonic() > deadline or stop():
                 return missing
             time.sleep(0.1)
     except RuntimeError:

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,6 +76,12 @@ def test_kill_during_save_resumes_from_the_previous_checkpoint(inputs, tmp_path)
     proc = launch(inputs, out, 2, "--train.num_rollout=4", "--checkpoint.interval=1", check=False,
                   script=("tests/crash_in_save.py", "2"))
     assert proc.returncode != 0
+    # Rank 0 names the rank that died, though torchrun stops it (SIGTERM) as soon as it sees that rank gone.
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("rl: stopped:")]
+    assert len(lines) == 1 and re.fullmatch(
+        r"rl: stopped: rank 1 died: its connection closed in the middle of a collective, and had not checked in when "
+        r"a stop signal came [\d.]+ s later \(killed by a signal or crashed\); stopping the run. The output of rank 1 "
+        r"shows where it was", lines[0]), proc.stderr[-3000:]
     assert checkpoints(out) == [".rollout_2.tmp", "rollout_0", "rollout_1"]
     assert [r["rollout_id"] for r in rows(out)] == [0, 1, 2]
     proc = launch(inputs, out, 2, "--train.num_rollout=4", "--checkpoint.interval=1")

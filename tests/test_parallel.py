@@ -103,3 +103,26 @@ def test_more_ranks_on_a_node_than_gpus_is_one_line_naming_the_launch(monkeypatc
         parallel.init_distributed()
     assert str(e.value) == ("rank 1 is local rank 1 of 2 on its node, which has 1 visible GPU: launch with "
                             "--nproc-per-node 1 or fewer")
+
+
+def test_a_stop_signal_ends_the_wait_for_check_ins_and_the_line_says_so(tmp_path, monkeypatch):
+    """torchrun stops a node's ranks (SIGTERM) as soon as one exits and kills them 30 s later: a rank that meets a
+    dead peer in a collective ends its wait for the others' check-ins at a stop signal and names who had not checked
+    in (here rank 1 of a world of two that never joins), instead of being killed before it says anything."""
+    import torch.distributed as dist
+
+    from rl import parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(parallel.dist, "get_world_size", lambda group=None: 2)
+        closed = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: Connection reset by peer")
+        lost = parallel.lost_rank_error(closed, stopping=lambda: True)
+        assert isinstance(lost, parallel.StalledRankError) and lost.missing == (1,) and lost.reporter == 0
+        assert str(lost).startswith("rank 1 died: its connection closed in the middle of a collective, and had not "
+                                    "checked in when a stop signal came "), str(lost)
+        assert float(str(lost).split(" came ")[1].split(" s later")[0]) < 10  # at once, not after the 60 s wait
+        assert parallel.unanswered_ranks(0, 2, 0.2) == [1]  # without a stop: the whole wait, then the same answer
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
