@@ -313,11 +313,13 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """LoRA (rl/train/lora.py): low-rank adapters trained on the policy's linear layers, the base weights frozen."""
+    """LoRA (rl/train/lora.py): low-rank adapters trained on the policy's linear layers and MoE experts, the base
+    weights frozen."""
     rank: int = 0  # > 0: adapters of this rank on target_modules; 0: full-parameter training
     alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
     dropout: float = 0.0  # dropout on the adapters' input, in the passes that train (never in no-grad logprob passes)
-    # the linear layers that get adapters, by the last part of their module path (Qwen2/Llama attention and MLP)
+    # the layers that get adapters, by the last part of their module path (attention and MLP); in a MoE model the MLP
+    # names (or gate_up_proj, down_proj) also select the routed experts' fused tensors, per-expert adapters
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     # also write the adapter alone, as PEFT loads it, to <output_dir>/final_adapter (final/ is always the merged model)
     export_adapter: bool = False

@@ -409,21 +409,27 @@ def test_compiled_blocks_take_their_floats_as_constants():
         inputs.clear()
 
 
-def test_lora_on_a_moe_model_adapts_attention_and_the_engine_follows():
-    """A Qwen3-MoE model's experts are fused tensors: the default targets put adapters on attention alone (a line
-    says so), naming an MLP projection outright is refused in one line, and the merged push brings the engine to the
-    trainer's logprobs, routing included."""
+def test_lora_on_a_qwen2_moe_model_adapts_attention_shared_expert_and_experts_and_the_engine_follows():
+    """Qwen2-MoE: the default targets put adapters on attention, the shared expert's linear layers and the routed
+    experts' fused tensors (tests/test_lora_moe.py checks those against a hand merge), and the merged push brings the
+    engine to the trainer's logprobs, routing included."""
     from rl.model.moe import use_grouped_moe
     from tests.test_moe_engine import tiny_moe
 
-    with pytest.raises(ConfigError, match=r"lora.target_modules: .*\['gate_proj'\] \(a MoE model's experts"):
-        apply_lora(tiny_moe("qwen3_moe"), LoraConfig(rank=4, target_modules=["q_proj", "gate_proj"]))
-    model = tiny_moe("qwen3_moe")
+    model = tiny_moe("qwen2_moe")
     use_grouped_moe(model)
     adapted = apply_lora(model, LORA)
-    assert sorted({path.rpartition(".")[2] for path in adapted}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert sorted({path.split(".", 3)[3] for path in adapted}) == [
+        "mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.shared_expert.down_proj",
+        "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "self_attn.k_proj", "self_attn.o_proj",
+        "self_attn.q_proj", "self_attn.v_proj"]
     init_adapters(model, 0)
     randomize_b(model, 3)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_lora_B"):  # the experts' (randomize_b draws the linear layers')
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
     engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=8, seed=0, page_size=4)
     sync_weights(model, engine, torch.float32, bucket_mb=0.05)
     assert engine_vs_trainer(engine, model) < 1e-4

@@ -57,7 +57,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl.model.moe import grouped_mlp
+from rl.model.moe import expert_lora, grouped_mlp
 
 
 class _AllToAll(torch.autograd.Function):
@@ -111,7 +111,8 @@ class ExpertParallel:
         ones = torch.ones(local_ids.shape[0], 1, dtype=x.dtype, device=x.device)
         # FSDP2 leaves the split experts alone (ignored_params), so its mixed precision does not cast them: here.
         gate_up, down = experts.gate_up_proj.to(x.dtype), experts.down_proj.to(x.dtype)
-        out = grouped_mlp(rows, local_ids.unsqueeze(-1), ones, gate_up, down, experts.act_fn)
+        lora = expert_lora(experts, x.dtype)  # LoRA's adapters of the local experts, split with them
+        out = grouped_mlp(rows, local_ids.unsqueeze(-1), ones, gate_up, down, experts.act_fn, lora)
         out = exchange(out, recv, send, self.group)
         out = out.new_empty(out.shape).index_copy(0, order, out)  # sorted pair i back to pair order[i]
         return (out.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
@@ -133,8 +134,7 @@ def shard_experts(block: torch.nn.Module, group: dist.ProcessGroup) -> None:
         raise ValueError(f"{type(block).__name__}: patch it with use_grouped_moe before shard_experts")
     experts = block.experts
     block.expert_parallel = spread = ExpertParallel(group, experts.gate_up_proj.shape[0])
-    for name in ("gate_up_proj", "down_proj"):
-        full = getattr(experts, name)
+    for name, full in list(experts.named_parameters(recurse=False)):  # the fused tensors, and LoRA's adapters of them
         local = torch.nn.Parameter(full.detach()[spread.held].clone(), requires_grad=full.requires_grad)
         setattr(experts, name, local)
     mark_split_experts(block)
@@ -148,8 +148,7 @@ def mark_split_experts(model: torch.nn.Module) -> None:
     for block in model.modules():
         spread = getattr(block, "expert_parallel", None)
         if isinstance(spread, ExpertParallel):
-            for name in ("gate_up_proj", "down_proj"):
-                local = getattr(block.experts, name)
+            for local in block.experts.parameters(recurse=False):
                 local.expert_group, local.global_experts, local.first_expert = \
                     spread.group, spread.num_experts, spread.first
 

@@ -17,7 +17,12 @@ a loop over the experts' contiguous segments of the sorted rows (`split` then on
 pass, no gather per expert, and its backward stacks the experts' weight gradients once (`unbind`).
 The block's own parameters are used as they are (transformers 5 holds the experts fused, `experts.gate_up_proj`
 (E, 2 * I, H) with the gate half first and `experts.down_proj` (E, H, I)), so FSDP2, LoRA targeting and
-checkpoints see the same names. The router is called as its module (`block.gate`), so transformers' output
+checkpoints see the same names. LoRA's per-expert adapters of those tensors (rl/train/lora.py puts them on the
+experts) run in the same pass: each projection adds scale * (rows @ A[e].T) @ B[e].T over the same sorted rows,
+two more grouped matmuls of the same segments (`ExpertLoRA`; torch's grouped GEMM wants rows of a multiple of 16
+bytes, so in bf16 a rank that is not a multiple of 8 takes the loop over the segments instead). Tested on CPU
+against transformers' loop over the experts (tests/test_lora_moe.py); the grouped GEMM with adapters has not run on
+a GPU here. The router is called as its module (`block.gate`), so transformers' output
 recorders (`output_router_logits`) still see its logits.
 
 Routing replay: the rollout engine picks each token's experts in its own forward; the trainer's forward of the
@@ -243,33 +248,76 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, segments: torch.Tenso
     return torch.cat([F.linear(part, w) for part, w in zip(x.split(segments), weight.unbind(0))])
 
 
+EXPERT_TENSORS = ("gate_up_proj", "down_proj")  # a grouped block's fused expert tensors, as `experts` names them
+
+
+@dataclass
+class ExpertLoRA:
+    """Low-rank updates of the fused expert tensors, per expert W[e] + scale * B[e] @ A[e] (rl/train/lora.py puts
+    them on the experts as `<tensor>_lora_A` (E, rank, in) and `<tensor>_lora_B` (E, out, rank)): `pairs` maps
+    `EXPERT_TENSORS` names to their (A, B), absent where a tensor has none. `dropout` acts on the adapters' input."""
+
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    scale: float
+    dropout: float = 0.0
+
+    def grouped_mm_fits(self) -> bool:
+        """torch's grouped GEMM wants each operand's rows 16-byte aligned: the rank-wide product too."""
+        return all(a.shape[1] * a.element_size() % 16 == 0 for a, _ in self.pairs.values())
+
+
+def expert_lora(experts: torch.nn.Module, dtype: torch.dtype | None = None) -> ExpertLoRA | None:
+    """The experts' adapters (None without, or with them switched off: `lora_enabled`), cast to `dtype` if given."""
+    if not getattr(experts, "lora_enabled", False):
+        return None
+    pairs = {}
+    for name in EXPERT_TENSORS:
+        a, b = getattr(experts, f"{name}_lora_A", None), getattr(experts, f"{name}_lora_B", None)
+        if a is not None:
+            pairs[name] = (a, b) if dtype is None else (a.to(dtype), b.to(dtype))
+    dropout = experts.lora_dropout if experts.training and torch.is_grad_enabled() else 0.0
+    return ExpertLoRA(pairs, experts.lora_scale, dropout)
+
+
 def grouped_experts(experts: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
     """The experts' output for x (tokens, H) routed to ids (tokens, k) with weights (tokens, k) in x's dtype:
-    sum over the k slots of weight * down(act(gate) * up)(x) of that slot's expert."""
-    return grouped_mlp(x, ids, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)
+    sum over the k slots of weight * down(act(gate) * up)(x) of that slot's expert (LoRA's adapters included)."""
+    return grouped_mlp(x, ids, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn, expert_lora(experts))
 
 
 def grouped_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                act: Callable[[torch.Tensor], torch.Tensor], lora: ExpertLoRA | None = None) -> torch.Tensor:
     """`grouped_experts` over the fused expert tensors themselves, gate_up (E, 2 * I, H) with the gate half first
     and down (E, H, I): the trainer's blocks and the rollout engine's (rl/model/decoder.py) compute their experts
-    here."""
+    here. `lora`: the adapters' update of each projection, through the same grouped matmuls over the same rows."""
     tokens, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert; pair p is token p // k, slot p % k
     # Counted into a tensor of fixed size: bincount on CUDA reads the largest id on the host (no CUDA graph holds it).
     counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=flat.device).index_add_(
         0, flat, torch.ones_like(flat))
-    if _grouped_mm_supported(x, down):
+    if _grouped_mm_supported(x, down) and (lora is None or lora.grouped_mm_fits()):
         segments = torch.cumsum(counts, dim=0, dtype=torch.int32)
     else:
         segments = counts.tolist()
     rows = x[order // k]
-    gate, up = _grouped_linear(rows, gate_up, segments).chunk(2, dim=-1)
-    out = _grouped_linear(act(gate) * up, down, segments)
+    gate, up = _expert_projection(rows, gate_up, segments, lora, "gate_up_proj").chunk(2, dim=-1)
+    out = _expert_projection(act(gate) * up, down, segments, lora, "down_proj")
     out = out.new_empty(out.shape).index_copy(0, order, out)  # sorted row i back to pair order[i]
     return (out.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def _expert_projection(rows: torch.Tensor, weight: torch.Tensor, segments: torch.Tensor | list[int],
+                       lora: ExpertLoRA | None, name: str) -> torch.Tensor:
+    """rows (sorted by expert) through each expert's weight (E, out, in), plus its adapter's
+    scale * (rows @ A[e].T) @ B[e].T where `lora` has one for `name`: (rows, out)."""
+    out = _grouped_linear(rows, weight, segments)
+    if lora is None or name not in lora.pairs:
+        return out
+    a, b = lora.pairs[name]
+    h = F.dropout(rows, lora.dropout) if lora.dropout else rows
+    return out + lora.scale * _grouped_linear(_grouped_linear(h, a, segments), b, segments)
 
 
 def moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,7 @@ from rl.run.safe_load import (
     rng_to_json,
     set_rng_state,
 )
-from rl.train.lora import adapted_layers
+from rl.train.lora import adapted_names, lora_rank, selected_names
 
 BUFFER_FILE = "rollout_buffer.json"
 OLD_BUFFER_FILE = "rollout_buffer.pkl"  # written before the JSON form: never unpickled
@@ -494,14 +494,11 @@ def check_critic(path: Path, state: TrainerState, models: Models) -> None:
 
 
 def check_lora(path: Path, saved: dict[str, Any], model: torch.nn.Module) -> None:
-    """A checkpoint of adapters resumes only into the same adapters (a full-parameter one only without). The saved
-    run's targets that name no layer of this model adapted nothing (the default's MLP projections on a MoE model,
-    whose fused experts take none) and are left out of the comparison."""
-    layers = adapted_layers(model)
-    now = (next(iter(layers.values())).rank if layers else 0, sorted({p.rpartition(".")[2] for p in layers}))
-    present = {path.rpartition(".")[2] for path, _ in model.named_modules()}
-    targets = set(saved.get("target_modules", [])) & present
-    then = (saved.get("rank", 0), sorted(targets) if saved.get("rank", 0) else [])
+    """A checkpoint of adapters resumes only into the same adapters (a full-parameter one only without): the same
+    rank on the same layers and expert tensors (rl/train/lora.py's `adapted_names`; the saved run's targets that name
+    nothing in this model adapted nothing and are left out of the comparison)."""
+    now = (lora_rank(model), adapted_names(model))
+    then = (saved.get("rank", 0), selected_names(model, saved.get("target_modules", [])) if saved.get("rank") else [])
     if now != then:
         raise ConfigError(f"checkpoint {path} was trained with lora.rank={then[0]} on {then[1] or 'no layers'}, and "
                           f"this run has lora.rank={now[0]} on {now[1] or 'no layers'}: resume with the checkpoint's "

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterable, Iterator
@@ -42,7 +43,16 @@ from safetensors.torch import save_file
 
 from rl.config import ConfigError, LoraConfig
 from rl.run.checkpoint import HF_FILES, copy_hf_files
-from rl.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_names, merged_weights, peft_config, peft_name
+from rl.train.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_names,
+    adapter_of,
+    check_peft_experts,
+    merged_weights,
+    peft_config,
+    peft_tensors,
+)
 
 SHARD_BYTES = 2 << 30
 MARKER = "rl_export.json"
@@ -108,8 +118,10 @@ def write_adapter_folder(tensors: Iterable[tuple[str, torch.Tensor]], lora: Lora
     """Writes LoRA's (name, full tensor) pairs in the layout PEFT loads: adapter_model.safetensors under PEFT's
     names and adapter_config.json naming `base_model`, with the marker; written aside and renamed like an export."""
     with written_whole(out) as tmp:
-        save_file({peft_name(n): t.detach().to("cpu", dtype).contiguous() for n, t in tensors},
-                  str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        weights: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors:
+            weights |= {peft: t.contiguous() for peft, t in peft_tensors(name, tensor.detach().to("cpu", dtype))}
+        save_file(weights, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, base_model), indent=2))
         (tmp / MARKER).write_text(json.dumps({"source": source, "dtype": dtype_label(dtype), "adapter": True},
                                              indent=2))
@@ -270,12 +282,13 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_name: str = "auto", ove
     state = load_model_state(checkpoint)
     dtype = export_dtype(dtype_name, config)
     lora = run_config = None
-    if any(n.endswith(".lora_A") for n in state):  # LoRA: the checkpoint holds the adapters alone
+    if any(adapter_of(n) for n in state):  # LoRA: the checkpoint holds the adapters alone
         run_config = json.loads((checkpoint / "trainer_state.json").read_text())["config"]
         lora = LoraConfig(**run_config["lora"])
     if adapter:
         if lora is None:
             raise ConfigError(f"--adapter: {checkpoint} is a full-parameter checkpoint (its run had lora.rank=0)")
+        check_peft_experts(config, state)
         return write_adapter_folder(sorted(state.items()), lora, run_config["model"]["path"], out, dtype,
                                     source=str(checkpoint.resolve()))
     if lora is not None:  # the frozen base is the run's model.path
@@ -300,5 +313,32 @@ def merged_state(adapters: dict[str, torch.Tensor], base_path: str, lora: LoraCo
     for file in weight_files(base_path):
         with safe_open(file, framework="pt", device="cpu") as f:
             base.update({k: f.get_tensor(k).float() for k in f.keys() if not k.endswith("rotary_emb.inv_freq")})
-    scales = {n.removesuffix(".lora_A"): lora.alpha / lora.rank for n in adapters if n.endswith(".lora_A")}
+    scales = {weight: lora.alpha / lora.rank for weight, leaf in filter(None, map(adapter_of, adapters))
+              if leaf == "lora_A"}
+    if any(name not in base for name in scales):  # adapted fused experts, and the base holds one tensor per expert
+        base = fused_experts(base)
     return dict(merged_weights(list(base.items()) + list(adapters.items()), scales))
+
+
+PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with the hub's one tensor per expert (`<experts>.N.gate_proj.weight`, ...) as transformers 5's fused
+    tensors, which its models also load: `<experts>.gate_up_proj` (E, 2 * I, H), each expert's gate rows then its up
+    rows, and `<experts>.down_proj` (E, H, I)."""
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in state.items():
+        match = PER_EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            prefix, expert, kind = match.groups()
+            per_expert.setdefault(prefix, {}).setdefault(kind, {})[int(expert)] = tensor
+    for prefix, kinds in per_expert.items():
+        experts = range(len(kinds["down_proj"]))
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]])
+                                                     for e in experts])
+        out[f"{prefix}.down_proj"] = torch.stack([kinds["down_proj"][e] for e in experts])
+    return out

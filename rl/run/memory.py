@@ -37,6 +37,7 @@ from rl.parallel import print0
 from rl.rollout import engine_dtype
 from rl.rollout.native import PAGE_SIZE, PREFILL_TOKENS, kv_cache_pages, window_cache_pages, window_layers
 from rl.train.host_adamw import CHUNK_ELEMENTS
+from rl.train.lora import expert_targets
 from rl.train.step import FUSED_LOGPROBS, LOGPROB_CHUNK_BYTES
 
 GB = 1e9  # as the memory/ metrics count
@@ -66,12 +67,47 @@ def lora_block_params(s: ModelShape, rank: int, targets: list[str]) -> int:
     return sum(rank * (size[a] + size[b]) for name, (a, b) in LORA_SHAPES.items() if name in targets)
 
 
+EXPERT_LORA_SIZES = {"gate_up_proj": ("hidden", "2 inter"), "down_proj": ("inter", "hidden")}  # (in, out)
+
+
+def expert_lora_params(s: ModelShape, rank: int, targets: list[str]) -> int:
+    """One MoE block's adapters on its routed experts' fused tensors: per expert rank * (in + out) for each tensor
+    the targets select (rl/train/lora.py's `expert_targets`)."""
+    size = {"hidden": s.hidden_size, "inter": s.moe_intermediate_size, "2 inter": 2 * s.moe_intermediate_size}
+    return s.num_experts * sum(rank * (size[a] + size[b]) for name, (a, b) in EXPERT_LORA_SIZES.items()
+                               if name in expert_targets(targets))
+
+
+def lora_layer_params(s: ModelShape, rank: int, targets: list[str]) -> list[int]:
+    """Each block's LoRA adapters: a dense block's `lora_block_params`; a MoE block's on its attention, its shared
+    expert (an MLP of shared_expert_intermediate_size) and its routed experts (`expert_lora_params`)."""
+    dense = lora_block_params(s, rank, targets)
+    attention = lora_block_params(s, rank, [t for t in targets if t in ("q_proj", "k_proj", "v_proj", "o_proj")])
+    shared = dataclasses.replace(s, intermediate_size=s.shared_expert_intermediate_size)
+    with_shared = lora_block_params(shared, rank, targets) if s.shared_expert_intermediate_size else attention
+    moe = with_shared + expert_lora_params(s, rank, targets) if s.moe_layers else 0
+    return [moe if s.is_moe(i) else dense for i in range(s.num_layers)]
+
+
+def rank_lora_params(s: ModelShape, rank: int, targets: list[str], dp: int, expert_parallel: int = 1) -> float:
+    """The LoRA adapters one rank holds (`rank_params`'s split): FSDP2's shard of them, and with expert parallelism
+    FSDP2's shard of all but the routed experts' plus 1 / expert_parallel of those (split with their experts)."""
+    experts = len(s.moe_layers) * expert_lora_params(s, rank, targets) if expert_parallel > 1 else 0
+    return (sum(lora_layer_params(s, rank, targets)) - experts) / dp + experts / expert_parallel
+
+
 def lora_activation_bytes(s: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool, rank: int,
                           targets: list[str], dropout: bool) -> int:
     """What the adapters add to the saved activations: each targeted layer's rank-wide x @ A.T, and with dropout
-    its dropped input (in features), per token; one block's worth when checkpointing recomputes them."""
+    its dropped input (in features), per token, and in a MoE block the same for each of its top-k experts' adapted
+    tensors; one block's worth when checkpointing recomputes them."""
     size = {"hidden": s.hidden_size, "q": s.q_size, "kv": s.kv_size, "inter": s.intermediate_size}
     per_token = sum(rank + (size[a] if dropout else 0) for name, (a, _) in LORA_SHAPES.items() if name in targets)
+    if s.moe_layers:
+        inputs = {"hidden": s.hidden_size, "inter": s.moe_intermediate_size}
+        per_token += s.experts_per_token * sum(rank + (inputs[a] if dropout else 0)
+                                               for name, (a, _) in EXPERT_LORA_SIZES.items()
+                                               if name in expert_targets(targets))
     return tokens * per_token * compute_bytes * (1 if checkpointing else s.num_layers)
 
 
@@ -300,7 +336,7 @@ def plan_memory(cfg: Config, models: Models, world_size: int, device_type: str =
         r = models.reference
         plan["reference"] = {**resting, **critic_parked, **kept, "reference": FP32 * r.num_params / dp
                              + gathered_bytes(r, b, cfg.model.reshard_after_forward) + forward_bytes(r, tokens, b)}
-    grads = trained + lora_block_params(s, lora.rank, lora.target_modules) * (b + FP32) if lora.rank \
+    grads = trained + max(lora_layer_params(s, lora.rank, lora.target_modules)) * (b + FP32) if lora.rank \
         else grad_bytes(s, dp, b, cfg.train.expert_parallel)
     activations = activation_bytes(s, tokens, b, cfg.model.gradient_checkpointing, cfg.model.compile)
     if lora.rank:
@@ -329,9 +365,9 @@ def policy_state_bytes(cfg: Config, s: ModelShape, dp: int, expert_parallel: int
     gradients nor moments). `expert_parallel`: train.expert_parallel unless given."""
     lora = cfg.lora
     ep = cfg.train.expert_parallel if expert_parallel is None else expert_parallel
-    adapters = s.num_layers * lora_block_params(s, lora.rank, lora.target_modules) if lora.rank else 0
-    shard = FP32 * (rank_params(s, dp, ep) + adapters / dp)
-    return shard, FP32 * adapters / dp if lora.rank else shard
+    adapters = rank_lora_params(s, lora.rank, lora.target_modules, dp, ep) if lora.rank else 0
+    shard = FP32 * (rank_params(s, dp, ep) + adapters)
+    return shard, FP32 * adapters if lora.rank else shard
 
 
 def stream_bytes(cfg: Config, trained_bytes: float) -> float:

@@ -333,7 +333,7 @@ def shard_policy(model: torch.nn.Module, mesh, device: torch.device, gradient_ch
         model.expert_groups = (model.expert_mesh.get_group("expert"), model.expert_mesh.get_group("replica"))
         for block in moe_blocks(model):
             shard_experts(block, model.expert_groups[0])
-            ignored |= {block.experts.gate_up_proj, block.experts.down_proj}
+            ignored |= set(block.experts.parameters(recurse=False))  # LoRA's adapters of the experts too
         spread = [b.expert_parallel for b in moe_blocks(model)]
         if not spread:
             raise ConfigError(f"train.expert_parallel={expert_parallel}: {type(model).__name__} has no MoE blocks whose "
