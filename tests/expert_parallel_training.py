@@ -3,8 +3,10 @@ launch, which calls `training_checks`. The policy is built from a model folder (
 the fused layout) or drawn at random, with the experts split over pairs of ranks (expert_parallel=2, each slice on
 two replicas) and without (expert_parallel=1, FSDP2 shards them); both train two optimizer steps through
 rl/train/step.py's `optimizer_steps` (clipped), and their losses, grad norms, pushed weights and AdamW state are
-compared (and with train.optimizer_offload's HostAdamW); a checkpoint written under expert_parallel=2 is resumed into expert_parallel 2, 1 and 4."""
+compared (and with train.optimizer_offload's HostAdamW); a checkpoint written under expert_parallel=2 is resumed into
+expert_parallel 2, 1 and 4. LoRA's adapters (the experts' split with them) train, push and resume alike."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,21 +16,22 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from rl import parallel
-from rl.config import ModelConfig, TrainConfig
+from rl.config import LoraConfig, ModelConfig, TrainConfig
 from rl.run import checkpoint, export
 from rl.train.policy import build_optimizer, build_policy
 from rl.train.step import optimizer_steps
-from rl.train.weights import iter_full_weights
+from rl.train.weights import iter_full_weights, iter_merged_weights
 
 VOCAB, LR, CLIP, EPS = 64, 1e-3, 0.05, 1e-6
 
 
-def policy(folder: str, ep: int, random_init: bool = False, seed: int = 0, optimizer_offload: bool = False):
+def policy(folder: str, ep: int, random_init: bool = False, seed: int = 0, optimizer_offload: bool = False,
+           lora: LoraConfig | None = None):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     # the split model recomputes its blocks in the backward (their all-to-alls too) and reshards after each forward
     cfg = ModelConfig(path=folder, random_init=random_init, attn_implementation="sdpa", gradient_checkpointing=ep > 1,
                       reshard_after_forward=ep > 1)
-    model = build_policy(cfg, mesh, torch.device("cpu"), seed, 64, expert_parallel=ep)
+    model = build_policy(cfg, mesh, torch.device("cpu"), seed, 64, lora=lora, expert_parallel=ep)
     train = TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS, optimizer_offload=optimizer_offload)
     optimizer, scheduler = build_optimizer(model, train)
     return model, optimizer, scheduler
@@ -112,6 +115,29 @@ def resume_checks(out_dir: Path, folder: str, run, saved: dict[str, torch.Tensor
     return out
 
 
+def lora_checks(out_dir: Path, folder: str) -> dict:
+    """LoRA on attention and the experts at expert_parallel=2 (each rank its experts' adapters) against 1: two clipped
+    AdamW steps give the same losses, grad norms, merged push and adapter AdamW state; a checkpoint written at 2
+    resumes at 1 (fresh adapters of another seed) with every adapter and moment as saved."""
+    lora = LoraConfig(rank=4, alpha=8.0)
+    runs = {ep: policy(folder, ep, lora=lora) for ep in (1, 2)}
+    trained = {ep: train(*run, [1, 2]) for ep, run in runs.items()}
+    states = {ep: full_state(*run[:2]) for ep, run in runs.items()}
+    merged = {ep: {n: t.clone() for n, t in iter_merged_weights(run[0], torch.float32, 30_000)}
+              for ep, run in runs.items()}
+    model, optimizer, scheduler = runs[2]
+    parts = {"data": {}, "scheduler": scheduler.state_dict(), "health": {}}
+    state = checkpoint.TrainerState(0, 1, {"train": {"expert_parallel": 2}, "lora": dataclasses.asdict(lora)},
+                                    dist.get_world_size(), parts)
+    path = checkpoint.save(out_dir / "lora_run", state, {"model": (model, optimizer)}, [], keep_last=1)
+    fresh = policy(folder, 1, seed=5, lora=lora)
+    checkpoint.load(path, {"model": fresh[:2]})
+    return {"lora_losses": [trained[1][0], trained[2][0]], "lora_norms": [trained[1][1], trained[2][1]],
+            "lora_push": worst(merged[2], merged[1]), "lora_state": worst(states[2], states[1]),
+            "lora_state_keys": sorted(states[2]), "lora_groups": len(optimizer.param_groups),
+            "lora_resume_ep1": worst(full_state(*fresh[:2]), states[2])}
+
+
 def training_checks(out_dir: str, folders: dict[str, str]) -> None:
     """Writes `training<rank>.json`: the differences between expert_parallel=2 and 1 (losses, grad norms, pushed
     weights, AdamW state after two steps; HostAdamW's against torch's AdamW at expert_parallel=2), the loads and the
@@ -130,4 +156,5 @@ def training_checks(out_dir: str, folders: dict[str, str]) -> None:
     result["timeouts"] = [group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
                           for group in runs[2][0].expert_groups]
     result |= resume_checks(Path(out_dir), folders["hub"], runs[2], states[2])
+    result |= lora_checks(Path(out_dir), folders["hub"])
     (Path(out_dir) / f"training{dist.get_rank()}.json").write_text(json.dumps(result))

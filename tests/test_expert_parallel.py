@@ -140,6 +140,7 @@ def main(out_dir: str) -> None:
     results["push_names"] = sorted(set(expected) ^ {n for n in full if n in dict(spread.named_parameters())})
     results["push"] = max(err(full[n], p) for n, p in expected.items())
     results["fsdp"] = fsdp_case(reference, rank)
+    results["lora"] = lora_case(rank)
     (Path(out_dir) / f"results{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -178,6 +179,57 @@ def fsdp_case(reference, rank) -> dict:
     pushed = dict(iter_full_weights(model, torch.float32, 20_000))
     return {"logits": err(logits, expected[rank]), "grads": worst, "split": split,
             "push": max(err(pushed[n], p) for n, p in full.items())}
+
+
+def lora_case(rank) -> dict:
+    """LoRA's adapters (the default targets: attention, and each expert's on the fused tensors) in the policy sharded
+    with the experts split (shard_policy's expert_parallel), the adapters' split with their experts: logits, the
+    adapters' gradients (FSDP2 and reduce_expert_grads both average over the world; the frozen base gets none) and
+    the merged weight push, against the unsplit model on every rank's sequence (its losses summed)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from rl.config import LoraConfig
+    from rl.model.expert_parallel import reduce_expert_grads
+    from rl.model.moe import use_grouped_moe
+    from rl.train.lora import apply_lora, init_adapters
+    from rl.train.policy import shard_policy
+    from rl.train.weights import iter_merged_weights
+    world = dist.get_world_size()
+    reference = tiny_moe()
+    use_grouped_moe(reference)
+    apply_lora(reference, LoraConfig(rank=4, alpha=8.0))
+    init_adapters(reference, 0)
+    gen = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "lora_B" in name:  # B starts at zero: the update would be invisible
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    model = shard_policy(copy.deepcopy(reference), init_device_mesh("cpu", (world,)), torch.device("cpu"),
+                         gradient_checkpointing=False, expert_parallel=RANKS)
+    ids = [torch.randint(0, 64, (1, n), generator=gen) for n in TOKENS]
+    expected = [reference(input_ids=i).logits for i in ids]
+    sum(e.square().mean() for e in expected).backward()
+    logits = model(input_ids=ids[rank]).logits
+    logits.square().mean().backward()
+    reduce_expert_grads(model, model.expert_groups[1])
+    full = dict(reference.named_parameters())
+    part = slice(rank * EXPERTS // RANKS, (rank + 1) * EXPERTS // RANKS)
+    worst, split, frozen = 0.0, [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            frozen += [name] if p.grad is not None else []
+        elif isinstance(p, DTensor):
+            worst = max(worst, err(p.grad.full_tensor(), full[name].grad / world))
+        else:
+            split.append(name)
+            worst = max(worst, err(grad(p), full[name].grad[part] / world))
+    pushed = dict(iter_merged_weights(model, torch.float32, 20_000))
+    with torch.no_grad():
+        merged = dict(iter_merged_weights(reference, torch.float32, 20_000))
+    return {"logits": err(logits, expected[rank]), "grads": worst, "split": split, "frozen_grads": frozen,
+            "push_names": sorted(set(pushed) ^ set(merged)), "push": max(err(pushed[n], t) for n, t in merged.items())}
 
 
 def main_replicas(out_dir: str) -> None:
@@ -264,6 +316,20 @@ def test_training_with_split_experts_matches_fsdp2_alone(four_ranks):
             for name in ("gate_up_proj", "down_proj"):
                 assert {f"optim.model.layers.{layer}.mlp.experts.{name}.{k}" for k in ("exp_avg", "exp_avg_sq")} \
                     <= set(r["state_keys"])
+
+
+def test_lora_with_split_experts_trains_and_resumes_as_without(four_ranks):
+    """LoRA's adapters on attention and on the experts, at expert_parallel=2 against 1: the same losses, grad norms
+    (the split adapters counted once each), merged pushes and AdamW state, the split adapters a param group of their
+    own; a checkpoint at 2 resumes at 1 with every adapter and moment as saved."""
+    for r in four_ranks:
+        (loss_1, loss_2), (norm_1, norm_2) = r["lora_losses"], r["lora_norms"]
+        assert loss_2 == pytest.approx(loss_1, rel=1e-6) and norm_2 == pytest.approx(norm_1, rel=1e-6), r
+        assert min(norm_2) > 0 and r["lora_groups"] == 2
+        assert r["lora_push"] <= 1e-6 and r["lora_state"] <= 1e-6 and r["lora_resume_ep1"] == 0.0, r
+        keys = set(r["lora_state_keys"])
+        assert {f"optim.model.layers.1.mlp.experts.down_proj_lora_{ab}.exp_avg" for ab in "AB"} <= keys
+        assert not any(k.endswith(("experts.down_proj", "experts.gate_up_proj")) for k in keys)  # the frozen base
 
 
 def test_each_rank_loads_its_own_experts(four_ranks):
@@ -374,6 +440,17 @@ def test_fsdp2_with_split_experts(results):
         assert sorted(got["split"]) == [f"model.layers.{i}.mlp.experts.{n}" for i in range(2)
                                         for n in ("down_proj", "gate_up_proj")]
         assert got["logits"] <= 1e-5 and got["grads"] <= 1e-6 and got["push"] == 0.0, got
+
+
+def test_lora_adapters_split_with_their_experts(results):
+    """Each rank holds its experts' adapters; the logits, the adapters' gradients and the merged push are the unsplit
+    model's."""
+    for r in results:
+        got = r["lora"]
+        assert got["split"] == [f"model.layers.{i}.mlp.experts.{n}_lora_{ab}" for i in range(2)
+                                for n in ("gate_up_proj", "down_proj") for ab in "AB"]
+        assert got["frozen_grads"] == [] and got["push_names"] == []
+        assert got["logits"] <= 1e-5 and got["grads"] <= 1e-6 and got["push"] <= 1e-6, got
 
 
 def test_whole_model_logits_and_gradients(results):

@@ -43,11 +43,14 @@ tensors. `train.expert_parallel` = N > 1 wires it into the trainer:
   (replica, expert) mesh, so DCP writes it at its global expert rows once and a resume reshards it to any EP size
   (1 included, where FSDP2 shards the experts), the param groups saved as one;
 - the weight push (rl/train/weights.py) gathers a split tensor whole with `full_experts`;
-- the memory plan (rl/run/memory.py) counts E / N experts per rank for parameters, gradients and AdamW state.
+- the memory plan (rl/run/memory.py) counts E / N experts per rank for parameters, gradients and AdamW state;
+- LoRA's per-expert adapters of the fused tensors (rl/train/lora.py, on the experts module beside them) are split
+  with their experts: each rank holds its experts' adapters, and everything above treats them as expert slices,
+  while the frozen fused tensors get no gradient and no AdamW state.
 
 Verified on CPU gloo ranks only (tests/test_expert_parallel.py, tests/expert_parallel_training.py): two and four
-ranks, EP 2 against 1 to fp32 rounding (the train step, HostAdamW, the push, rl.main's loop with routing replay),
-checkpoint resumes at EP 2, 1 and 4. Not run on GPUs: NCCL, bf16 compute and train.offload's moves of the split
+ranks, EP 2 against 1 to fp32 rounding (the train step, HostAdamW, the push, rl.main's loop with routing replay,
+LoRA on the experts), checkpoint resumes at EP 2, 1 and 4 (LoRA's at 1). Not run on GPUs: NCCL, bf16 compute and train.offload's moves of the split
 experts (rl/train/policy.py's HostOffloader, CUDA only) are untested, as is torch.compile of the blocks
 (model.compile) with the all-to-all inside.
 """
