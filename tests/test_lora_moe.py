@@ -183,7 +183,8 @@ def test_a_checkpoint_keeps_the_expert_adapters_and_exports_them(one_rank, tmp_p
     """build_policy's sharded policy (the hub's one tensor per expert loaded into the fused experts), one AdamW step,
     checkpoint.save; a fresh policy (other adapters: another seed) loads it: every adapter and moment as saved, and
     the checkpoint holds the adapters alone. `python -m rl.export` of it: the merged folder (the base's experts fused,
-    the adapters merged) loads in transformers as the trained policy, and so does the adapter alone in PEFT."""
+    the adapters merged) loads in transformers as the trained policy, and so does the adapter alone in PEFT. A
+    checkpoint without the experts' adapters (written when they took none) is refused in one line."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
@@ -231,6 +232,14 @@ def test_a_checkpoint_keeps_the_expert_adapters_and_exports_them(one_rank, tmp_p
         adapter = export_checkpoint(path, tmp_path / "adapter", adapter=True)
         torch.testing.assert_close(peft.PeftModel.from_pretrained(base, adapter).eval()(IDS).logits, trained,
                                    rtol=1e-5, atol=1e-5)
+
+    # A checkpoint of the default targets written when the experts took no adapters (attention's alone): one line
+    attention = LoraConfig(rank=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    old = build_policy(cfg, one_rank, torch.device("cpu"), 0, 64, lora=attention)
+    old_path = checkpoint.save(tmp_path / "old", state, {"model": (old, build_optimizer(old, TrainConfig())[0])}, [],
+                               keep_last=1)
+    with pytest.raises(ConfigError, match=r"holds no model.layers.0.mlp.experts.down_proj_lora_A \(8 of this run"):
+        checkpoint.load(old_path, {"model": policy(seed=0)})
 
 
 def test_the_memory_plan_counts_the_expert_adapters():

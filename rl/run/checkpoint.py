@@ -82,7 +82,7 @@ from rl.run.safe_load import (
     rng_to_json,
     set_rng_state,
 )
-from rl.train.lora import adapted_names, lora_rank, selected_names
+from rl.train.lora import adapted_names, adapter_names, lora_rank, selected_names
 
 BUFFER_FILE = "rollout_buffer.json"
 OLD_BUFFER_FILE = "rollout_buffer.pkl"  # written before the JSON form: never unpickled
@@ -469,6 +469,7 @@ def load(path: Path, models: Models) -> TrainerState:
     state = read_trainer_state(path)
     check_critic(path, state, models)
     check_lora(path, state.config.get("lora", {}), models["model"][0])
+    check_adapters_held(path, models["model"][0])
     sds = _state_dicts(models)
     reader = SafeReader(str(path / "model_optim"))
     dcp.load(sds, storage_reader=reader, planner=SafeLoadPlanner(reader))
@@ -503,6 +504,18 @@ def check_lora(path: Path, saved: dict[str, Any], model: torch.nn.Module) -> Non
         raise ConfigError(f"checkpoint {path} was trained with lora.rank={then[0]} on {then[1] or 'no layers'}, and "
                           f"this run has lora.rank={now[0]} on {now[1] or 'no layers'}: resume with the checkpoint's "
                           f"[lora] keys, or start afresh in another log.output_dir")
+
+
+def check_adapters_held(path: Path, model: torch.nn.Module) -> None:
+    """A LoRA checkpoint holds every adapter of this run's policy. One written before a MoE model's experts took
+    adapters has the same lora keys (its default targets adapted attention alone) and lacks the experts'."""
+    held = read_metadata(path / "model_optim").state_dict_metadata
+    missing = sorted(name for name in adapter_names(model) if f"model.{name}" not in held)
+    if missing:
+        raise ConfigError(f"checkpoint {path} holds no {missing[0]} ({len(missing)} of this run's adapters are not "
+                          f"in it, as in one written when a MoE model's experts took no adapters); resume with "
+                          f"lora.target_modules naming the layers it adapted (e.g. [\"q_proj\", \"k_proj\", "
+                          f"\"v_proj\", \"o_proj\"]), or start afresh in another log.output_dir")
 
 
 def restore_rng(path: Path, state: TrainerState) -> None:
