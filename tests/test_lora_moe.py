@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from rl.config import ConfigError, LoraConfig, ModelConfig, TrainConfig
 from rl.model.moe import use_grouped_moe
 from rl.rollout.native import NativeEngine
-from rl.train.lora import adapted_experts, apply_lora, init_adapters
+from rl.train.lora import adapted_experts, adapters_off, apply_lora, init_adapters
 from rl.train.policy import build_optimizer
 from rl.train.weights import sync_weights
 from tests.test_lora import engine_vs_trainer
@@ -59,6 +59,7 @@ def reference_logits(model: torch.nn.Module, family: str = "qwen3_moe") -> torch
 
 
 def test_expert_adapters_start_as_the_base_and_equal_the_hand_merged_experts():
+    """B = 0: the base exactly; random A and B: the hand merge; adapters_off (the KL reference): the base again."""
     model = moe_lora()
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj_lora_A.shape == (8, 4, 64) and experts.gate_up_proj_lora_B.shape == (8, 64, 4)
@@ -71,6 +72,9 @@ def test_expert_adapters_start_as_the_base_and_equal_the_hand_merged_experts():
         adapted = model(IDS).logits
         torch.testing.assert_close(adapted, reference_logits(model), rtol=1e-5, atol=1e-5)
         assert (adapted - base(IDS).logits).abs().max() > 1e-2
+        with adapters_off(model):  # the KL reference of a LoRA policy: its base, the experts' adapters off too
+            assert torch.equal(model(IDS).logits, base(IDS).logits)
+        assert torch.equal(model(IDS).logits, adapted)  # and back on after
 
 
 def test_the_adapters_gradients_are_those_of_the_hand_merged_experts():
