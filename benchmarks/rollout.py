@@ -22,6 +22,12 @@ one), in a child process of its own (vLLM's sleep allocator serves one engine pe
 engine per object, e.g. '{}' '{"enable_prefix_caching": false}' '{"enforce_eager": true}'. For each
 vLLM engine the batch is also generated with each of the engine's per-call choices undone (`VLLM_CALLS`:
 without logprobs, with vLLM's per-token logprob dicts, with a generator per request), for what each costs.
+`--native-variants` does the same for the native engine with `NativeEngine` arguments; the keys `precision`,
+`kv_precision` and `fp8_scale` set either engine as the same `rollout.*` keys set it in a run. BF16 against FP8:
+
+    python benchmarks/rollout.py --engines native vllm --hf-steps -1 \
+        --native-variants '{}' '{"precision": "fp8"}' '{"precision": "fp8", "kv_precision": "fp8"}' \
+        --vllm-variants '{}' '{"precision": "fp8"}' '{"precision": "fp8", "kv_precision": "fp8"}'
 
     python benchmarks/rollout.py --batch-invariant --hf-steps -1   # the same in model.batch_invariant mode
 
@@ -295,12 +301,14 @@ def build(name: str, path: str, cfg, args, device: torch.device, dtype: torch.dt
     max_context = args.max_prompt_len + args.max_new_tokens
     if name == "native":
         return NativeEngine(cfg, device, dtype, max_batch_size=batch, seed=0, max_context_len=max_context,
-                            batch_invariant=args.batch_invariant)
+                            batch_invariant=args.batch_invariant, **variant)
     from rl.rollout.vllm import VllmEngine
 
-    rollout = RolloutConfig(engine="vllm", max_context_len=max_context, max_batch_size=batch,
+    # The rollout keys of the native engine's arguments set vLLM's as a run does; the rest are vllm.LLM arguments.
+    keys = {k: variant[k] for k in ("precision", "kv_precision", "fp8_scale") if k in variant}
+    rollout = RolloutConfig(engine="vllm", max_context_len=max_context, max_batch_size=batch, **keys,
                             vllm=VllmEngineConfig(gpu_memory_utilization=args.gpu_memory_utilization,
-                                                            kwargs=variant))
+                                                  kwargs={k: v for k, v in variant.items() if k not in keys}))
     return VllmEngine(path, rollout, device, dtype, seed=0)
 
 
@@ -383,7 +391,7 @@ def bench_model(path: str, args, device: torch.device, dtype: torch.dtype, bandw
     prompts = [p for p in distinct for _ in range(args.n_samples)]
     rows = []
     for name in args.engines:
-        for variant in (args.vllm_variants if name == "vllm" else ["{}"]):
+        for variant in (args.vllm_variants if name == "vllm" else args.native_variants):
             if name == "vllm" and not args.vllm_child:
                 rows.append(vllm_in_child(path, variant))
             else:
@@ -455,6 +463,10 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["native"], choices=["native", "vllm"])
     parser.add_argument("--vllm-variants", nargs="+", default=["{}"],
                         help="JSON objects of extra vllm.LLM arguments (rollout.vllm.kwargs), one engine each")
+    parser.add_argument("--native-variants", nargs="+", default=["{}"],
+                        help="JSON objects of NativeEngine arguments, one engine each, e.g. '{}' "
+                             "'{\"precision\": \"fp8\"}' '{\"precision\": \"fp8\", \"kv_precision\": \"fp8\"}' "
+                             "(rollout.precision, rollout.kv_precision, rollout.fp8_scale)")
     parser.add_argument("--no-vllm-calls", dest="vllm_calls", action="store_false",
                         help="skip generating the batch again with each of vLLM's per-call choices undone")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the device")
