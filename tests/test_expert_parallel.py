@@ -325,7 +325,7 @@ def test_lora_with_split_experts_trains_and_resumes_as_without(four_ranks):
     for r in four_ranks:
         (loss_1, loss_2), (norm_1, norm_2) = r["lora_losses"], r["lora_norms"]
         assert loss_2 == pytest.approx(loss_1, rel=1e-6) and norm_2 == pytest.approx(norm_1, rel=1e-6), r
-        assert min(norm_2) > 0 and r["lora_groups"] == 2
+        assert min(norm_2) > 5 * 0.05 and r["lora_groups"] == 2  # the clip (0.05) scaled every step
         assert r["lora_push"] <= 1e-6 and r["lora_state"] <= 1e-6 and r["lora_resume_ep1"] == 0.0, r
         keys = set(r["lora_state_keys"])
         assert {f"optim.model.layers.1.mlp.experts.down_proj_lora_{ab}.exp_avg" for ab in "AB"} <= keys
