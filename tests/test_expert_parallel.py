@@ -145,21 +145,19 @@ def main(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def fsdp_case(reference, rank) -> dict:
-    """The policy sharded by FSDP2 with the experts split (shard_policy's expert_parallel): logits, every gradient
-    (FSDP2 and reduce_expert_grads both average over the world) and the weight push, against the reference on every
-    rank's sequence (its losses summed)."""
+def sharded_step(reference, gen: torch.Generator, rank: int):
+    """`reference` sharded by FSDP2 with its experts split (shard_policy's expert_parallel), one backward of this rank's
+    sequence in it and of every rank's (their losses summed) in `reference`, the split experts' gradients reduced:
+    (the sharded model, its logits' error against the reference's, the reference's parameters by name, this rank's
+    slice of the experts)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
     from rl.model.expert_parallel import reduce_expert_grads
     from rl.train.policy import shard_policy
-    from rl.train.weights import iter_full_weights
-    world = dist.get_world_size()
-    model = shard_policy(copy.deepcopy(reference), init_device_mesh("cpu", (world,)), torch.device("cpu"),
-                         gradient_checkpointing=False, expert_parallel=RANKS)
-    gen = torch.Generator().manual_seed(9)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = shard_policy(copy.deepcopy(reference), mesh, torch.device("cpu"), gradient_checkpointing=False,
+                         expert_parallel=RANKS)
     ids = [torch.randint(0, 64, (1, n), generator=gen) for n in TOKENS]
     reference.zero_grad(set_to_none=True)
     expected = [reference(input_ids=i).logits for i in ids]
@@ -167,36 +165,48 @@ def fsdp_case(reference, rank) -> dict:
     logits = model(input_ids=ids[rank]).logits
     logits.square().mean().backward()
     reduce_expert_grads(model, model.expert_groups[1])
-    full = dict(reference.named_parameters())
-    part = slice(rank * EXPERTS // RANKS, (rank + 1) * EXPERTS // RANKS)
-    worst, split = 0.0, []
+    return model, err(logits, expected[rank]), dict(reference.named_parameters()), \
+        slice(rank * EXPERTS // RANKS, (rank + 1) * EXPERTS // RANKS)
+
+
+def grad_errors(model, full: dict, part: slice) -> tuple[float, list[str], list[str]]:
+    """The sharded model's gradients against the reference's over the world (FSDP2 and reduce_expert_grads both
+    average): the worst error, the names of the split (not DTensor) parameters, and the frozen ones given a gradient."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    world, worst, split, frozen = dist.get_world_size(), 0.0, [], []
     for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
+        if not p.requires_grad:
+            frozen += [name] if p.grad is not None else []
+        elif isinstance(p, DTensor):
             worst = max(worst, err(p.grad.full_tensor(), full[name].grad / world))
         else:
             split.append(name)
             worst = max(worst, err(grad(p), full[name].grad[part] / world))
+    return worst, split, frozen
+
+
+def fsdp_case(reference, rank) -> dict:
+    """The policy sharded by FSDP2 with the experts split (`sharded_step`): logits, every gradient (FSDP2 and
+    reduce_expert_grads both average over the world) and the weight push, against the reference on every rank's
+    sequence (its losses summed)."""
+    from rl.train.weights import iter_full_weights
+    model, logits_err, full, part = sharded_step(reference, torch.Generator().manual_seed(9), rank)
+    worst, split, _ = grad_errors(model, full, part)
     pushed = dict(iter_full_weights(model, torch.float32, 20_000))
-    return {"logits": err(logits, expected[rank]), "grads": worst, "split": split,
+    return {"logits": logits_err, "grads": worst, "split": split,
             "push": max(err(pushed[n], p) for n, p in full.items())}
 
 
 def lora_case(rank) -> dict:
     """LoRA's adapters (the default targets: attention, and each expert's on the fused tensors) in the policy sharded
-    with the experts split (shard_policy's expert_parallel), the adapters' split with their experts: logits, the
-    adapters' gradients (FSDP2 and reduce_expert_grads both average over the world; the frozen base gets none) and
-    the merged weight push, against the unsplit model on every rank's sequence (its losses summed)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
+    with the experts split (`sharded_step`), the adapters' split with their experts: logits, the adapters' gradients
+    (FSDP2 and reduce_expert_grads both average over the world; the frozen base gets none) and the merged weight
+    push, against the unsplit model on every rank's sequence (its losses summed)."""
     from rl.config import LoraConfig
-    from rl.model.expert_parallel import reduce_expert_grads
     from rl.model.moe import use_grouped_moe
     from rl.train.lora import apply_lora, init_adapters
-    from rl.train.policy import shard_policy
     from rl.train.weights import iter_merged_weights
-    world = dist.get_world_size()
     reference = tiny_moe()
     use_grouped_moe(reference)
     apply_lora(reference, LoraConfig(rank=4, alpha=8.0))
@@ -206,29 +216,12 @@ def lora_case(rank) -> dict:
         for name, p in reference.named_parameters():
             if "lora_B" in name:  # B starts at zero: the update would be invisible
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    model = shard_policy(copy.deepcopy(reference), init_device_mesh("cpu", (world,)), torch.device("cpu"),
-                         gradient_checkpointing=False, expert_parallel=RANKS)
-    ids = [torch.randint(0, 64, (1, n), generator=gen) for n in TOKENS]
-    expected = [reference(input_ids=i).logits for i in ids]
-    sum(e.square().mean() for e in expected).backward()
-    logits = model(input_ids=ids[rank]).logits
-    logits.square().mean().backward()
-    reduce_expert_grads(model, model.expert_groups[1])
-    full = dict(reference.named_parameters())
-    part = slice(rank * EXPERTS // RANKS, (rank + 1) * EXPERTS // RANKS)
-    worst, split, frozen = 0.0, [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            frozen += [name] if p.grad is not None else []
-        elif isinstance(p, DTensor):
-            worst = max(worst, err(p.grad.full_tensor(), full[name].grad / world))
-        else:
-            split.append(name)
-            worst = max(worst, err(grad(p), full[name].grad[part] / world))
+    model, logits_err, full, part = sharded_step(reference, gen, rank)
+    worst, split, frozen = grad_errors(model, full, part)
     pushed = dict(iter_merged_weights(model, torch.float32, 20_000))
     with torch.no_grad():
         merged = dict(iter_merged_weights(reference, torch.float32, 20_000))
-    return {"logits": err(logits, expected[rank]), "grads": worst, "split": split, "frozen_grads": frozen,
+    return {"logits": logits_err, "grads": worst, "split": split, "frozen_grads": frozen,
             "push_names": sorted(set(pushed) ^ set(merged)), "push": max(err(pushed[n], t) for n, t in merged.items())}
 
 
