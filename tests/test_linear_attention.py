@@ -266,7 +266,9 @@ def test_trainer_packed_row_equals_each_sequence_alone(family):
         alone = reference(input_ids=x, use_cache=False).logits
         (alone * weights[:, cu[i]:cu[i + 1]]).sum().backward()
         expected.append(alone.detach())
-    close(logits.detach(), torch.cat(expected, dim=1))
+    # float32 logits of two different summation orders (transformers 5.19's Qwen3-Next gave 4e-5 on 4 of 13,184);
+    # a state carried over a boundary moves them by tenths
+    torch.testing.assert_close(logits.detach(), torch.cat(expected, dim=1), atol=2e-4, rtol=1e-4)
     grads = dict(reference.named_parameters())
     for name, parameter in model.named_parameters():  # float32 sums of gradients in the hundreds
         expected_grad = grads[name].grad
