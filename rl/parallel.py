@@ -174,7 +174,9 @@ def step_barrier(d: Dist, timeout_s: float, where: str) -> None:
 
     Call it where ranks rejoin after work of their own (generation, rewards), before the next
     collective: a rank stuck in that work then shows up here by number rather than as an anonymous
-    collective timeout. Rank 0 names the missing ranks; the other ranks point to rank 0's message."""
+    collective timeout. Rank 0 names the missing ranks; the other ranks point to rank 0's message. A rank that died
+    before the others came closes its connection, which fails the barrier at once: that error goes up as it is, for
+    `lost_rank_error` to name the dead rank (rl.launch.cli), as after any collective."""
     if d.monitor_group is None:
         return
     try:
@@ -186,6 +188,8 @@ def step_barrier(d: Dist, timeout_s: float, where: str) -> None:
             raise StalledRankError(f"rank(s) {ranks} did not reach {where} within {timeout_s:g} s (stalled or dead); "
                                    f"stopping the run. See those ranks' output for where they were",
                                    missing=tuple(ranks)) from e
+        if _CONNECTION_LOST.search(str(e)):  # a rank died before the barrier: rl.launch.cli's check-in names it
+            raise
         raise StalledRankError(f"rank {d.rank} reached {where} but rank 0 did not confirm that every rank did "
                                f"within {timeout_s:g} s: rank 0's message names the stalled ranks (or rank 0 "
                                f"is the one that stalled)") from e

@@ -6,6 +6,8 @@
 - timeout: after set_collective_timeout(3), rank 1 sleeps 20 s before an all_reduce that rank 0 is
   already in (it writes OUT/started0 first); the run must fail ~3 s later, not when rank 1 wakes
   (nor after the start-up 30 minutes).
+- dead: rank 1 exits before rank 0 reaches a step_barrier, whose connection to it is then closed (not a timeout);
+  run as rl.main runs (rl.launch.cli), rank 0 must say in one line that rank 1 died.
 """
 
 import os
@@ -44,8 +46,19 @@ def main(mode: str, out_dir: str) -> None:
         dist.all_reduce(torch.ones(1, device=d.device))
         if d.device.type == "cuda":  # NCCL fails in its watchdog, which aborts the process
             torch.cuda.synchronize()
+    elif mode == "dead":
+        parallel.set_collective_timeout(3.0, d.mesh)  # the check-in after a lost rank waits this long at most
+        parallel.step_barrier(d, 30.0, "the end of step 0")
+        if d.rank == 1:
+            os._exit(0)
+        time.sleep(2)
+        parallel.step_barrier(d, 30.0, "the end of step 1")
     parallel.teardown()
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "dead":
+        from rl.launch import cli
+
+        sys.exit(cli(lambda argv: main(*argv), sys.argv[1:]))
     main(sys.argv[1], sys.argv[2])

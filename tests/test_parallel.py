@@ -77,6 +77,18 @@ def test_a_stalled_rank_is_named_and_the_run_stops(tmp_path):
     assert time.monotonic() - start < 60
 
 
+def test_a_rank_dead_before_a_step_barrier_is_named(tmp_path):
+    """A rank that died before the others reach a step barrier makes it fail on its closed connection at once, not
+    time out listing it: rank 0 names it through the check-in, as for any collective."""
+    proc = subprocess.run(torchrun_cmd("dead", tmp_path, port(3)), cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=120, check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("rl: stopped:")]
+    assert proc.returncode != 0 and lines == [
+        "rl: stopped: rank 1 died: its connection closed in the middle of a collective, and did not check in after "
+        "(killed by a signal or crashed); stopping the run. The output of rank 1 shows where it was"], \
+        proc.stderr[-3000:]
+
+
 def test_collective_timeout_is_lowered(tmp_path):
     proc = subprocess.run(torchrun_cmd("timeout", tmp_path, port(2)), cwd=ROOT, env=env(), capture_output=True,
                           text=True, timeout=120, check=False)
