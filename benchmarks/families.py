@@ -17,6 +17,8 @@ then prints the table; one model's failure leaves the others to run):
              every sample trained; the MFU counts the matmuls one token computes (a MoE's chosen experts only)
     step     benchmarks/loop.sh's batch with the native engine: 4 rollouts, the training state on the device,
              packed rows, every group with reward variance (tests.reward_fns:spread); medians over rollouts 1..
+             Both take micro-batches of 32768 tokens, or the largest the start-up memory plan fits on this GPU
+             (its own column): Qwen3-1.7B plans 115.7 GB at 32768 tokens, more than an 80 GB card holds.
     replay   a mixture of experts only: the step again with train.routing_replay on. Its columns give, off -> on, the
              fraction of trained tokens whose experts the trainer picked differently from the engine
              (train/routing_mismatch; 0 with replay) and the engine-vs-trainer KL (rollout/logprob_k3_kl)
@@ -43,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["configs/models/qwen3-0.6b", "configs/models/qwen3-1.7b", "configs/models/qwen3-4b",
           "configs/models/gemma3-1b"]
 LENGTHS = "benchmarks/lengths/gsm8k-qwen2.5-0.5b-instruct.json"
+MICRO_BATCH_TOKENS = 32768
 STEP = ["--train.offload=false", "--train.packing=true", "--reward.user_fn=tests.reward_fns:spread"]
 PARTS = ("native", "vllm", "train", "step", "replay")
 # --precisions: the rollout keys of each, set alike in both engines and the RL step (the train phase is bf16 always)
@@ -50,8 +53,47 @@ PRECISIONS = {"bf16": {}, "fp8": {"precision": "fp8"}, "fp8-kv": {"precision": "
               "kv-fp8": {"kv_precision": "fp8"}}
 
 
+def batch(a: argparse.Namespace) -> list[str]:
+    return [f"--rollout.rollout_batch_size={a.num_prompts}", f"--rollout.max_new_tokens={a.max_new_tokens}",
+            f"--rollout.max_context_len={512 + a.max_new_tokens}"]
+
+
+def device_memory() -> float | None:
+    """GPU 0's memory in bytes, from nvidia-smi (this process starts no CUDA context of its own); None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        return float(out.split()[0]) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def micro_batch_tokens(model: Path, a: argparse.Namespace, device_total: float | None) -> int:
+    """The train part's and the step's micro-batch: 32768 tokens, or where the start-up memory plan of the step's
+    run (the training state on the device) does not fit `device_total` at that, the largest multiple of 64 that
+    does. 32768 without a GPU, or where nothing fits (the run then says so itself)."""
+    if device_total is None:
+        return MICRO_BATCH_TOKENS
+    sys.path.insert(0, str(ROOT))
+    from transformers import AutoConfig
+
+    from rl.config import load_config
+    from rl.run.memory import largest_size, models_of, peaks, plan_memory, usable_bytes
+
+    cfg = load_config(["--config", str(ROOT / "configs/tiny.toml"), f"--model.path={model}",
+                       "--model.random_init=true", "--model.compile=true", "--data.max_prompt_len=512",
+                       f"--train.micro_batch_tokens={MICRO_BATCH_TOKENS}", *STEP, *batch(a)], checked=False)
+    models = models_of(cfg, AutoConfig.from_pretrained(model))
+    fits = lambda c: max(peaks(plan_memory(c, models, 1, "cuda", device_total)).values()) \
+        <= usable_bytes(device_total)  # noqa: E731
+    if fits(cfg):
+        return MICRO_BATCH_TOKENS
+    _, changed = largest_size(cfg, ("train", "micro_batch_tokens", 1, MICRO_BATCH_TOKENS // 64 - 1, 64), fits)
+    return changed.train.micro_batch_tokens if changed else MICRO_BATCH_TOKENS
+
+
 def command(part: str, model: Path, precision: str, a: argparse.Namespace, tokenizer: Path,
-            out: Path) -> tuple[list[str], dict]:
+            out: Path, mbt: int) -> tuple[list[str], dict]:
     """One part's command line for one model at one rollout precision, and the environment variables it adds."""
     keys = PRECISIONS[precision]
     if part in ("native", "vllm"):  # each engine on its own: one that fails leaves the other's row
@@ -61,12 +103,12 @@ def command(part: str, model: Path, precision: str, a: argparse.Namespace, token
                  "--out", str(out / f"{part}.json")], {})
     if part == "train":
         return ([sys.executable, "benchmarks/train.py", "--models", str(model), "--lengths", LENGTHS,
-                 "--variants", "fresh=on,packing=on", "--repeats", "3", "--json", str(out / "train.jsonl")], {})
-    batch = [f"--rollout.rollout_batch_size={a.num_prompts}", f"--rollout.max_new_tokens={a.max_new_tokens}",
-             f"--rollout.max_context_len={512 + a.max_new_tokens}"]
+                 "--variants", f"fresh=on,packing=on,mbt={mbt}", "--repeats", "3", "--json",
+                 str(out / "train.jsonl")], {})
     replay = ["--train.routing_replay=true"] if part == "replay" else []
     rollout = [f"--rollout.{k}={v}" for k, v in keys.items()]
-    return (["bash", "benchmarks/loop.sh", str(model), str(tokenizer), "1", "4", *STEP, *batch, *rollout, *replay],
+    return (["bash", "benchmarks/loop.sh", str(model), str(tokenizer), "1", "4", *STEP, *batch(a), *rollout, *replay,
+             f"--train.micro_batch_tokens={mbt}"],
             {"LOOP_OUT": str(out / part)})
 
 
@@ -77,6 +119,7 @@ def run(a: argparse.Namespace) -> None:
         if not (tokenizer / "tokenizer.json").exists():
             subprocess.run([sys.executable, "benchmarks/loop_breakdown.py", "tokenizer", str(tokenizer)], cwd=ROOT,
                            check=True)
+    device_total, sizes = device_memory(), {}
     # each part over every model and precision first: the most columns filled within a time limit
     for part, model, precision in itertools.product(a.parts, models, a.precisions):
         if (part == "replay" and not shape(model).num_experts) or (part == "vllm" and part not in a.engines):
@@ -89,7 +132,10 @@ def run(a: argparse.Namespace) -> None:
         dest.mkdir(parents=True, exist_ok=True)
         (dest / "model").write_text(str(model))
         (dest / "precision").write_text(precision)
-        cmd, env = command(part, model, precision, a, tokenizer, dest)
+        if model not in sizes:
+            sizes[model] = micro_batch_tokens(model, a, device_total)
+        (dest / "micro_batch_tokens").write_text(str(sizes[model]))
+        cmd, env = command(part, model, precision, a, tokenizer, dest, sizes[model])
         print(f"== {name} {part}: {' '.join(cmd)}", flush=True)
         failed = subprocess.run(cmd, cwd=ROOT, env=os.environ | env).returncode
         if failed:  # one model's failure (out of memory, an unsupported family) leaves the others to run
@@ -146,6 +192,8 @@ def row(dest: Path, model_dir: Path) -> str:
     cells["mfu"] = (f"{fit[-1]['mfu']:.1%}" if fit[-1]["mfu"] else "-") if fit else \
         ("out of memory" if trains else "-")
     cells["train s"] = f"{fit[-1]['step_s']:.2f}" if fit else "-"
+    mbt = dest / "micro_batch_tokens"
+    cells["micro-batch"] = f"{int(mbt.read_text()):,}" if mbt.exists() else "-"
     steps = {part: loop_steps(dest / part) for part in ("step", "replay")}
     for key, label in (("perf/step_s", "step s"), ("perf/rollout_s", "rollout s"), ("perf/train_s", "step train s")):
         cells[label] = f"{median(steps['step'], key):.2f}" if steps["step"] else "-"
@@ -179,9 +227,9 @@ def table(out: Path) -> str:
         f"device: {device}{vllm}; goals: native / vLLM >= 2x, logprob mean abs <= 0.01, train MFU >= 40% from 1.7B",
         "| model | params | cache per sequence | native tok/s | native logprob mean abs | vLLM tok/s "
         "| vLLM logprob mean abs | native / vLLM | train MFU (real lengths) | train s (real lengths) "
-        "| step s | rollout s | train s "
+        "| micro-batch tokens | step s | rollout s | train s "
         "| routing mismatch, replay off -> on | engine-vs-trainer k3 KL, replay off -> on |",
-        "|---" * 15 + "|", *lines])
+        "|---" * 16 + "|", *lines])
 
 
 def main() -> None:
