@@ -71,6 +71,27 @@ def test_the_shape_counts_every_parameter_and_the_kv_of_the_attention_layers_alo
     check_native_architecture("m", model.config)  # accepted
 
 
+def test_the_rope_tables_come_from_one_row_of_positions_per_section(model, monkeypatch):
+    """Qwen3.5's RoPE is multimodal: its model's forward hands the rotary module positions (3, B, T), one row per
+    section, and transformers 5.17's rotary takes no other shape (later versions broadcast (B, T) too). The engine's
+    tables ask it so, held here to 5.17's contract whatever version runs, and are the model's cos/sin of text."""
+    from rl.model.kernels.rope import rope_tables
+
+    rotary = type(model.model.rotary_emb)
+    forward = rotary.forward
+
+    def forward_of_three_rows(self, x, position_ids):
+        assert position_ids.dim() == 3 and position_ids.shape[0] == 3, tuple(position_ids.shape)
+        return forward(self, x, position_ids)
+
+    monkeypatch.setattr(rotary, "forward", forward_of_three_rows)
+    cos, sin = rope_tables(model, 32, torch.device("cpu"), torch.float32)
+    want_cos, want_sin = model.model.rotary_emb(torch.zeros(1), torch.arange(32).expand(3, 1, -1))
+    half = model.config.head_dim // 8  # a quarter of the head rotated: half of it in a half table
+    assert cos.shape == sin.shape == (32, half)
+    assert torch.equal(cos, want_cos[0, :, :half]) and torch.equal(sin, want_sin[0, :, :half])
+
+
 def test_engine_logprobs_are_the_transformers_forward(model, engine):
     outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, temperature=0.7))
     for prompt, out in zip(PROMPTS, outs):

@@ -36,6 +36,11 @@ def rope_tables(reference: torch.nn.Module, max_positions: int, device: torch.de
     of layer in a model with several (Gemma 3's sliding and full attention)."""
     rotary = type(reference.model.rotary_emb)(config=reference.config)
     extra = (layer_type,) if layer_type is not None else ()
-    cos, sin = rotary(torch.zeros(1), torch.arange(max_positions)[None], *extra)
+    positions = torch.arange(max_positions)[None]  # (1, T)
+    if hasattr(rotary, "mrope_section"):
+        # Qwen3.5's multimodal RoPE: one row of positions per section (3, 1, T), all equal for text. transformers
+        # 5.17's forward indexes them as 3-D and fails on (1, T); later versions broadcast either.
+        positions = positions.expand(3, 1, -1)
+    cos, sin = rotary(torch.zeros(1), positions, *extra)
     half = cos.shape[-1] // 2
     return cos[0, :, :half].to(device, dtype).contiguous(), sin[0, :, :half].to(device, dtype).contiguous()
