@@ -72,3 +72,35 @@ def test_random_init_of_a_model_with_saved_buffers_is_one_line():
 
     with pytest.raises(ConfigError, match=r"^model.random_init: the model has a saved buffer running_mean"):
         init_random_weights(torch.nn.BatchNorm1d(3), 0, 0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_computed_buffers_of_a_gemma3_built_on_meta_are_those_of_one_built_whole(dtype):
+    """After `to_empty`, Gemma 3's computed buffers are recomputed: its RoPEs' inv_freq from their config, and its
+    scaled embedding's `embed_scale`, sqrt(hidden_size) in the model's dtype, by a module with no config."""
+    from transformers import AutoModelForCausalLM
+
+    from rl.train.policy import init_non_persistent_buffers
+    from tests.test_families import gemma3_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(gemma3_config(), dtype=dtype)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for buffer in model.buffers():
+            buffer.fill_(float("nan"))  # what to_empty left, whatever its memory held
+    init_non_persistent_buffers(model)
+    got = dict(model.named_buffers())
+    want = dict(AutoModelForCausalLM.from_config(gemma3_config(), dtype=dtype).named_buffers())
+    assert got.keys() == want.keys() and "model.embed_tokens.embed_scale" in got
+    for name, buffer in want.items():
+        assert buffer.dtype == got[name].dtype and torch.equal(got[name], buffer), name
+
+
+def test_a_computed_buffer_with_nothing_to_rebuild_it_from_stops_with_its_name():
+    from rl.train.policy import init_non_persistent_buffers
+
+    scale = torch.nn.Module()
+    scale.register_buffer("embed_scale", torch.tensor(2.0), persistent=False)  # no float kept beside it, no config
+    with pytest.raises(ValueError, match=r"non-persistent buffers \['embed_scale'\] of 0 \(Module\): it has no config"):
+        init_non_persistent_buffers(torch.nn.Sequential(scale))

@@ -92,10 +92,16 @@ def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_co
 
 def init_non_persistent_buffers(model: torch.nn.Module) -> None:
     """Buffers that are computed, not saved (RoPE's inv_freq), hold garbage after `to_empty`: each module
-    that has them is built again on the CPU from its config and its buffers are copied over."""
+    that has them is built again on the CPU from its config and its buffers are copied over. Gemma's scaled
+    embedding has no config: its one buffer, `embed_scale` (sqrt(hidden_size) in the model's dtype), is filled
+    from the float the module keeps beside it."""
     for name, module in model.named_modules():
         names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
         if not names:
+            continue
+        if names == ["embed_scale"] and isinstance(getattr(module, "scalar_embed_scale", None), float):
+            with torch.no_grad():  # rounded to the buffer's dtype, as torch.tensor(embed_scale) rounded it
+                module._buffers["embed_scale"].fill_(module.scalar_embed_scale)
             continue
         if not hasattr(module, "config"):
             raise ValueError(f"cannot recompute the non-persistent buffers {names} of {name} "
