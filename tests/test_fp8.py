@@ -14,6 +14,7 @@ from rl.rollout.native import NativeEngine
 from rl.rollout.vllm import engine_kwargs
 from tests.test_config import make
 from tests.test_engine import full_weights, reference_logprobs
+from tests.test_vllm import needs_vllm
 from tests.tiny import tiny_model
 
 HALF_STEP = 2.0**-4  # e4m3 rounds to 3 mantissa bits: at most half a step, 2^-4 of the value
@@ -197,8 +198,15 @@ def test_the_keys_refuse_bad_values_and_batch_invariance_in_one_line():
     cases = [({"rollout": {"precision": "fp16"}}, r"^rollout.precision must be one of bf16, fp8; got 'fp16'$"),
              ({"rollout": {"fp8_scale": "tensor"}}, r"^rollout.fp8_scale must be one of channel, block; got 'tensor'$"),
              ({"rollout": {"precision": "fp8"}, "model": {"path": "m", "batch_invariant": True}},
-              r"^model.batch_invariant and rollout.precision='fp8': [^\n]*$"),
-             ({"rollout": {"precision": "fp8", "engine": "vllm", "vllm": {"kwargs": {"quantization": "fp8"}}}},
+              r"^model.batch_invariant and rollout.precision='fp8': [^\n]*$")]
+    for sections, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            make(**sections)
+
+
+@needs_vllm  # without vLLM, rollout.engine='vllm' is refused before these keys are read
+def test_the_vllm_keys_refuse_a_second_quantization_and_fp8_lora_at_sleep_level_1():
+    cases = [({"rollout": {"precision": "fp8", "engine": "vllm", "vllm": {"kwargs": {"quantization": "fp8"}}}},
               r"^rollout.vllm.kwargs sets quantization and rollout.precision='fp8' sets it too: set one$"),
              ({"rollout": {"precision": "fp8", "engine": "vllm", "sleep_level": 1}, "lora": {"rank": 8}},
               r"^rollout.precision='fp8' with rollout.engine='vllm' and lora.rank > 0 needs rollout.sleep_level=2"
@@ -208,6 +216,7 @@ def test_the_keys_refuse_bad_values_and_batch_invariance_in_one_line():
             make(**sections)
 
 
+@needs_vllm
 @pytest.mark.parametrize("fp8_scale,quantization", [("channel", "fp8_per_channel"), ("block", "fp8_per_block")])
 def test_vllm_gets_its_online_fp8_of_the_same_scales(fp8_scale, quantization):
     cfg = make(rollout={"engine": "vllm", "precision": "fp8", "fp8_scale": fp8_scale}).rollout
