@@ -60,3 +60,31 @@ def test_the_engines_kernels_with_every_family_option_compile_for_hopper(tmp_pat
     assert compile_for_hopper(tmp_path, KERNELS) == (2 * ["_decode_split_kernel"] + ["_prefill_paged_kernel"]
                                                      + 3 * ["_rope_store_kernel"] + ["_rope_rounded_kernel"]
                                                      + 2 * ["_add_rms_norm_kernel"] + ["_silu_mul_kernel"])
+
+
+ROUNDED_FUSED_MULTIPLY_ADDS = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+for fn, signature, constants in kernels:
+    if fn in (p._rope_store_kernel, p._rope_rounded_kernel):
+        signature = {name: signature[name] for name in fn.arg_names}
+        for label, options in (("launched", p.ROUNDED_OPTIONS), ("fused", {"enable_fp_fusion": True})):
+            ptx = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                                 target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+            print(f"{fn.__name__}:{label}:{ptx.count('fma.')}")
+"""
+
+
+def test_the_rounded_rope_kernels_compile_without_fused_multiply_adds(tmp_path):
+    """The engine's RoPE (and the batch-invariant trainer's, which must give its bits) rounds every product and sum
+    as the torch path does: with the options they are launched with, the compiler fuses none into a multiply-add.
+    With fusion on (Triton's default through 3.9) the same kernels have fma.rn.bf16 in their PTX: the count sees
+    them."""
+    counts = [line.split(":") for line in compile_for_hopper(tmp_path, KERNELS, ROUNDED_FUSED_MULTIPLY_ADDS)]
+    launched = {(name, i): int(n) for i, (name, label, n) in enumerate(counts) if label == "launched"}
+    fused = [int(n) for _, label, n in counts if label == "fused"]
+    assert sorted(name for name, _ in launched) == ["_rope_rounded_kernel"] + 3 * ["_rope_store_kernel"]
+    assert not any(launched.values()), launched
+    assert all(fused) and len(fused) == len(launched)

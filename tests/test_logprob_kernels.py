@@ -69,14 +69,15 @@ def test_kernels_compile_for_hopper(tmp_path):
     assert compile_for_hopper(tmp_path, LOGPROB_KERNELS) == ["_forward_kernel"] + 3 * ["_backward_kernel"]
 
 
-def compile_for_hopper(tmp_path, kernels: str) -> list[str]:
+def compile_for_hopper(tmp_path, kernels: str, compile_code: str | None = None) -> list[str]:
     """Runs `kernels` (code that sets `kernels` to a list of (jit function, signature, constexprs)) and compiles
-    each for sm_90 in a fresh process with an empty Triton cache; the names of the compiled functions."""
+    each for sm_90 in a fresh process with an empty Triton cache; the names of the compiled functions (or, with
+    `compile_code`, that code runs instead of the compiling and what it prints comes back, split)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run([sys.executable, "-c", kernels + COMPILE_FOR_HOPPER], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", kernels + (compile_code or COMPILE_FOR_HOPPER)], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.split()
 

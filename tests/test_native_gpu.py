@@ -370,8 +370,8 @@ def fp8_caches(slots: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, 
 @pytest.mark.parametrize("parts", [1, 2])
 def test_rope_and_store_into_an_fp8_cache(dtype, qk_norm, parts):
     """rollout.kv_precision = "fp8": the kernel stores k and v quantized at their heads' scales as the torch path
-    does (but a value where float32 rounding of the rotation tips e4m3's rounding), from a GEMM's result or its
-    split-K partial sums."""
+    does (but a value that the last bits of the kernel's float32 division tip over an e4m3 rounding boundary), from
+    a GEMM's result or its split-K partial sums."""
     config = tiny_config()
     config.num_key_value_heads = 2  # two heads, two scales
     model = DecoderModel(config, DEVICE, dtype, max_positions=256, kv_precision="fp8")
@@ -400,8 +400,10 @@ def test_rope_and_store_into_an_fp8_cache(dtype, qk_norm, parts):
     off = got != want
     if not ON_GPU:  # the interpreter's float32 -> e4m3 cast drops the carry of a round-up into the exponent (2 -> 1)
         off &= got != want / 2
-    # Else where the two roundings of the rotation tip a value over an e4m3 rounding boundary: one step apart (in
-    # bfloat16 the interpreter rounds its own way, so there only how often).
+    # Else where the kernel's x / scale (an approximate float32 division on a GPU) or, with QK-norm, its rsqrt differs
+    # from the torch path's in the last bits and tips a value over an e4m3 rounding boundary: one step apart. The
+    # rotation rounds as the torch path's does (rope_triton.ROUNDED_OPTIONS): a fused multiply-add there put bfloat16
+    # keys whose rotation cancels several steps away. In bfloat16 the interpreter rounds its own way: only how often.
     if dtype == torch.float32 or ON_GPU:
         assert ((got - want).abs() <= torch.maximum(got.abs(), want.abs()) * 2**-3 + 2**-9)[off].all()
     assert off.float().mean() < (0.01 if dtype == torch.float32 else 0.05)

@@ -17,6 +17,11 @@ one program per token over all its heads, in one of two roundings, kept apart on
   Inductor's own kernel for it ran at ~0.3 TB/s on an H200 (0.37 ms forward, 0.31 ms backward for q of a
   32k-token micro-batch at the 0.5B shape; the memory floor is ~0.03 ms). The op `rl.model.rope.rope` calls it.
 
+The rounded kernels compile without fused multiply-adds (`ROUNDED_OPTIONS`). With them (Triton's default through
+3.9) the compiler turns `(x1 c).to(DT) - (x2 s).to(DT)` into one fma.rn.bf16 that skips the rounding of x1 c (the
+PTX for sm_90 shows it): the rotation is then not the torch path's bits, and where it cancels (x1 c close to x2 s)
+a bfloat16 key lands more than one e4m3 step from the torch path's in an FP8 cache (seen on an H100).
+
 The engine's tables are half tables (D/2 columns, c1 = c2); the trainer's op gets HF's full-width ones.
 With QK-norm weights (Qwen3) the rounded kernels first normalise each q and k head as
 `rl.model.kernels.rms_norm.rms_norm_reference` does (`_head_norm`), so the engine and the batch-invariant trainer
@@ -32,6 +37,8 @@ import triton.language as tl
 from rl.model.kernels.linear_triton import load_gemm_result
 
 NUM_WARPS = 4  # of the float32 kernel
+# Launch options of the rounded kernels: every product and sum rounded as written, none fused into a multiply-add.
+ROUNDED_OPTIONS = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -140,7 +147,7 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
                                   BLOCK_H=triton.next_power_of_2(num_heads),
                                   BLOCK_KV=triton.next_power_of_2(num_kv_heads), PARTS=parts,
                                   HAS_BIAS=bias is not None and parts > 1, QK_NORM=qk_norm is not None,
-                                  PLUS_ONE=plus_one, FP8=fp8, num_warps=2)
+                                  PLUS_ONE=plus_one, FP8=fp8, num_warps=2, **ROUNDED_OPTIONS)
     return q
 
 
@@ -175,7 +182,7 @@ def rope_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     weight, eps = norm or (x, 0.0)
     _rope_rounded_kernel[(tokens,)](x, cos.contiguous(), sin.contiguous(), out, weight, eps, HEADS=heads,
                                     HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(heads),
-                                    QK_NORM=norm is not None, PLUS_ONE=plus_one, num_warps=2)
+                                    QK_NORM=norm is not None, PLUS_ONE=plus_one, num_warps=2, **ROUNDED_OPTIONS)
     return out
 
 
