@@ -1,8 +1,12 @@
 """Set-up for the whole test session, run before any test module is imported."""
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +32,38 @@ def import_triton_for_its_interpreter() -> None:
 
 
 import_triton_for_its_interpreter()
+
+# One lock per machine for its GPUs, taken by every test of every pytest process there (xdist's workers included).
+GPU_LOCK = Path(tempfile.gettempdir()) / f"rl-tests-gpu-{os.getuid()}.lock"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "whole_gpu: reads the device's free memory (torch.cuda.mem_get_info), a "
+                                       "count of every process on it: on a CUDA machine no other test runs meanwhile")
+
+
+@contextlib.contextmanager
+def gpu_lock(path: Path, exclusive: bool):
+    """Holds `path` locked, shared or exclusive, across processes. Both kinds pass a gate first, so an exclusive
+    holder waiting for the shared ones to finish keeps new ones out (flock alone would let them starve it)."""
+    with open(path.with_suffix(".gate"), "a") as gate, open(path, "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """On a CUDA machine each test (its fixtures' set-up and teardown, and the processes it starts, included) holds
+    the GPU lock shared, and a `whole_gpu` test exclusive: the free memory such a test reads moves only with what
+    it does, not with what 11 other workers allocate meanwhile (by GBs: an engine's sleep read as freeing -2 GB)."""
+    if not torch.cuda.is_available():
+        return (yield)
+    with gpu_lock(GPU_LOCK, item.get_closest_marker("whole_gpu") is not None):
+        return (yield)
 
 
 @pytest.fixture

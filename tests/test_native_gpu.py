@@ -693,6 +693,7 @@ def test_batch_invariant_engine_and_trainer_forward_agree_bit_for_bit(family):
 
 
 @needs_cuda
+@pytest.mark.whole_gpu  # the driver's free memory: alone on the GPU (tests/conftest.py)
 def test_stable_buffer_keeps_its_address_across_unmap():
     from rl.rollout import vmem
 
@@ -703,9 +704,11 @@ def test_stable_buffer_keeps_its_address_across_unmap():
     x = buf.view(1024, (4, 8), torch.float32)
     x.fill_(2.0)
     address = x.data_ptr()
+    assert vmem.is_mapped(buf.address.value) and vmem.is_mapped(buf.address.value + buf.nbytes - 1)
     free_mapped = torch.cuda.mem_get_info()[0]
     buf.unmap()
     assert torch.cuda.mem_get_info()[0] - free_mapped >= buf.nbytes  # the memory went back to the driver
+    assert not vmem.is_mapped(buf.address.value) and not vmem.is_mapped(buf.address.value + buf.nbytes - 1)
     buf.map()
     y = buf.view(1024, (4, 8), torch.float32)
     assert y.data_ptr() == address
@@ -727,17 +730,30 @@ def stable_engine(model) -> tuple[NativeEngine, SamplingParams, list[list[int]]]
     return engine, greedy, [o.token_ids for o in engine.generate(PROMPTS, greedy)]
 
 
+def mapped(buffer) -> list[bool]:
+    """Whether the driver has memory behind the first and the last byte of a StableBuffer's addresses."""
+    from rl.rollout import vmem
+
+    return [vmem.is_mapped(buffer.address.value + offset) for offset in (0, buffer.nbytes - 1)]
+
+
 @needs_cuda
+@pytest.mark.whole_gpu  # the driver's free memory: alone on the GPU (tests/conftest.py)
 def test_sleep_keeps_decode_graphs_and_frees_memory():
+    """At either level the engine's weights and KV cache go back to the driver: their addresses have no memory
+    behind them (the driver's word for this process) and the device's free memory grows by both buffers."""
     model = tiny_model(seed=5).eval()
     engine, greedy, want = stable_engine(model)
     graphs = dict(engine.graphs)
     assert graphs
-    held = engine.weight_buffer.nbytes + engine.kv_buffer.nbytes
+    buffers = (engine.weight_buffer, engine.kv_buffer)
+    held = sum(b.nbytes for b in buffers)
     for level in (1, 2):
+        assert [mapped(b) for b in buffers] == [[True, True]] * 2
         torch.cuda.synchronize()
         free_awake = torch.cuda.mem_get_info()[0]
         engine.sleep(level)
+        assert [mapped(b) for b in buffers] == [[False, False]] * 2
         assert torch.cuda.mem_get_info()[0] - free_awake >= held
         engine.wake_up(["weights"])
         if level == 2:
@@ -749,6 +765,7 @@ def test_sleep_keeps_decode_graphs_and_frees_memory():
 
 
 @needs_cuda
+@pytest.mark.whole_gpu  # takes all but 512 MiB of the driver's free memory: alone on the GPU (tests/conftest.py)
 def test_a_wake_up_keeps_the_trainers_cached_blocks_unless_the_engine_needs_them():
     """The engine maps its memory outside PyTorch's allocator: a wake-up returns PyTorch's cached blocks (what a
     train phase used and freed) to the driver only when the free memory would not hold the mapping."""

@@ -126,6 +126,7 @@ def test_main_loop_with_vllm_two_tensor_parallel_groups(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                     reason="vLLM sleep mode needs CUDA (vLLM refuses enable_sleep_mode on CPU)")
+@pytest.mark.whole_gpu  # the driver's free memory: alone on the GPU (tests/conftest.py)
 def test_vllm_sleep_level_2_frees_gpu_memory(tmp_path):
     import os
 
