@@ -34,8 +34,11 @@ def floor(model_dir: Path, tokens: int, device: str) -> dict[str, float]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval()
     ids = torch.randint(0, config.vocab_size, (2, tokens), device=device)
+    model_state = model.state_dict()
     full = token_logprobs(model, ids, "sdpa")
-    model.to(torch.bfloat16)
+    # the same weights in bf16, built as a bf16 model so that its buffers (RoPE's inverse frequencies) stay float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+    model.load_state_dict(model_state)
     sdpa, eager = token_logprobs(model, ids, "sdpa"), token_logprobs(model, ids, "eager")
     return {"sdpa vs eager": (sdpa - eager).abs().mean().item(), "vs float32": (sdpa - full).abs().mean().item(),
             "mean logprob": full.mean().item()}

@@ -59,11 +59,12 @@ def batch(a: argparse.Namespace) -> list[str]:
 
 
 def device_memory() -> float | None:
-    """GPU 0's memory in bytes, from nvidia-smi (this process starts no CUDA context of its own); None without one."""
+    """GPU 0's memory in bytes as the run's start-up check reads it (torch's total, some 470 MiB under nvidia-smi's
+    on an H100), asked in a child process so that this one starts no CUDA context; None without a GPU."""
+    ask = "import torch; print(torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else '')"
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=60, check=True).stdout
-        return float(out.split()[0]) * 2**20
+        out = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=120, check=True)
+        return float(out.stdout.split()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
 
