@@ -6,6 +6,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -43,16 +44,30 @@ def pytest_configure(config):
 
 
 @contextlib.contextmanager
-def gpu_lock(path: Path, exclusive: bool):
+def gpu_lock(path: Path, exclusive: bool, wait: float):
     """Holds `path` locked, shared or exclusive, across processes. Both kinds pass a gate first, so an exclusive
-    holder waiting for the shared ones to finish keeps new ones out (flock alone would let them starve it)."""
+    holder waiting for the shared ones to finish keeps new ones out (flock alone would let them starve it). Waits
+    `wait` seconds at most, then raises one line naming the lock: a test stuck where its own timeout cannot reach
+    it (a blocked CUDA call) must not stall every other worker behind the gate."""
+    deadline = time.monotonic() + wait
     with open(path.with_suffix(".gate"), "a") as gate, open(path, "a") as lock:
-        fcntl.flock(gate, fcntl.LOCK_EX)
+        take(gate, fcntl.LOCK_EX, deadline, path, wait)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            take(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline, path, wait)
         finally:
             fcntl.flock(gate, fcntl.LOCK_UN)
         yield  # closing the file releases the lock
+
+
+def take(file, mode: int, deadline: float, path: Path, wait: float) -> None:
+    while True:
+        try:
+            return fcntl.flock(file, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the GPU lock {path} was not free after {wait:.0f} s: a test that holds it is "
+                                   "stuck (its worker's log names it)") from None
+            time.sleep(0.05)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -62,7 +77,8 @@ def pytest_runtest_protocol(item, nextitem):
     it does, not with what 11 other workers allocate meanwhile (by GBs: an engine's sleep read as freeing -2 GB)."""
     if not torch.cuda.is_available():
         return (yield)
-    with gpu_lock(GPU_LOCK, item.get_closest_marker("whole_gpu") is not None):
+    wait = float(item.config.getini("timeout") or 900)  # pytest-timeout's limit: the wait is outside its timer
+    with gpu_lock(GPU_LOCK, item.get_closest_marker("whole_gpu") is not None, wait):
         return (yield)
 
 
