@@ -88,23 +88,3 @@ def test_the_rounded_rope_kernels_compile_without_fused_multiply_adds(tmp_path):
     assert sorted(name for name, _ in launched) == ["_rope_rounded_kernel"] + 3 * ["_rope_store_kernel"]
     assert not any(launched.values()), launched
     assert all(fused) and len(fused) == len(launched)
-
-
-def test_the_rounded_rope_kernels_are_launched_with_fusion_off(monkeypatch):
-    """The check above compiles with `ROUNDED_OPTIONS`; this one sees both wrappers hand them to the launch (a
-    wrapper that drops them would compile with Triton's default, fusion on)."""
-    import torch
-
-    import rl.model.kernels.rope_triton as p
-
-    launched = {}
-    for name in ("_rope_store_kernel", "_rope_rounded_kernel"):
-        monkeypatch.setattr(getattr(p, name), "run", lambda *args, name=name, **kwargs:
-                            launched.__setitem__(name, kwargs.get("enable_fp_fusion", "default")), raising=False)
-    tokens, heads, kv_heads, dim = 2, 4, 2, 8
-    cos = sin = torch.zeros(tokens, dim // 2)
-    p.rope_rounded(torch.zeros(tokens, heads, dim), cos, sin)
-    cache = torch.zeros(16, kv_heads, dim)
-    p.rope_and_store(torch.zeros(tokens, (heads + 2 * kv_heads) * dim), torch.zeros(tokens, dtype=torch.long),
-                     torch.arange(tokens), cos, sin, cache, cache.clone(), heads, kv_heads, dim)
-    assert launched == {"_rope_store_kernel": False, "_rope_rounded_kernel": False}
