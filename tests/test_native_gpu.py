@@ -692,6 +692,13 @@ def test_batch_invariant_engine_and_trainer_forward_agree_bit_for_bit(family):
     assert max(gaps) < 1e-4, gaps
 
 
+def mapped(buffer) -> list[bool]:
+    """Whether the driver has memory behind the first and the last byte of a StableBuffer's addresses."""
+    from rl.rollout import vmem
+
+    return [vmem.is_mapped(buffer.address.value + offset) for offset in (0, buffer.nbytes - 1)]
+
+
 @needs_cuda
 @pytest.mark.whole_gpu  # the driver's free memory: alone on the GPU (tests/conftest.py)
 def test_stable_buffer_keeps_its_address_across_unmap():
@@ -704,11 +711,11 @@ def test_stable_buffer_keeps_its_address_across_unmap():
     x = buf.view(1024, (4, 8), torch.float32)
     x.fill_(2.0)
     address = x.data_ptr()
-    assert vmem.is_mapped(buf.address.value) and vmem.is_mapped(buf.address.value + buf.nbytes - 1)
+    assert mapped(buf) == [True, True]
     free_mapped = torch.cuda.mem_get_info()[0]
     buf.unmap()
     assert torch.cuda.mem_get_info()[0] - free_mapped >= buf.nbytes  # the memory went back to the driver
-    assert not vmem.is_mapped(buf.address.value) and not vmem.is_mapped(buf.address.value + buf.nbytes - 1)
+    assert mapped(buf) == [False, False]
     buf.map()
     y = buf.view(1024, (4, 8), torch.float32)
     assert y.data_ptr() == address
@@ -728,13 +735,6 @@ def stable_engine(model) -> tuple[NativeEngine, SamplingParams, list[list[int]]]
     engine.load_weights(full_weights(model))
     greedy = SamplingParams(max_new_tokens=12, top_k=1)
     return engine, greedy, [o.token_ids for o in engine.generate(PROMPTS, greedy)]
-
-
-def mapped(buffer) -> list[bool]:
-    """Whether the driver has memory behind the first and the last byte of a StableBuffer's addresses."""
-    from rl.rollout import vmem
-
-    return [vmem.is_mapped(buffer.address.value + offset) for offset in (0, buffer.nbytes - 1)]
 
 
 @needs_cuda
