@@ -469,7 +469,8 @@ def main() -> None:
                              "(rollout.precision, rollout.kv_precision, rollout.fp8_scale)")
     parser.add_argument("--no-vllm-calls", dest="vllm_calls", action="store_false",
                         help="skip generating the batch again with each of vLLM's per-call choices undone")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the device")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=VllmEngineConfig.gpu_memory_utilization,
+                        help="vLLM's share of the device (default: the trainer's, rollout.vllm.gpu_memory_utilization)")
     parser.add_argument("--vllm-child", default="", help=argparse.SUPPRESS)  # vllm_in_child's row file
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")

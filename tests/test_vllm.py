@@ -40,6 +40,64 @@ def test_engine_kwargs_pass_vllm_kwargs_through_last():
     assert "compilation_config" not in cpu and cpu["enforce_eager"]
 
 
+class FakeRegistry:
+    def __init__(self, archs):
+        self.archs, self.registered = archs, {}
+
+    def get_supported_archs(self):
+        return self.archs
+
+    def register_model(self, arch, cls):
+        self.registered[arch] = cls
+
+
+@needs_vllm
+def test_text_qwen35_is_registered_as_a_hybrid_model_where_vllm_lacks_it(monkeypatch):
+    """vLLM before 0.32 has the Qwen3.5 text class but neither registers it nor gives it the hybrid interface
+    (rl/rollout/vllm.py's docstring): the backfill registers a hybrid subclass whose state sizes are the multimodal
+    class's; a vLLM that registers the architecture, or another architecture, is left alone."""
+    import sys
+    import types
+
+    import vllm
+    from vllm.model_executor.models.interfaces import IsHybrid, is_hybrid
+
+    from rl.rollout.vllm import register_text_models
+
+    class Text:  # vLLM 0.26's Qwen3_5ForCausalLM: no hybrid interface
+        pass
+
+    class Multimodal:
+        @classmethod
+        def get_mamba_state_dtype_from_config(cls, vllm_config):
+            return ("dtype", vllm_config)
+
+        @classmethod
+        def get_mamba_state_shape_from_config(cls, vllm_config):
+            return ("shape", vllm_config)
+
+        @classmethod
+        def get_mamba_state_copy_func(cls):
+            return ("copy", cls.__name__)
+
+    module = types.SimpleNamespace(Qwen3_5ForCausalLM=Text, Qwen3_5ForConditionalGeneration=Multimodal)
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.models.qwen3_5", module)
+    old = FakeRegistry(["Qwen3_5ForConditionalGeneration"])
+    monkeypatch.setattr(vllm, "ModelRegistry", old)
+    register_text_models(["Qwen3_5ForCausalLM"])
+    served = old.registered["Qwen3_5ForCausalLM"]
+    assert issubclass(served, Text) and IsHybrid in served.__mro__ and is_hybrid(served)
+    assert served.get_mamba_state_shape_from_config("cfg") == ("shape", "cfg")
+    assert served.get_mamba_state_dtype_from_config("cfg") == ("dtype", "cfg")
+    assert served.get_mamba_state_copy_func() == ("copy", served.__name__)
+    has_it = FakeRegistry(["Qwen3_5ForCausalLM"])
+    for archs, registry in ((["Qwen2ForCausalLM"], old), (["Qwen3_5ForCausalLM"], has_it)):
+        registry.registered.clear()
+        monkeypatch.setattr(vllm, "ModelRegistry", registry)
+        register_text_models(archs)
+        assert registry.registered == {}
+
+
 def run_checks(tmp_path, tp):
     model_dir = save_tiny_model_dir(tmp_path / "model")
     torchrun(RANKS, "tests/vllm_checks.py", str(tmp_path), str(model_dir), str(tp))

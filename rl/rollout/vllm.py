@@ -57,6 +57,11 @@ Departures from vLLM defaults, and why:
   vLLM allocates outside PyTorch's allocator, so what training used and freed is not free to it until given
   back, and a KV cache that fit at start-up would not fit after the first train phase. When it fits, the
   blocks stay cached for the next train phase (`vmem.make_room`; the native engine does the same).
+- A text-only Qwen3.5 checkpoint (`Qwen3_5ForCausalLM`, what this trainer exports) is served where vLLM knows
+  Qwen3.5 only as the multimodal `Qwen3_5ForConditionalGeneration` (vLLM before 0.32): vLLM has the text
+  model's class but registers it under no architecture and without the hybrid-model interface that sizes its
+  linear-attention state, which the multimodal class declares from the text config alone. `register_text_models`
+  registers the text class with that interface; a vLLM that has the architecture keeps its own.
 - Sleep mode is CUDA-only in vLLM (`enable_sleep_mode` is refused on CPU). On CPU the
   same calls still go through vLLM's engine core (scheduler pause, prefix-cache reset),
   whose CPU worker keeps weights and KV resident.
@@ -140,6 +145,25 @@ def completion(token_ids, logprobs, reason: str) -> Completion:
     return Completion(tokens, sampled_logprobs(logprobs, tokens) if tokens else [], reason)
 
 
+def register_text_models(architectures: list[str]) -> None:
+    """Make vLLM serve the text-only model of a family it registers only as multimodal (module docstring)."""
+    from vllm import ModelRegistry
+
+    if "Qwen3_5ForCausalLM" not in architectures or "Qwen3_5ForCausalLM" in ModelRegistry.get_supported_archs():
+        return
+    from vllm.model_executor.models.interfaces import IsHybrid
+    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    multimodal = Qwen3_5ForConditionalGeneration  # its state sizes read only the text config
+
+    class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM, IsHybrid):
+        get_mamba_state_dtype_from_config = classmethod(multimodal.get_mamba_state_dtype_from_config.__func__)
+        get_mamba_state_shape_from_config = classmethod(multimodal.get_mamba_state_shape_from_config.__func__)
+        get_mamba_state_copy_func = classmethod(multimodal.get_mamba_state_copy_func.__func__)
+
+    ModelRegistry.register_model("Qwen3_5ForCausalLM", Qwen3_5TextForCausalLM)
+
+
 def _copy_into_parameters(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Runs on vLLM's worker: the model's own loader, which copies each tensor into its parameter."""
     worker.get_model().load_weights(weights)
@@ -154,8 +178,10 @@ class VllmEngine(Engine):
         if device.type == "cuda" and cfg.tensor_parallel_size > 1:  # module docstring: no NVLink multicast
             os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
             os.environ.setdefault("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
+        from transformers import AutoConfig
         from vllm import LLM
 
+        register_text_models(AutoConfig.from_pretrained(model_path).architectures or [])
         # With skip_tokenizer_init, LLM() still warms up a chat template and logs the failure
         # with a traceback; no chat template is ever used here.
         logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
