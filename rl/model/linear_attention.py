@@ -22,7 +22,8 @@ How this departs from the usual single-sequence reference:
 `gated_deltanet_forward` (prefill, training) and `gated_deltanet_step` (decode) compute a whole layer from the
 weights of transformers' Qwen3-Next or Qwen3.5 module (`weights_from_module`). `use_packed_linear_attention`
 points the trainer's copy of those modules at `gated_deltanet_forward`, so a packed micro-batch's sequences never
-read each other's state: transformers' own torch path runs a packed row as one sequence.
+read each other's state: transformers' own torch path runs a packed row as one sequence. In training the layer
+keeps only its input and is computed again in its backward (`packed_linear_forward`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from rl.config import ConfigError
 
@@ -321,9 +323,18 @@ def packed_linear_forward(self, hidden_states: torch.Tensor, cache_params=None, 
                                   **kwargs)
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] > 1:
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)  # padding reads as 0
-    out, _, _ = gated_deltanet_forward(hidden_states, weights_from_module(self),
-                                       cu_seqlens=host_starts(kwargs.get("cu_seq_lens_q")))
-    return out
+    starts = host_starts(kwargs.get("cu_seq_lens_q"))
+
+    def layer(hidden: torch.Tensor) -> torch.Tensor:  # the weights read at each call: FSDP2's, gathered again
+        return gated_deltanet_forward(hidden, weights_from_module(self), cu_seqlens=starts)[0]
+
+    if not torch.is_grad_enabled():
+        return layer(hidden_states)
+    # Keeps only the layer's input for backward and computes the layer again there: the chunked rule in plain
+    # PyTorch saves ~450 KiB a token (Qwen3.5-1.5B's widths: the convolution's float32 windows, every chunk's
+    # intermediates and the state entering each chunk), 18 such layers more than an 80 GB card holds at 8192
+    # tokens; one layer's, during its own backward, is what the memory plan counts.
+    return checkpoint(layer, hidden_states, use_reentrant=False)
 
 
 def use_packed_linear_attention(model: torch.nn.Module) -> list[torch.nn.Module]:
