@@ -441,6 +441,61 @@ def test_the_plan_against_what_the_tiny_model_holds():
         assert abs(activation_bytes(shape, tokens, FP32, checkpointing=False) / measured - 1) < 0.2, (tokens, measured)
 
 
+def saved_bytes(forward, exclude) -> int:
+    """The bytes of the tensors `forward()` saves for backward (PyTorch's own hooks, every storage once), those of
+    `exclude` (the weights) left out."""
+    skip, saved = {p.untyped_storage().data_ptr() for p in exclude}, {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(n for ptr, n in saved.items() if ptr not in skip)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5"])
+def test_the_plan_against_what_the_trainers_moe_and_linear_attention_forwards_hold(family):
+    """As above for the trainer's own forwards (fp32 on the CPU): a Qwen3-MoE's grouped experts (each expert's
+    output kept for the weighted sum, the sorted outputs once more by the unsorting copy), and a Qwen3.5 of three
+    linear-attention layers, which keep only their input, and a full-attention layer with QK-norm and an output
+    gate; and one linear-attention layer's tensors while its backward computes it again, against
+    `linear_recompute_bytes`. Each within 20%: leaving the experts' outputs or that layer out of the plan fails it,
+    and so does a linear-attention layer that keeps its tensors instead of computing them again."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rl.model.linear_attention import gated_deltanet_forward, use_packed_linear_attention, weights_from_module
+    from rl.model.moe import use_grouped_moe
+    from rl.run.memory import activation_bytes, linear_recompute_bytes
+    from tests.test_linear_attention import tiny_causal_lm
+
+    torch.manual_seed(0)
+    if family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=96, hidden_size=64, moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=8))
+        use_grouped_moe(model)
+    else:
+        model = tiny_causal_lm("qwen3_5")
+        modules = use_packed_linear_attention(model)
+    shape = ModelShape.from_hf(model.config)
+    for tokens in (128, 256):
+        ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+        measured = saved_bytes(lambda: model.model(input_ids=ids, use_cache=False), model.parameters())
+        if family == "qwen3_5":  # the one layer computed again during backward, on top of what the blocks keep
+            hidden = torch.randn(1, tokens, shape.hidden_size)
+            measured += saved_bytes(lambda: gated_deltanet_forward(hidden, weights_from_module(modules[0])),
+                                    model.parameters())
+        planned = activation_bytes(shape, tokens, FP32, checkpointing=False)
+        assert abs(planned / measured - 1) < 0.2, (tokens, planned, measured)
+    if family == "qwen3_5":
+        layer = saved_bytes(lambda: gated_deltanet_forward(hidden, weights_from_module(modules[0])),
+                            model.parameters())
+        assert abs(linear_recompute_bytes(shape, FP32) * tokens / layer - 1) < 0.2, (linear_recompute_bytes(
+            shape, FP32) * tokens, layer)
+
+
 def test_host_plan_counts_the_pinned_state_of_a_nodes_ranks_and_refuses_what_the_host_cannot_hold(capsys):
     models = shapes("qwen2.5-7b")
     moments = 8 * SEVEN_B

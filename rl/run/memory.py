@@ -32,6 +32,7 @@ import torch
 
 from rl.config import Config, ConfigError, RunStopped
 from rl.model.fp8 import BLOCK as FP8_BLOCK
+from rl.model.linear_attention import CHUNK_SIZE as LINEAR_CHUNK
 from rl.model.shape import ModelShape
 from rl.parallel import print0
 from rl.rollout import engine_dtype
@@ -145,16 +146,25 @@ def grad_bytes(s: ModelShape, dp: int, compute_bytes: int, expert_parallel: int 
     return FP32 * rank_params(s, dp, expert_parallel) + (s.block_params - block_experts) * (compute_bytes + FP32)
 
 
-def block_activation_bytes(s: ModelShape, compute_bytes: int, compiled: bool = False) -> int:
+def block_activation_bytes(s: ModelShape, compute_bytes: int, compiled: bool = False, linear: bool = False) -> int:
     """Bytes one token leaves saved for backward in one decoder block: each RMSNorm keeps its fp32 input and its
     output, and the next linear its input (2 x); q and k after RoPE, v, the attention output and its contiguous
     copy (o_proj's input), SDPA's fp32 log-sum-exp per head; the MLP's gate, silu(gate), up and their product.
     A compiled block (model.compile) keeps less: each norm its input and output in the compute dtype, the MLP
     gate, up and their product (silu(gate) is rebuilt in backward). Measured on one H200 (packed rows of 32768
     tokens, benchmarks/train.py): the peaks less the state and logits were 34.5 GB at 0.5B and 72.2 GB at 1.5B,
-    against 33.5 and 70.4 GB from these counts (the final norm included), and 46.8 and 98.2 GB from the eager ones."""
+    against 33.5 and 70.4 GB from these counts (the final norm included), and 46.8 and 98.2 GB from the eager ones.
+    Uncompiled, a QK-norm keeps its float32 input twice (Qwen3, Gemma 3); an output gate (Qwen3.5) keeps the gate
+    and the attention output it scales. A linear-attention block (`linear`) keeps only its layer's input in place
+    of the attention's (rl/model/linear_attention.py computes the layer again in its backward:
+    `linear_recompute_bytes`)."""
     q, kv, b, inter = s.q_size, s.kv_size, compute_bytes, mlp_width(s)
-    attention = b * (3 * q + 2 * kv) + FP32 * s.num_heads + routed_inputs_bytes(s, b)
+    if linear:
+        attention = b * s.hidden_size
+    else:
+        attention = b * (3 * q + 2 * kv) + FP32 * s.num_heads + (2 - compiled) * b * q * s.attn_output_gate
+        attention += 0 if compiled or not s.qk_norm else 2 * FP32 * (q + kv)
+    attention += routed_inputs_bytes(s, b, compiled)
     if compiled:
         return 2 * 2 * b * s.hidden_size + attention + 3 * b * inter
     norms = 2 * (FP32 * s.hidden_size + 2 * b * s.hidden_size)
@@ -168,24 +178,46 @@ def mlp_width(s: ModelShape) -> int:
                else s.intermediate_size for i in range(s.num_layers))
 
 
-def routed_inputs_bytes(s: ModelShape, compute_bytes: int) -> int:
+def routed_inputs_bytes(s: ModelShape, compute_bytes: int, compiled: bool = False) -> int:
     """What a MoE block keeps per token besides its experts' activations: the token's copy sorted to each of its
-    top-k experts, and the router's float32 logits (nothing for a dense model)."""
+    top-k experts, each expert's output for it (the weighted sum over them keeps those), and the router's float32
+    logits; uncompiled also the sorted outputs once more (the unsorting copy keeps its source). Nothing for a dense
+    model. Measured on one H100 (Qwen3-MoE 2.25B, 8192-token micro-batches, compiled): a 60.4 GB peak, against
+    60.6 GB from these counts and 57.4 GB without the experts' outputs."""
     if not s.moe_layers:
         return 0
-    return s.experts_per_token * s.hidden_size * compute_bytes + FP32 * s.num_experts
+    return (3 - compiled) * s.experts_per_token * s.hidden_size * compute_bytes + FP32 * s.num_experts
+
+
+def linear_recompute_bytes(s: ModelShape, compute_bytes: int) -> int:
+    """What one linear-attention layer holds per token while its backward computes it again: everything the plain
+    PyTorch chunked rule saves (rl/model/linear_attention.py). The convolution's float32 windows and SiLU input;
+    q, k, v and the output per head in float32, as tokens, as chunks and as each chunk step's pieces; the output
+    norm's inputs; each chunk's pairwise decays and triangular system; the state entering each chunk (twice); the
+    projections' inputs. Counted against the layer's saved tensors at Qwen3.5-1.5B's widths: 389,120 against
+    385,040 bytes a token."""
+    if not s.linear_layers:
+        return 0
+    heads, head_dim = s.linear_value_heads, max(s.linear_key_dim, s.linear_value_dim)
+    return ((s.linear_conv_kernel + 1) * FP32 * s.linear_conv_channels + 23 * FP32 * heads * head_dim
+            + 2 * compute_bytes * heads * s.linear_value_dim + 6 * FP32 * heads * LINEAR_CHUNK
+            + 2 * FP32 * heads * s.linear_key_dim * s.linear_value_dim // LINEAR_CHUNK
+            + 3 * compute_bytes * s.hidden_size)
 
 
 def activation_bytes(s: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool,
                      compiled: bool = False) -> int:
-    """Saved activations of a micro-batch of `tokens` (padded) tokens at the start of its backward. With gradient
-    checkpointing each block keeps only its input and one block's are rebuilt at a time."""
+    """Saved activations of a micro-batch of `tokens` (padded) tokens at the start of its backward, and what one
+    linear-attention layer adds while it is computed again. With gradient checkpointing each block keeps only its
+    input and one block's are rebuilt at a time."""
     final_norm = FP32 * s.hidden_size + 2 * compute_bytes * s.hidden_size
-    block = block_activation_bytes(s, compute_bytes, compiled)
-    per_token = s.num_layers * block
+    linear = len(s.linear_layers)
+    blocks = ([block_activation_bytes(s, compute_bytes, compiled, linear=True)] * linear
+              + [block_activation_bytes(s, compute_bytes, compiled)] * (s.num_layers - linear))
+    per_token = sum(blocks)
     if checkpointing:
-        per_token = s.num_layers * compute_bytes * s.hidden_size + block
-    return tokens * (per_token + final_norm)
+        per_token = s.num_layers * compute_bytes * s.hidden_size + max(blocks)
+    return tokens * (per_token + final_norm + linear_recompute_bytes(s, compute_bytes))
 
 
 def logits_bytes(s: ModelShape, tokens: int, compute_bytes: int, fused: bool) -> int:
