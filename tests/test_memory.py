@@ -411,6 +411,20 @@ def test_the_memory_page_shows_the_line_the_plan_prints():
     assert shown == f"rl: error: {e.value}"
 
 
+def saved_bytes(forward, exclude) -> int:
+    """The bytes of the tensors `forward()` saves for backward (PyTorch's own hooks, every storage once), those of
+    `exclude` (the weights) left out."""
+    skip, saved = {p.untyped_storage().data_ptr() for p in exclude}, {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(n for ptr, n in saved.items() if ptr not in skip)
+
+
 def test_the_plan_against_what_the_tiny_model_holds():
     """The plan's counts against the tensors a real model holds: its parameters, AdamW's state after a step (16
     bytes a parameter in fp32), and the activations its forward saves for backward (by PyTorch's own hooks, every
@@ -427,32 +441,10 @@ def test_the_plan_against_what_the_tiny_model_holds():
     state = sum(t.nbytes for p in model.parameters() for t in (p, p.grad, *(v for v in optimizer.state[p].values()
                                                                             if v.dim() > 0)))
     assert state == 16 * shape.num_params
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     for tokens in (64, 256):
-        saved = {}
-
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.model(input_ids=torch.randint(0, model.config.vocab_size, (1, tokens)))
-        measured = sum(n for ptr, n in saved.items() if ptr not in weights)
+        ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+        measured = saved_bytes(lambda: model.model(input_ids=ids), model.parameters())
         assert abs(activation_bytes(shape, tokens, FP32, checkpointing=False) / measured - 1) < 0.2, (tokens, measured)
-
-
-def saved_bytes(forward, exclude) -> int:
-    """The bytes of the tensors `forward()` saves for backward (PyTorch's own hooks, every storage once), those of
-    `exclude` (the weights) left out."""
-    skip, saved = {p.untyped_storage().data_ptr() for p in exclude}, {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return sum(n for ptr, n in saved.items() if ptr not in skip)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5"])
@@ -482,18 +474,16 @@ def test_the_plan_against_what_the_trainers_moe_and_linear_attention_forwards_ho
     shape = ModelShape.from_hf(model.config)
     for tokens in (128, 256):
         ids = torch.randint(0, model.config.vocab_size, (1, tokens))
-        measured = saved_bytes(lambda: model.model(input_ids=ids, use_cache=False), model.parameters())
-        if family == "qwen3_5":  # the one layer computed again during backward, on top of what the blocks keep
+        layer = 0  # the one layer computed again during backward, on top of what the blocks keep
+        if family == "qwen3_5":
             hidden = torch.randn(1, tokens, shape.hidden_size)
-            measured += saved_bytes(lambda: gated_deltanet_forward(hidden, weights_from_module(modules[0])),
-                                    model.parameters())
+            layer = saved_bytes(lambda: gated_deltanet_forward(hidden, weights_from_module(modules[0])),
+                                model.parameters())
+            recompute = linear_recompute_bytes(shape, FP32) * tokens
+            assert abs(recompute / layer - 1) < 0.2, (tokens, recompute, layer)
+        measured = layer + saved_bytes(lambda: model.model(input_ids=ids, use_cache=False), model.parameters())
         planned = activation_bytes(shape, tokens, FP32, checkpointing=False)
         assert abs(planned / measured - 1) < 0.2, (tokens, planned, measured)
-    if family == "qwen3_5":
-        layer = saved_bytes(lambda: gated_deltanet_forward(hidden, weights_from_module(modules[0])),
-                            model.parameters())
-        assert abs(linear_recompute_bytes(shape, FP32) * tokens / layer - 1) < 0.2, (linear_recompute_bytes(
-            shape, FP32) * tokens, layer)
 
 
 def test_host_plan_counts_the_pinned_state_of_a_nodes_ranks_and_refuses_what_the_host_cannot_hold(capsys):
