@@ -2,6 +2,8 @@
 form against the token-by-token step and transformers' torch references, packed rows against each sequence
 alone, continued sequences against one pass, the layer against transformers' Qwen3-Next and Qwen3.5 modules."""
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -290,3 +292,83 @@ def test_lora_on_the_linear_attention_projections_is_refused():
     model = tiny_causal_lm("qwen3_5")
     apply_lora(model, LoraConfig(rank=4, target_modules=["q_proj", "o_proj"]))
     assert len(use_packed_linear_attention(model)) == 3
+
+
+def fla_stand_in(calls):
+    """fla's `chunk_gated_delta_rule` as its documentation defines it, in this module's torch: q and k of the key
+    heads, normed in the kernel, value head i reading key head i // (Hv / Hk), packed sequences by cu_seqlens (a
+    long tensor on q's device, and its host copy), float32 final states. Records each call's arguments."""
+    import rl.model.linear_attention as la
+
+    def rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+             cu_seqlens_cpu):
+        calls.append(dict(heads=(q.shape[2], v.shape[2]), contiguous=all(x.is_contiguous() for x in (q, k, v)),
+                          cu=None if cu_seqlens is None else (cu_seqlens.dtype, cu_seqlens_cpu.device.type)))
+        assert output_final_state and use_qk_l2norm_in_kernel and q.shape[2] == k.shape[2]
+        repeat = v.shape[2] // q.shape[2]
+        q, k = (la._l2norm(x).repeat_interleave(repeat, dim=2) for x in (q, k))
+        return la.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                         scale=scale)
+
+    return rule
+
+
+def test_the_fla_path_hands_the_kernels_the_torch_rules_inputs(monkeypatch):
+    """Where fla's kernels run (CUDA, bf16), the layer hands them q and k un-normed on the key heads (the kernel
+    norms them and groups the value heads), the scale, each sequence's starts and its initial state: with a stand-in
+    of fla's documented contract, the layer over a packed row, continued from states, gives the torch rule's outputs
+    and states. (fla itself against the torch rule: test_fla_kernels_against_the_torch_rule, on a GPU.)"""
+    import rl.model.linear_attention as la
+
+    module = tiny_module("qwen3_5")  # two key heads, four value heads
+    weights = weights_from_module(module)
+    gen = torch.Generator().manual_seed(3)
+    row, cu = packed([torch.randn(1, n, 32, generator=gen) for n in LENGTHS])
+    conv = torch.randn(len(LENGTHS), 2 * 2 * 8 + 4 * 6, WIDTH - 1, generator=gen)
+    state = torch.randn(len(LENGTHS), 4, 8, 6, generator=gen)
+    with torch.no_grad():
+        want = gated_deltanet_forward(row, weights, cu_seqlens=cu, conv_state=conv, recurrent_state=state)
+        calls = []
+        monkeypatch.setattr(la, "fla_delta_rule", lambda x: fla_stand_in(calls))
+        got = gated_deltanet_forward(row, weights, cu_seqlens=cu, conv_state=conv, recurrent_state=state)
+    assert calls == [dict(heads=(2, 4), contiguous=True, cu=(torch.long, "cpu"))]
+    for a, b in zip(got, want):
+        close(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                    reason="fla's Triton kernels: a CUDA device with flash-linear-attention installed")
+def test_fla_kernels_against_the_torch_rule():
+    """The layer in bf16 on a GPU through fla's kernels against the same layer through this module's torch rule
+    (float32 throughout): outputs, final states and every weight's gradient over a packed row of sequences continued
+    from states, at Qwen3.5's head widths with grouped value heads; within bf16 rounding."""
+    import rl.model.linear_attention as la
+
+    torch.manual_seed(0)
+    module = modeling_qwen3_5.Qwen3_5GatedDeltaNet(Qwen3_5TextConfig(
+        hidden_size=512, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=128), layer_idx=0).cuda().bfloat16()
+    lengths = [700, 3, 64, 1500, 129]
+    row = torch.randn(1, sum(lengths), 512, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    state = torch.randn(len(lengths), 4, 128, 128, device="cuda") * 0.1
+    results = []
+    for use_fla in (True, False):
+        la.USE_FLA = use_fla
+        try:
+            module.zero_grad()
+            out, _, final = gated_deltanet_forward(row, weights_from_module(module), cu_seqlens=cu,
+                                                   recurrent_state=state)
+            (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
+        finally:
+            la.USE_FLA = True
+        results.append((out.float(), final, {n: p.grad.float() for n, p in module.named_parameters()}))
+    (out, final, grads), (out_ref, final_ref, grads_ref) = results
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(out, out_ref) < 2e-2 and rel(final, final_ref) < 2e-2
+    for name in grads_ref:
+        assert rel(grads[name], grads_ref[name]) < 5e-2, name

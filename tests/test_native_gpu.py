@@ -440,6 +440,36 @@ def test_decode_and_prefill_attention_over_an_fp8_cache(dtype, window):
     assert rel_err(got[real], want[real]) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("key_dim,value_dim", [(128, 128), (16, 40)])
+def test_delta_rule_step_kernel_is_the_torch_step_on_live_rows(dtype, key_dim, value_dim):
+    """The linear-attention decode step's kernel against `gated_delta_step` (the engine's CPU step): each row's
+    output, the new state of a live row, a finished row's state left as it was; the state a view of one layer in
+    the engine's rows (N, linear layers, H, K, V), the other layer untouched; value blocks cut short at 40."""
+    from rl.model.linear_attention import gated_delta_step
+
+    gen = torch.Generator().manual_seed(0)
+    n, heads = 5, 3
+    q, k = (torch.nn.functional.normalize(torch.randn(n, heads, key_dim, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(n, heads, value_dim, generator=gen).to(dtype)
+    g = -torch.rand(n, heads, generator=gen) * 2  # the log decay, <= 0
+    beta = torch.rand(n, heads, generator=gen).to(dtype)
+    rows = torch.randn(n, 2, heads, key_dim, value_dim, generator=gen)
+    live = torch.tensor([True, False, True, True, False])
+    want_out, want_state = gated_delta_step(q, k, v, g, beta, rows[:, 1])
+    rows, before = rows.to(DEVICE), rows.to(DEVICE)
+    rows = before.clone()
+    out = kernels("delta_rule").gated_delta_step_(*(x.to(DEVICE) for x in (q, k, v, g, beta)), rows[:, 1],
+                                                  live.to(DEVICE))
+    assert out.dtype == dtype and out.shape == want_out.shape
+    assert torch.allclose(out.cpu().float(), want_out.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                          atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.allclose(rows[live, 1].cpu(), want_state[live], rtol=1e-5, atol=1e-5)
+    assert torch.equal(rows[~live, 1], before[~live, 1])
+    assert torch.equal(rows[:, 0], before[:, 0])
+    assert not torch.allclose(rows[live, 1], before[live, 1])
+
+
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 def test_linear_is_batch_invariant(dtype):
     """A row's output does not depend on how many rows share the call or where it sits, nor a

@@ -44,7 +44,8 @@ from rl.model.kernels.attention import causal_attention, paged_attention_referen
 from rl.model.kernels.rms_norm import rms_norm_reference
 from rl.model.kernels.rope import full_table, rope_reference, rope_tables
 from rl.model.kernels.silu import gelu_mul_reference, silu_mul_reference
-from rl.model.linear_attention import GatedDeltaNetWeights, gated_deltanet_forward, gated_deltanet_step
+from rl.model.linear_attention import (GatedDeltaNetWeights, gated_deltanet_forward, gated_deltanet_step,
+                                      gated_deltanet_step_)
 from rl.model.moe import grouped_mlp, route
 from rl.model.shape import ModelShape
 
@@ -711,9 +712,10 @@ class DecoderModel:
 
         def mix(layer: int, h: torch.Tensor) -> torch.Tensor:
             j = s.linear_layers.index(layer)
-            conv, recurrent = linear.conv[:, j], linear.recurrent[:, j]
+            conv, recurrent, live = linear.conv[:, j], linear.recurrent[:, j], linear.live
+            if self.fused:  # the state read and written once, in place
+                return gated_deltanet_step_(h, self.linear_weights(layer), conv, recurrent, live)
             out, new_conv, new_recurrent = gated_deltanet_step(h, self.linear_weights(layer), conv, recurrent)
-            live = linear.live
             conv.copy_(torch.where(live[:, None, None], new_conv, conv))
             recurrent.copy_(torch.where(live[:, None, None, None], new_recurrent, recurrent))
             return out

@@ -19,8 +19,8 @@ How this departs from the usual single-sequence reference:
 - The rule accumulates in float32 and returns the state in float32 whatever the inputs' dtype.
 - A conv state is the last W-1 inputs, all the next token reads (transformers' cache keeps W).
 
-`gated_deltanet_forward` (prefill, training) and `gated_deltanet_step` (decode) compute a whole layer from the
-weights of transformers' Qwen3-Next or Qwen3.5 module (`weights_from_module`). `use_packed_linear_attention`
+`gated_deltanet_forward` (prefill, training) and `gated_deltanet_step` (decode; `gated_deltanet_step_` on CUDA, its
+delta rule one Triton kernel that updates the states in place) compute a whole layer from the weights of transformers' Qwen3-Next or Qwen3.5 module (`weights_from_module`). `use_packed_linear_attention`
 points the trainer's copy of those modules at `gated_deltanet_forward`, so a packed micro-batch's sequences never
 read each other's state: transformers' own torch path runs a packed row as one sequence. In training the layer
 keeps only its input and is computed again in its backward (`packed_linear_forward`).
@@ -29,6 +29,7 @@ keeps only its input and is computed again in its backward (`packed_linear_forwa
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -254,17 +255,53 @@ def _gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, e
     return (weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
 
 
-def _rule_inputs(qkv: torch.Tensor, hidden: torch.Tensor, weights: GatedDeltaNetWeights):
+def _rule_inputs(qkv: torch.Tensor, hidden: torch.Tensor, weights: GatedDeltaNetWeights, normed: bool = True):
     """The delta rule's q, k (..., Hv, K), v (..., Hv, V), g and beta (..., Hv) from the convolved qkv and the
-    layer's input, any leading dims. q and k are unit length, each key head repeated for its value heads."""
+    layer's input, any leading dims. q and k are unit length, each key head repeated for its value heads; with
+    `normed` False they are neither (..., Hk, K), as fla's kernels take them."""
     k_dim, v_dim, n_v = weights.head_k_dim, weights.head_v_dim, weights.in_proj_b.shape[0]
     key_width = weights.num_k_heads * k_dim
     q, k, v = qkv.split([key_width, key_width, n_v * v_dim], dim=-1)
-    repeat = n_v // weights.num_k_heads  # value heads sharing one key head
-    q, k = (_l2norm(x.unflatten(-1, (-1, k_dim))).repeat_interleave(repeat, dim=-2) for x in (q, k))
+    q, k = (x.unflatten(-1, (-1, k_dim)) for x in (q, k))
+    if normed:
+        repeat = n_v // weights.num_k_heads  # value heads sharing one key head
+        q, k = (_l2norm(x).repeat_interleave(repeat, dim=-2) for x in (q, k))
     beta = torch.sigmoid(hidden @ weights.in_proj_b.T)
     g = -weights.A_log.float().exp() * F.softplus((hidden @ weights.in_proj_a.T).float() + weights.dt_bias)
     return q, k, v.unflatten(-1, (n_v, v_dim)), g, beta
+
+
+def fla_delta_rule(x: torch.Tensor) -> Callable | None:
+    """flash-linear-attention's chunked gated delta rule (`fla.ops.gated_delta_rule.chunk_gated_delta_rule`:
+    Triton kernels for the forward and the backward over packed sequences) where it serves x: on CUDA, in bf16 or
+    fp16, with the package installed and `USE_FLA` left on. None elsewhere: this module's rule runs instead (float32
+    activations keep it, so a float32 engine or trainer stays within float32 rounding of the torch forward)."""
+    if not (USE_FLA and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as rule
+    except ImportError:
+        return None
+    return rule
+
+
+USE_FLA = True  # the benchmarks and tests turn it off to time or check this module's own rule on a GPU
+
+
+def _fla_rule(rule: Callable, qkv: torch.Tensor, hidden: torch.Tensor, weights: GatedDeltaNetWeights,
+              cu_seqlens: torch.Tensor | None,
+              initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule through fla's kernels: q and k normed in the kernel, each key head serving its value heads
+    as `repeat_interleave` lays them out (its grouped-value form), the state in float32. Returns o (B, T, Hv, V) in
+    v's dtype and the final states (N, Hv, K, V) in float32, as `chunk_gated_delta_rule` does."""
+    q, k, v, g, beta = (x.contiguous() for x in _rule_inputs(qkv, hidden, weights, normed=False))
+    host = None if cu_seqlens is None else cu_seqlens.to("cpu", torch.long)  # its chunk layout, without a sync
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(q.device, torch.long)
+    if initial_state is not None:
+        initial_state = initial_state.float()
+    return rule(q, k, v, g, beta, scale=weights.head_k_dim ** -0.5, initial_state=initial_state,
+                output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=host)
 
 
 def _layer_output(o: torch.Tensor, hidden: torch.Tensor, weights: GatedDeltaNetWeights) -> torch.Tensor:
@@ -282,8 +319,11 @@ def gated_deltanet_forward(hidden: torch.Tensor, weights: GatedDeltaNetWeights, 
     and each sequence's final conv state (N, conv channels, W-1) and recurrent state (N, Hv, K, V)."""
     qkv, conv_state = causal_conv1d(hidden @ weights.in_proj_qkv.T, weights.conv_weight, cu_seqlens=cu_seqlens,
                                     conv_state=conv_state)
-    o, recurrent_state = chunk_gated_delta_rule(*_rule_inputs(qkv, hidden, weights), cu_seqlens=cu_seqlens,
-                                                initial_state=recurrent_state, chunk_size=chunk_size)
+    if (rule := fla_delta_rule(qkv)) is not None and chunk_size == CHUNK_SIZE:
+        o, recurrent_state = _fla_rule(rule, qkv, hidden, weights, cu_seqlens, recurrent_state)
+    else:
+        o, recurrent_state = chunk_gated_delta_rule(*_rule_inputs(qkv, hidden, weights), cu_seqlens=cu_seqlens,
+                                                    initial_state=recurrent_state, chunk_size=chunk_size)
     return _layer_output(o, hidden, weights), conv_state, recurrent_state
 
 
@@ -294,6 +334,18 @@ def gated_deltanet_step(hidden: torch.Tensor, weights: GatedDeltaNetWeights, con
     qkv, conv_state = causal_conv1d_step(hidden @ weights.in_proj_qkv.T, weights.conv_weight, conv_state)
     o, recurrent_state = gated_delta_step(*_rule_inputs(qkv, hidden, weights), recurrent_state)
     return _layer_output(o, hidden, weights), conv_state, recurrent_state
+
+
+def gated_deltanet_step_(hidden: torch.Tensor, weights: GatedDeltaNetWeights, conv_state: torch.Tensor,
+                         recurrent_state: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """`gated_deltanet_step` on CUDA with the delta rule in one Triton kernel (rl/model/kernels/delta_rule_triton.py):
+    advances the states of the `live` rows in place, leaves the others', and returns the output (N, hidden)."""
+    from rl.model.kernels.delta_rule_triton import gated_delta_step_
+
+    qkv, new_conv = causal_conv1d_step(hidden @ weights.in_proj_qkv.T, weights.conv_weight, conv_state)
+    conv_state.copy_(torch.where(live[:, None, None], new_conv, conv_state))
+    o = gated_delta_step_(*_rule_inputs(qkv, hidden, weights), recurrent_state, live)
+    return _layer_output(o, hidden, weights)
 
 
 def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

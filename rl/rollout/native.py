@@ -45,8 +45,9 @@ runs those layers over the prompts packed end to end, each from the state after 
 prompt, a kept sequence's, or its base's) to the state after its last token, which the prompt holds until its last
 request starts: each request copies it into its row. A kept sequence keeps its row's state beside its KV, so a turn
 continued from it goes on from there. Their decode steps run in CUDA graphs as a dense model's do: the states are
-`Rows` tensors at fixed addresses and the step (`gated_deltanet_step`) reads nothing on the host; the prefill, which
-packs the prompts by their lengths on the host, runs outside graphs, as every prefill does.
+`Rows` tensors at fixed addresses and the step (`gated_deltanet_step_`, its delta rule one Triton kernel over them)
+reads nothing on the host; the prefill, which packs the prompts by their lengths on the host, runs outside graphs, as
+every prefill does.
 """
 
 from __future__ import annotations
