@@ -769,14 +769,21 @@ def stable_engine(model) -> tuple[NativeEngine, SamplingParams, list[list[int]]]
 
 @needs_cuda
 @pytest.mark.whole_gpu  # the driver's free memory: alone on the GPU (tests/conftest.py)
-def test_sleep_keeps_decode_graphs_and_frees_memory():
+@pytest.mark.parametrize("family", ["qwen2", "qwen35"])
+def test_sleep_keeps_decode_graphs_and_frees_memory(family):
     """At either level the engine's weights and KV cache go back to the driver: their addresses have no memory
-    behind them (the driver's word for this process) and the device's free memory grows by both buffers."""
-    model = tiny_model(seed=5).eval()
+    behind them (the driver's word for this process) and the device's free memory grows by both buffers. A
+    Qwen3.5 model's rows keep their linear-attention states in the KV buffer, so those go back too, and its greedy
+    answers after each wake-up (the states zeroed again) are those before."""
+    model = family_model(family, seed=5)
     engine, greedy, want = stable_engine(model)
     graphs = dict(engine.graphs)
     assert graphs
     buffers = (engine.weight_buffer, engine.kv_buffer)
+    for state in engine.rows.linear_states():
+        assert engine.kv_buffer.address.value <= state.data_ptr() < engine.kv_buffer.address.value + \
+            engine.kv_buffer.nbytes
+    assert bool(engine.rows.linear_states()) == (family == "qwen35")
     held = sum(b.nbytes for b in buffers)
     for level in (1, 2):
         assert [mapped(b) for b in buffers] == [[True, True]] * 2

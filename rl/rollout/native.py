@@ -194,9 +194,12 @@ class Rows:
     @classmethod
     def allocate(cls, rows: int, max_pages: int, width: int, device: torch.device,
                  moe: tuple[int, int] | None = None, windowed: bool = False,
-                 linear: tuple[tuple[int, ...], tuple[int, ...], torch.dtype] | None = None) -> Rows:
+                 linear: tuple[tuple[int, ...], tuple[int, ...], torch.dtype] | None = None,
+                 states: tuple[torch.Tensor, torch.Tensor] | None = None) -> Rows:
         """`moe`: (MoE layers, experts per token) of a model whose routing is recorded; `windowed`: the engine has a
-        window cache; `linear`: a row's conv and recurrent state shapes and the conv state's dtype."""
+        window cache; `linear`: a row's conv and recurrent state shapes and the conv state's dtype; `states`: the
+        (conv, recurrent) state tensors of all rows to use (memory the engine maps and unmaps with its KV, zeroed
+        by `clear`), else fresh ones."""
         long = dict(dtype=torch.long, device=device)
         return cls(torch.zeros(rows, **long), torch.zeros(rows, **long), torch.zeros(rows, **long),
                    torch.ones(rows, dtype=torch.int32, device=device),
@@ -207,7 +210,7 @@ class Rows:
                    torch.full((MAX_STOP_IDS,), -1, **long), torch.zeros(rows, dtype=torch.int32, device=device),
                    None if moe is None else torch.full((rows, width, *moe), -1, dtype=EXPERT_IDS, device=device),
                    torch.zeros(rows, max_pages, dtype=torch.int32, device=device) if windowed else None,
-                   *((None, None) if linear is None else
+                   *((None, None) if linear is None else states if states is not None else
                      (torch.zeros(rows, *linear[0], dtype=linear[2], device=device),
                       torch.zeros(rows, *linear[1], dtype=torch.float32, device=device))))
 
@@ -299,17 +302,25 @@ class NativeEngine(Engine):
                          s.head_dim)
         self.window_kv_shape = (2, len(self.window_layers), self.window_pages * page_size, s.num_kv_heads, s.head_dim)
         kv_bytes = cdiv(torch.Size(self.kv_shape).numel() * dtype.itemsize, 256) * 256  # the caches' dtype
+        window_bytes = cdiv(torch.Size(self.window_kv_shape).numel() * dtype.itemsize, 256) * 256
         # Weights and KV cache at addresses that outlive sleep, so captured graphs stay valid
         # (`stable_memory=False`: torch allocations, graphs dropped at sleep and captured again).
         self.stable = stable_memory and self.use_graphs and vmem.supported(self.device)
+        # The rows' linear-attention states (GBs at a seed batch: 18 MiB a row at Qwen3.5-1.5B) live in the KV
+        # buffer after both caches, so sleep returns them with the KV; the rest of `Rows` is small and stays.
+        self.linear_layout, offset = {}, kv_bytes + window_bytes
+        if self.linear is not None:
+            for name, shape, state_dtype in (("recurrent", self.linear[1], torch.float32),
+                                             ("conv", self.linear[0], self.linear[2])):
+                self.linear_layout[name] = (offset, (self.max_batch_size, *shape), state_dtype)
+                offset += cdiv(self.max_batch_size * torch.Size(shape).numel() * state_dtype.itemsize, 256) * 256
         if self.stable:
             self.weight_layout, size = {}, 0
             for key, (shape, own) in self.model.tensors.items():
                 self.weight_layout[key] = (size, shape, own or self.dtype)
                 size += cdiv(torch.Size(shape).numel() * (own or self.dtype).itemsize, 256) * 256
             self.weight_buffer = vmem.StableBuffer(size, self.device)
-            self.kv_buffer = vmem.StableBuffer(kv_bytes + torch.Size(self.window_kv_shape).numel() * dtype.itemsize,
-                                               self.device)
+            self.kv_buffer = vmem.StableBuffer(offset, self.device)
         self.kv_window_offset = kv_bytes
 
     @torch.no_grad()
@@ -384,9 +395,12 @@ class NativeEngine(Engine):
                 # paths, and slots a ring has not written yet must be finite too.
                 self.kv_window.zero_()
                 if self.rows is None:
+                    states = (self.kv_buffer.view(*self.linear_layout["conv"]),
+                              self.kv_buffer.view(*self.linear_layout["recurrent"])) \
+                        if self.stable and self.linear is not None else None
                     self.rows = Rows.allocate(self.max_batch_size, cdiv(self.max_context_len, self.page_size),
                                               self.max_context_len + 1, self.device, self.moe, bool(self.window),
-                                              self.linear)
+                                              self.linear, states)
                 self.rows.clear(0, self.max_batch_size)  # kept rows (stable memory) start idle too
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
