@@ -297,13 +297,12 @@ def test_lora_on_the_linear_attention_projections_is_refused():
 def fla_stand_in(calls):
     """fla's `chunk_gated_delta_rule` as its documentation defines it, in this module's torch: q and k of the key
     heads, normed in the kernel, value head i reading key head i // (Hv / Hk), packed sequences by cu_seqlens (a
-    long tensor on q's device, and its host copy), float32 final states. Records each call's arguments."""
+    long tensor on q's device), float32 final states. Records each call's arguments."""
     import rl.model.linear_attention as la
 
-    def rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-             cu_seqlens_cpu):
+    def rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
         calls.append(dict(heads=(q.shape[2], v.shape[2]), contiguous=all(x.is_contiguous() for x in (q, k, v)),
-                          cu=None if cu_seqlens is None else (cu_seqlens.dtype, cu_seqlens_cpu.device.type)))
+                          cu=None if cu_seqlens is None else (cu_seqlens.dtype, cu_seqlens.device.type)))
         assert output_final_state and use_qk_l2norm_in_kernel and q.shape[2] == k.shape[2]
         repeat = v.shape[2] // q.shape[2]
         q, k = (la._l2norm(x).repeat_interleave(repeat, dim=2) for x in (q, k))

@@ -295,13 +295,12 @@ def _fla_rule(rule: Callable, qkv: torch.Tensor, hidden: torch.Tensor, weights: 
     as `repeat_interleave` lays them out (its grouped-value form), the state in float32. Returns o (B, T, Hv, V) in
     v's dtype and the final states (N, Hv, K, V) in float32, as `chunk_gated_delta_rule` does."""
     q, k, v, g, beta = (x.contiguous() for x in _rule_inputs(qkv, hidden, weights, normed=False))
-    host = None if cu_seqlens is None else cu_seqlens.to("cpu", torch.long)  # its chunk layout, without a sync
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(q.device, torch.long)
     if initial_state is not None:
         initial_state = initial_state.float()
     return rule(q, k, v, g, beta, scale=weights.head_k_dim ** -0.5, initial_state=initial_state,
-                output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=host)
+                output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
 
 
 def _layer_output(o: torch.Tensor, hidden: torch.Tensor, weights: GatedDeltaNetWeights) -> torch.Tensor:
