@@ -352,7 +352,7 @@ def test_fla_kernels_against_the_torch_rule():
     row = torch.randn(1, sum(lengths), 512, device="cuda", dtype=torch.bfloat16)
     cu = torch.tensor([0, *lengths]).cumsum(0)
     state = torch.randn(len(lengths), 4, 128, 128, device="cuda") * 0.1
-    results = []
+    results, before = [], la.USE_FLA
     for use_fla in (True, False):
         la.USE_FLA = use_fla
         try:
@@ -361,7 +361,7 @@ def test_fla_kernels_against_the_torch_rule():
                                                    recurrent_state=state)
             (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
         finally:
-            la.USE_FLA = True
+            la.USE_FLA = before
         results.append((out.float(), final, {n: p.grad.float() for n, p in module.named_parameters()}))
     (out, final, grads), (out_ref, final_ref, grads_ref) = results
 
