@@ -20,10 +20,11 @@ How this departs from the usual single-sequence reference:
 - A conv state is the last W-1 inputs, all the next token reads (transformers' cache keeps W).
 
 `gated_deltanet_forward` (prefill, training) and `gated_deltanet_step` (decode; `gated_deltanet_step_` on CUDA, its
-delta rule one Triton kernel that updates the states in place) compute a whole layer from the weights of transformers' Qwen3-Next or Qwen3.5 module (`weights_from_module`). `use_packed_linear_attention`
-points the trainer's copy of those modules at `gated_deltanet_forward`, so a packed micro-batch's sequences never
-read each other's state: transformers' own torch path runs a packed row as one sequence. In training the layer
-keeps only its input and is computed again in its backward (`packed_linear_forward`).
+delta rule one Triton kernel that updates the states in place) compute a whole layer from the weights of
+transformers' Qwen3-Next or Qwen3.5 module (`weights_from_module`). `use_packed_linear_attention` points the
+trainer's copy of those modules at `gated_deltanet_forward`, so a packed micro-batch's sequences never read each
+other's state: transformers' own torch path runs a packed row as one sequence. In training the layer keeps only its
+input and is computed again in its backward (`packed_linear_forward`).
 """
 
 from __future__ import annotations

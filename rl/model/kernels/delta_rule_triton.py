@@ -59,7 +59,8 @@ def gated_delta_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     out = v.new_empty(rows, heads, value_dim)
     block_v = min(32, triton.next_power_of_2(value_dim))
     _gated_delta_step_kernel[(rows, heads, triton.cdiv(value_dim, block_v))](
-        q, k, v, g, beta, state, live.view(torch.uint8), out, key_dim, value_dim, key_dim ** -0.5 if scale is None else scale,
+        q, k, v, g, beta, state, live.view(torch.uint8), out, key_dim, value_dim,
+        key_dim ** -0.5 if scale is None else scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1),
         BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_v, num_warps=4)
