@@ -457,7 +457,7 @@ def test_delta_rule_step_kernel_is_the_torch_step_on_live_rows(dtype, key_dim, v
     rows = torch.randn(n, 2, heads, key_dim, value_dim, generator=gen)
     live = torch.tensor([True, False, True, True, False])
     want_out, want_state = gated_delta_step(q, k, v, g, beta, rows[:, 1])
-    rows, before = rows.to(DEVICE), rows.to(DEVICE)
+    before = rows.to(DEVICE)
     rows = before.clone()
     out = kernels("delta_rule").gated_delta_step_(*(x.to(DEVICE) for x in (q, k, v, g, beta)), rows[:, 1],
                                                   live.to(DEVICE))

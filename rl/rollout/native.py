@@ -232,6 +232,11 @@ class Rows:
         self.done[start:end] = True
 
 
+def _aligned_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of `shape` and `dtype` in a stable buffer, rounded up to 256 so the next one starts aligned."""
+    return cdiv(torch.Size(shape).numel() * dtype.itemsize, 256) * 256
+
+
 class NativeEngine(Engine):
     matches_stop_text = True
     max_stop_ids = MAX_STOP_IDS
@@ -301,26 +306,25 @@ class NativeEngine(Engine):
         self.kv_shape = (2, s.attention_layers - len(self.window_layers), self.num_pages * page_size, s.num_kv_heads,
                          s.head_dim)
         self.window_kv_shape = (2, len(self.window_layers), self.window_pages * page_size, s.num_kv_heads, s.head_dim)
-        kv_bytes = cdiv(torch.Size(self.kv_shape).numel() * dtype.itemsize, 256) * 256  # the caches' dtype
-        window_bytes = cdiv(torch.Size(self.window_kv_shape).numel() * dtype.itemsize, 256) * 256
+        kv_bytes = _aligned_bytes(self.kv_shape, dtype)  # the caches' dtype
         # Weights and KV cache at addresses that outlive sleep, so captured graphs stay valid
         # (`stable_memory=False`: torch allocations, graphs dropped at sleep and captured again).
         self.stable = stable_memory and self.use_graphs and vmem.supported(self.device)
-        # The rows' linear-attention states (GBs at a seed batch: 18 MiB a row at Qwen3.5-1.5B) live in the KV
-        # buffer after both caches, so sleep returns them with the KV; the rest of `Rows` is small and stays.
-        self.linear_layout, offset = {}, kv_bytes + window_bytes
-        if self.linear is not None:
-            for name, shape, state_dtype in (("recurrent", self.linear[1], torch.float32),
-                                             ("conv", self.linear[0], self.linear[2])):
-                self.linear_layout[name] = (offset, (self.max_batch_size, *shape), state_dtype)
-                offset += cdiv(self.max_batch_size * torch.Size(shape).numel() * state_dtype.itemsize, 256) * 256
         if self.stable:
             self.weight_layout, size = {}, 0
             for key, (shape, own) in self.model.tensors.items():
                 self.weight_layout[key] = (size, shape, own or self.dtype)
-                size += cdiv(torch.Size(shape).numel() * (own or self.dtype).itemsize, 256) * 256
+                size += _aligned_bytes(shape, own or self.dtype)
             self.weight_buffer = vmem.StableBuffer(size, self.device)
-            self.kv_buffer = vmem.StableBuffer(offset, self.device)
+            # The rows' linear-attention states (GBs at a seed batch: 18 MiB a row at Qwen3.5-1.5B) live in the KV
+            # buffer after both caches, so sleep returns them with the KV; the rest of `Rows` is small and stays.
+            self.linear_layout, size = {}, kv_bytes + _aligned_bytes(self.window_kv_shape, dtype)
+            for name, shape, state_dtype in (() if self.linear is None else
+                                             (("recurrent", self.linear[1], torch.float32),
+                                              ("conv", self.linear[0], self.linear[2]))):
+                self.linear_layout[name] = (size, (self.max_batch_size, *shape), state_dtype)
+                size += _aligned_bytes((self.max_batch_size, *shape), state_dtype)
+            self.kv_buffer = vmem.StableBuffer(size, self.device)
         self.kv_window_offset = kv_bytes
 
     @torch.no_grad()
