@@ -35,6 +35,8 @@ is a comma-separated list of option=value over these defaults (what benchmarks/l
     layout=views|select    packed rows: q, k and v handed to the varlen kernels as views (`views`,
                        `rl.train.packing.kernel_layout`), or through a select of the row (`t[0]`), as before: its
                        backward copies each gradient into new buffers in the compiled blocks
+    reduce=once|each   one rank: an optimizer step's gradients reduced into FSDP2's shards once, after its last
+                       micro-batch (`rl.train.step.reduce_once`), or after every micro-batch, as before
     lora=0|RANK        > 0: LoRA adapters of that rank (alpha 2 x rank) on the default target layers, the base
                        frozen (rl/train/lora.py); the MFU still counts the full model's FLOPs a token
 
@@ -128,6 +130,7 @@ def sync(device: torch.device) -> None:
 CAUSAL_FORWARD = train_module.causal_forward
 VARLEN_CAUSAL = packing_module.varlen_causal
 KERNEL_LAYOUT = packing_module.kernel_layout
+REDUCE_ONCE = train_module.reduce_once
 
 
 def varlen_causal_repeated(q, k, v, cu_seqlens, max_seqlen, scale):
@@ -139,9 +142,9 @@ def varlen_causal_repeated(q, k, v, cu_seqlens, max_seqlen, scale):
 DEFAULTS = {"mbt": "32768", "compile": "on", "checkpointing": "off", "logprobs": "fused", "mask": "none",
             "cold": "off", "width": "64", "fresh": "off", "adamw": "fused",
             "gathered": "on", "packing": "off", "skip": "off", "context": "2048",
-            "gqa": "kernel", "lora": "0", "layout": "views"}  # what benchmarks/loop.sh runs
+            "gqa": "kernel", "lora": "0", "layout": "views", "reduce": "once"}  # what benchmarks/loop.sh runs
 # the trainer before these options
-BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding,width=1,adamw=foreach,gathered=off"
+BEFORE = "mbt=16384,compile=off,logprobs=chunked,mask=padding,width=1,adamw=foreach,gathered=off,reduce=each"
 
 
 def parse_variant(text: str) -> dict[str, str]:
@@ -174,6 +177,7 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     packing_module.varlen_causal = {"kernel": VARLEN_CAUSAL, "repeat": varlen_causal_repeated}[variant["gqa"]]
     packing_module.kernel_layout = KERNEL_LAYOUT if variant["layout"] == "views" else lambda t: t[0].transpose(0, 1)
     torch._dynamo.reset()  # compiled blocks of an earlier variant called the other attention
+    train_module.reduce_once = REDUCE_ONCE if variant["reduce"] == "once" else lambda model, dp_size: False
     train_module.causal_forward = {"none": CAUSAL_FORWARD, "padding": forward_with_padding_mask,
                                    "causal": lambda model, ids: model(input_ids=ids, use_cache=False)}[variant["mask"]]
     policy = build_policy(ModelConfig(path=model_dir, random_init=True, gradient_checkpointing=on["checkpointing"],

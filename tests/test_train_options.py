@@ -119,32 +119,60 @@ def test_compiled_blocks_keep_compiling_past_dynamos_default_limit(monkeypatch):
     assert compiled == [1] * 10
 
 
-def test_parameters_kept_gathered_across_micro_batches_give_the_same_steps(monkeypatch):
-    """model.reshard_after_forward=false: FSDP2 keeps the gathered parameters from an optimizer step's first
-    micro-batch to its last. Two steps of two micro-batches each give the grad norms and updated weights of
-    resharding after every forward and backward (so the second step ran on the first one's update), and every
-    parameter is back on its shard afterwards, where weight sync and checkpoints read it."""
+def two_steps(d, reshard: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Two optimizer steps of two micro-batches each on a tiny policy sharded over `d`'s mesh: their grad
+    norms and the weights after (the second step ran on the first one's update)."""
+    batch = samples(8, seed=3)
+    model = shard_policy(tiny_model(seed=1), d.mesh, d.device, False, reshard_after_forward=reshard)
+    train = TrainConfig(lr=1e-2, num_steps_per_rollout=2)
+    optimizer, scheduler = build_optimizer(model, train)
+    steps = [[collate(batch[i:i + 2], d.device) for i in (k, k + 2)] for k in (0, 4)]
+    tokens = [sum(int(mb.loss_mask.sum()) for mb in step) for step in steps]
+    seqs = [sum(int((mb.loss_mask.sum(-1) > 0).sum()) for mb in step) for step in steps]
+    schedule = Schedule(steps, tokens, seqs, padding=0)
+    fill_old_logprobs(model, schedule.micro_batches, 1.0)  # two steps: the old logprobs take a pass
+    out = train_on_rollout(model, optimizer, scheduler, schedule, dp_size=1, train=train,
+                           algo=AlgoConfig(eps_clip_high=0.2), temperature=1.0)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    return out["grad_norm"], {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
     for key, value in dict(MASTER_PORT="29653", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
         monkeypatch.setenv(key, value)
     d = parallel.init_distributed()
     try:
-        batch = samples(8, seed=3)
-        runs = []
-        for reshard in (True, False):
-            model = shard_policy(tiny_model(seed=1), d.mesh, d.device, False, reshard_after_forward=reshard)
-            train = TrainConfig(lr=1e-2, num_steps_per_rollout=2)
-            optimizer, scheduler = build_optimizer(model, train)
-            steps = [[collate(batch[i:i + 2], d.device) for i in (k, k + 2)] for k in (0, 4)]
-            tokens = [sum(int(mb.loss_mask.sum()) for mb in step) for step in steps]
-            seqs = [sum(int((mb.loss_mask.sum(-1) > 0).sum()) for mb in step) for step in steps]
-            schedule = Schedule(steps, tokens, seqs, padding=0)
-            fill_old_logprobs(model, schedule.micro_batches, 1.0)  # two steps: the old logprobs take a pass
-            out = train_on_rollout(model, optimizer, scheduler, schedule, dp_size=1, train=train,
-                                   algo=AlgoConfig(eps_clip_high=0.2), temperature=1.0)
-            assert all(isinstance(p, DTensor) for p in model.parameters())
-            runs.append((out["grad_norm"], {n: p.full_tensor().clone() for n, p in model.named_parameters()}))
-        (norm_resharded, weights_resharded), (norm_gathered, weights_gathered) = runs
-        assert norm_gathered == pytest.approx(norm_resharded, rel=1e-5) and norm_gathered > 0
-        assert close(weights_gathered, weights_resharded, 1e-5)
+        yield d
     finally:
         parallel.teardown()
+
+
+def test_parameters_kept_gathered_across_micro_batches_give_the_same_steps(one_rank):
+    """model.reshard_after_forward=false: FSDP2 keeps the gathered parameters from an optimizer step's first
+    micro-batch to its last. Two steps of two micro-batches each give the grad norms and updated weights of
+    resharding after every forward and backward (so the second step ran on the first one's update), and every
+    parameter is back on its shard afterwards, where weight sync and checkpoints read it."""
+    (norm_resharded, weights_resharded), (norm_gathered, weights_gathered) = (two_steps(one_rank, r)
+                                                                              for r in (True, False))
+    assert norm_gathered == pytest.approx(norm_resharded, rel=1e-5) and norm_gathered > 0
+    assert close(weights_gathered, weights_resharded, 1e-5)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_one_rank_reduces_a_steps_gradients_once(one_rank, monkeypatch, reshard):
+    """On one rank an optimizer step's micro-batches accumulate their gradients unsharded and FSDP2 reduces
+    them once, after the step's last backward (`reduce_once`): one reduction per FSDP2 module and step, not
+    per micro-batch, and the same grad norms and updated weights as reducing after every micro-batch."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
+    reductions = []
+    real = group.foreach_reduce
+    monkeypatch.setattr(group, "foreach_reduce", lambda *a, **k: reductions.append(1) or real(*a, **k))
+    norm_once, weights_once = two_steps(one_rank, reshard)
+    once = len(reductions)
+    monkeypatch.setattr("rl.train.step.reduce_once", lambda model, dp_size: False)
+    norm_each, weights_each = two_steps(one_rank, reshard)
+    modules = 3  # the tiny policy's two decoder blocks and its root
+    assert (once, len(reductions) - once) == (2 * modules, 2 * 2 * modules)
+    assert norm_once == pytest.approx(norm_each, rel=1e-5) and norm_once > 0
+    assert close(weights_once, weights_each, 1e-5)

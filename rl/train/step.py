@@ -435,6 +435,17 @@ def optimizer_step(model, optimizer, scheduler, step_loss: torch.Tensor, max_nor
     return grad_norm, skipped
 
 
+def reduce_once(model, dp_size: int) -> bool:
+    """Whether an optimizer step's gradients are reduced once, after its last micro-batch, rather than after each.
+    On one rank FSDP2's reduction only moves the gradients into their shards, yet it concatenates and copies
+    every block's gradients each micro-batch: in a profiled step of a 2B MoE on one H100 (27 micro-batches of
+    8192 tokens, a host-bound step) 0.19 s of the device's time and 0.65 s of the host's. Skipped, FSDP2 keeps
+    them unsharded and float32 across the micro-batches, as large as the shards they replace on one rank. Over
+    several ranks that would be the whole model's gradients on every rank, so there they are reduced each
+    micro-batch (and the reduction overlaps the backward)."""
+    return dp_size == 1 and hasattr(model, "set_requires_gradient_sync")
+
+
 def optimizer_steps(model, optimizer, scheduler, steps: list[list[MicroBatch]], step_totals: list, dp_size: int,
                     max_norm: float, loss: Callable[[int, MicroBatch, Any], torch.Tensor]
                     ) -> tuple[list[float], list[bool]]:
@@ -444,9 +455,12 @@ def optimizer_steps(model, optimizer, scheduler, steps: list[list[MicroBatch]], 
     loss divides by. Returns the steps' grad norms and whether each was skipped."""
     device = next(model.parameters()).device
     grad_norms, skipped_flags = [], []
+    once = reduce_once(model, dp_size)
     for k, (micro_batches, totals) in enumerate(zip(steps, step_totals, strict=True)):
         step_loss = torch.zeros((), device=device)
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
+            if once:  # the step's last backward reduces what the others accumulated
+                model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             mb_loss = loss(k, mb, totals)
             # FSDP averages gradients over ranks; scale so the result is the global batch's loss.
             (mb_loss * dp_size).backward()
