@@ -453,3 +453,28 @@ def test_qwen3_next_blocks_are_grouped_and_replayed():
         set_routing_replay(patched, (own + 1) % EXPERTS)
         assert (patched(tokens).logits - expected).abs().max() > 1e-3 and routing_mismatch(patched) > 0.5
         set_routing_replay(patched, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped GEMM's own path: CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_compiled_decoder_block_on_cuda_is_one_graph(family):
+    """The trainer compiles each decoder block (`model.compile`); on CUDA in bf16 its grouped MoE block takes
+    torch's grouped GEMM, whose segments stay on the device, so nothing in the block needs the host and Dynamo
+    traces it whole. A graph break costs a step of many small micro-batches host time at every block, forward
+    and backward."""
+    from rl.model.rope import fuse_rope, unfuse_rope
+    model = tiny_moe(family).to("cuda", torch.bfloat16)
+    use_grouped_moe(model)
+    fuse_rope(model)
+    layer = model.model.layers[0]
+    seen = {}
+    handle = layer.register_forward_pre_hook(lambda m, a, k: seen.update(args=a, kwargs=k), with_kwargs=True)
+    try:
+        model(torch.randint(0, 96, (2, 24), device="cuda"))
+        handle.remove()
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(layer.forward)(*seen["args"], **seen["kwargs"])
+    finally:
+        unfuse_rope()
+        torch._dynamo.reset()
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
