@@ -427,13 +427,27 @@ def render_prompt(raw: Any, cfg: DataConfig, tokenizer, system_prompt: str | Non
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
+def opening_bos(tokenizer) -> list[int]:
+    """[the BOS id] where the tokenizer opens plain text with its BOS token (Gemma, Llama), else [] (Qwen). A
+    prompt without a chat template gets it as the tokenizer's own call would, and nothing else that call adds
+    (an EOS at the end of a prompt would end it): without it Gemma 3 270M, trained with a BOS before every
+    text, answered 1 of 60 held-out eight-shot additions greedily, against 29 with it."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return []
+    return [bos] if tokenizer("1", add_special_tokens=True)["input_ids"][:1] == [bos] else []
+
+
 def tokenize_prompts(rows, prompt_key, answer_key, cfg: DataConfig, tokenizer) -> tuple[list[Prompt], list[int]]:
     """Templated, tokenized prompts and the token lengths of those dropped for exceeding max_prompt_len."""
     prompts, dropped = [], []
+    bos = [] if cfg.apply_chat_template else opening_bos(tokenizer)  # a chat template writes its own
     for row in rows:
         system_prompt = column(row, cfg.system_prompt_key) if cfg.system_prompt_key else None
         text = render_prompt(column(row, prompt_key), cfg, tokenizer, system_prompt)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if bos and ids[:1] != bos:
+            ids = bos + ids
         if len(ids) > cfg.max_prompt_len:
             dropped.append(len(ids))
             continue

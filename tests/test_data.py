@@ -189,3 +189,29 @@ def test_prompt_template_with_literal_braces():
     cfg = DataConfig(prompt_template="{prompt} Put your final answer within \\boxed{}.", apply_chat_template=False)
     assert render_prompt("What is {x} + 1?", cfg, tiny_tokenizer()) == \
         "What is {x} + 1? Put your final answer within \\boxed{}."
+
+
+def bos_tokenizer():
+    """The tiny tokenizer made to open plain text with a BOS token, as Gemma's and Llama's do."""
+    from tokenizers import processors
+    tok = tiny_tokenizer()
+    tok.bos_token = "<|pad|>"  # a token of the tiny vocabulary the chat template does not open with
+    bos = tok.bos_token_id
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<|pad|> $A", pair="<|pad|> $A $B",
+                                                                  special_tokens=[("<|pad|>", bos)])
+    return tok, bos
+
+
+def test_a_prompt_without_a_chat_template_opens_with_the_tokenizers_bos(tmp_path):
+    """Without a chat template a prompt's tokens open with the BOS token where the tokenizer opens plain text with
+    one (once, also where the text writes it), as the model saw every text in pre-training; a chat template's text
+    is taken as it is, and a tokenizer without a BOS (Qwen's) adds nothing."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p, "answer": "4"}) for p in ["2 + 2 = ", "<|pad|>2 + 2 = "]))
+    tok, bos = bos_tokenizer()
+    plain = tok("2 + 2 = ", add_special_tokens=False)["input_ids"]
+    raw = DataConfig(source=str(path), shuffle=False, apply_chat_template=False)
+    assert [p.token_ids for p in PromptDataset.from_config(raw, tok).prompts] == [[bos] + plain] * 2
+    chat = PromptDataset.from_config(dataclasses.replace(raw, apply_chat_template=True), tok).prompts[0]
+    assert chat.token_ids == tok(chat.text, add_special_tokens=False)["input_ids"] and bos not in chat.token_ids
+    assert PromptDataset.from_config(raw, tiny_tokenizer()).prompts[0].token_ids == plain
