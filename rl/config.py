@@ -72,7 +72,7 @@ class DataConfig:
     num_examples: int = 2000  # rows drawn from a generated task
     prompt_template: str = "{prompt}"  # wraps the raw prompt text before the chat template
     system_prompt: str = ""
-    apply_chat_template: bool = True
+    apply_chat_template: bool = True  # false: the text as it is, opened with the tokenizer's BOS where it has one
     max_prompt_len: int = 512  # longer prompts are dropped (counted and logged)
     shuffle: bool = True
     seed: int = 1234
