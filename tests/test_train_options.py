@@ -119,7 +119,7 @@ def test_compiled_blocks_keep_compiling_past_dynamos_default_limit(monkeypatch):
     assert compiled == [1] * 10
 
 
-def two_steps(d, reshard: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+def two_steps(d, reshard: bool) -> tuple[float, dict[str, torch.Tensor]]:
     """Two optimizer steps of two micro-batches each on a tiny policy sharded over `d`'s mesh: their grad
     norms and the weights after (the second step ran on the first one's update)."""
     batch = samples(8, seed=3)

@@ -60,7 +60,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl.model.moe import expert_lora, grouped_mlp
+from rl.model.moe import SlotRows, combine_slots, expert_lora, grouped_mlp
 
 
 class _AllToAll(torch.autograd.Function):
@@ -99,7 +99,7 @@ class ExpertParallel:
 
     def __call__(self, experts: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
-        tokens, k = ids.shape
+        k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs by expert, so by owning rank; pair p is token p // k
         counts = torch.bincount(flat, minlength=self.num_experts)  # pairs this rank sends to each expert
@@ -107,7 +107,7 @@ class ExpertParallel:
         got = all_to_all(counts, [self.local] * self.size, [self.local] * self.size, self.group).view(self.size, -1)
         send = counts.view(self.size, self.local).sum(-1).tolist()
         recv = got.sum(-1).tolist()
-        rows = exchange(x[order // k], send, recv, self.group)
+        rows = exchange(SlotRows.apply(x, order, k), send, recv, self.group)
         # Received rows come by source rank, each source's by expert: their local expert ids.
         local_ids = torch.arange(self.local, device=x.device).repeat(self.size)
         local_ids = local_ids.repeat_interleave(got.reshape(-1).to(x.device))
@@ -116,9 +116,7 @@ class ExpertParallel:
         gate_up, down = experts.gate_up_proj.to(x.dtype), experts.down_proj.to(x.dtype)
         lora = expert_lora(experts, x.dtype)  # LoRA's adapters of the local experts, split with them
         out = grouped_mlp(rows, local_ids.unsqueeze(-1), ones, gate_up, down, experts.act_fn, lora)
-        out = exchange(out, recv, send, self.group)
-        out = out.new_empty(out.shape).index_copy(0, order, out)  # sorted pair i back to pair order[i]
-        return (out.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+        return combine_slots(exchange(out, recv, send, self.group), order, weights)
 
 
 def expert_slice(num_experts: int, group: dist.ProcessGroup) -> slice:

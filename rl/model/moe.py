@@ -296,7 +296,7 @@ def grouped_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     """`grouped_experts` over the fused expert tensors themselves, gate_up (E, 2 * I, H) with the gate half first
     and down (E, H, I): the trainer's blocks and the rollout engine's (rl/model/decoder.py) compute their experts
     here. `lora`: the adapters' update of each projection, through the same grouped matmuls over the same rows."""
-    tokens, k = ids.shape
+    k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert; pair p is token p // k, slot p % k
     # Counted into a tensor of fixed size: bincount on CUDA reads the largest id on the host (no CUDA graph holds it).
@@ -309,15 +309,26 @@ def grouped_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     rows = SlotRows.apply(x, order, k)
     gate, up = _expert_projection(rows, gate_up, segments, lora, "gate_up_proj").chunk(2, dim=-1)
     out = _expert_projection(act(gate) * up, down, segments, lora, "down_proj")
-    out = out.new_empty(out.shape).index_copy(0, order, out)  # sorted row i back to pair order[i]
-    return (out.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+    return combine_slots(out, order, weights)
+
+
+def pair_order(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by expert back in (token, slot) order: sorted row i to pair order[i]."""
+    return rows.new_empty(rows.shape).index_copy(0, order, rows)
+
+
+def combine_slots(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The experts' rows (sorted by expert) back in (token, slot) order, each token's k slots summed with their
+    weights (tokens, k): (tokens, H)."""
+    tokens, k = weights.shape
+    return (pair_order(rows, order).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
 
 class SlotRows(torch.autograd.Function):
     """x (tokens, H) gathered to the sorted (token, slot) pairs: row i is x[order[i] // k]. Autograd's own
     backward of that gather is an accumulating index_put, which sorts the indices and ran as ~10% of a 2B MoE's
-    train-step device time on an H100; here each token's gradient is its k rows' gradients, found through the
-    inverse permutation and summed in slot order (a gather and a reduction, deterministic)."""
+    train-step device time on an H100; here each token's gradient is its k rows' gradients, put back in (token,
+    slot) order as the block's output is and summed over the slots (a copy and a reduction, deterministic)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
@@ -328,8 +339,7 @@ class SlotRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (order,) = ctx.saved_tensors
-        place = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        return grad.index_select(0, place).view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None
+        return pair_order(grad, order).view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None
 
 
 def _expert_projection(rows: torch.Tensor, weight: torch.Tensor, segments: torch.Tensor | list[int],

@@ -319,11 +319,11 @@ class NativeEngine(Engine):
             # The rows' linear-attention states (GBs at a seed batch: 18 MiB a row at Qwen3.5-1.5B) live in the KV
             # buffer after both caches, so sleep returns them with the KV; the rest of `Rows` is small and stays.
             self.linear_layout, size = {}, kv_bytes + _aligned_bytes(self.window_kv_shape, dtype)
-            for name, shape, state_dtype in (() if self.linear is None else
-                                             (("recurrent", self.linear[1], torch.float32),
-                                              ("conv", self.linear[0], self.linear[2]))):
-                self.linear_layout[name] = (size, (self.max_batch_size, *shape), state_dtype)
-                size += _aligned_bytes((self.max_batch_size, *shape), state_dtype)
+            if self.linear is not None:
+                for name, shape, state_dtype in (("recurrent", self.linear[1], torch.float32),
+                                                 ("conv", self.linear[0], self.linear[2])):
+                    self.linear_layout[name] = (size, (self.max_batch_size, *shape), state_dtype)
+                    size += _aligned_bytes((self.max_batch_size, *shape), state_dtype)
             self.kv_buffer = vmem.StableBuffer(size, self.device)
         self.kv_window_offset = kv_bytes
 
