@@ -49,11 +49,12 @@ def check_folder(path: Path, d: parallel.Dist) -> dict:
         stored.setdefault("lm_head.weight", stored["model.embed_tokens.weight"])
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     buffers = dict(reference.named_buffers())
+    own_buffers = dict(policy.named_buffers())  # the computed ones too, which the weight stream leaves out
     return {
         "weights_differ": sorted(n for n in stored if not torch.equal(gathered[n].cpu(), stored[n].float())),
         "params_not_in_files": sorted(n for n, _ in policy.named_parameters(remove_duplicate=False)
                                       if n not in stored),
-        "buffers_differ": sorted(n for n in buffers if not torch.equal(gathered[n].cpu(), buffers[n])),
+        "buffers_differ": sorted(n for n in buffers if not torch.equal(own_buffers[n].cpu(), buffers[n])),
         "logits_max_diff": float((logits(policy, d.device) - logits(reference, "cpu")).abs().max()),
         "tied": policy.lm_head.weight is policy.model.embed_tokens.weight,
     }

@@ -129,3 +129,16 @@ def test_a_lora_policy_of_the_family_pushes_its_merged_weights_into_the_engine(m
     engine = NativeEngine(model.config, torch.device("cpu"), torch.float32, max_batch_size=8, seed=0)
     sync_weights(model, engine, torch.float32, bucket_mb=0.05)
     assert engine_vs_trainer(engine, model) < 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_pushed_weights_are_what_a_checkpoint_holds_not_computed_buffers(name):
+    """An engine's loader knows a checkpoint's names: the push streams those and no buffer the model computes from
+    its config (Gemma's `embed_scale`, the rotary `inv_freq`), which vLLM's Gemma 3 loader refuses by name."""
+    from rl.train.weights import iter_merged_weights
+
+    model = random_model(FAMILIES[name]())
+    pushed = [n for n, _ in iter_merged_weights(model, torch.float32, 1 << 20)]
+    assert sorted(pushed) == sorted(model.state_dict())
+    if name.startswith("gemma3"):
+        assert "model.embed_tokens.embed_scale" in dict(model.named_buffers())  # what the push leaves out

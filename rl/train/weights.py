@@ -108,8 +108,17 @@ def iter_full_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: 
                 bucket, size = [], 0
         if bucket:
             yield from flush()
-        for name, buf in model.named_buffers(remove_duplicate=False) if only is None else ():
+        for name, buf in persistent_buffers(model) if only is None else ():
             yield name, buf.detach()
+
+
+def persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint holds: not a non-persistent one (Gemma's `embed_scale`, a rotary `inv_freq`),
+    which the model computes from its config and an engine's loader does not know by name."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, buf in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buf
 
 
 def iter_merged_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int, changed_only: bool = False
