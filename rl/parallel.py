@@ -96,7 +96,8 @@ def init_distributed(timeout_minutes: int = 30) -> Dist:
     os.environ.setdefault("MASTER_PORT", "29517")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ.setdefault("LOCAL_RANK", "0")  # torchrun's whole set: vLLM's in-process executor reads LOCAL_RANK
+    local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         visible = torch.cuda.device_count()
         if local_rank >= visible:  # one rank per GPU: more ranks on a node than GPUs is a launch mistake

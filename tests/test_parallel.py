@@ -138,3 +138,20 @@ def test_a_stop_signal_ends_the_wait_for_check_ins_and_the_line_says_so(tmp_path
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()
+
+
+def test_a_plain_python_run_sets_the_launch_variables_an_in_process_engine_reads():
+    """`python -m rl.main` (no torchrun) makes a group of one and leaves torchrun's variables behind it: vLLM's
+    in-process executor reads RANK, LOCAL_RANK and WORLD_SIZE and joins through MASTER_ADDR:MASTER_PORT."""
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    plain = {k: v for k, v in env().items() if k not in keys and not k.startswith("TORCHELASTIC")}
+    code = ("import os; from rl import parallel; d = parallel.init_distributed(); "
+            f"print(d.rank, d.world_size, d.local_rank, *(os.environ.get(k, '-') for k in {keys!r}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=plain, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rank, world, local, *values = out.stdout.split()
+    assert (rank, world, local) == ("0", "1", "0")
+    assert dict(zip(keys, values)) | {"MASTER_PORT": "p"} == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                                                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "p"}
+    assert int(values[-1]) > 0
