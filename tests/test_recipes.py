@@ -132,3 +132,24 @@ def test_the_code_recipe_reads_the_built_rows_and_runs_their_tests_inside_the_wo
         inp = RewardInput(prompt.text, reference_response(problem), prompt.label, 10, cfg.rollout.max_new_tokens,
                           prompt.metadata)
         assert score_one(inp, cfg.reward)["reward"] == 1.0
+
+
+def test_the_gemma_addition_config_holds_out_sums_its_reward_checks():
+    """configs/gemma3_270m.toml (docs/engines.md#gemma-3-270m-learns): 600 two-digit plus one-digit sums to train on
+    and the other 210 held out, each row's answer the sum its prompt asks for, scored right and wrong as the model
+    writes it (the sum and its newline)."""
+    from rl.rollout.evaluate import load_eval_prompts
+
+    cfg = load_config(["--config", str(ROOT / "configs/gemma3_270m.toml")])
+    tokenizer = tiny_tokenizer()
+    training, dropped = load_prompts(cfg.data, tokenizer)
+    held_out, overlapping = load_eval_prompts(cfg.eval, cfg.data, tokenizer, training)
+    assert (len(training), dropped, len(held_out), overlapping) == (600, 0, 210, 0)
+    asked = set()
+    for p in training + held_out:
+        a, b = re.fullmatch(r"(\d\d) \+ (\d) = ", p.text.rsplit("\n", 1)[1]).groups()
+        assert p.label == str(int(a) + int(b))
+        asked.add((a, b))
+    assert len(asked) == 810  # every such sum once
+    assert math_correct(f"{training[0].label}\n", training[0].label) == 1.0
+    assert math_correct(f"{int(training[0].label) - 2}\n", training[0].label) == 0.0
