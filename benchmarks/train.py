@@ -204,7 +204,7 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     times = []
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
-    first_s, graphs = 0.0, 0
+    first_s, graphs, steps_graphs, steps_retries = 0.0, 0, [], []
     for i in range(args.repeats + 1):  # the first step warms the allocator and kernels up (and compiles)
         if on["cold"] and d.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -212,6 +212,7 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
             samples, schedule = draw(i)
         sync(d.device)
         compiled: dict[str, float] = {}
+        retries = alloc_retries(d.device)
         t = time.perf_counter()
         with graphs_compiled(compiled, "graphs"):
             train_on_rollout(policy, optimizer, scheduler, schedule, **options)
@@ -220,6 +221,8 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
         if i:
             times.append((elapsed, [len(s.tokens) for s in samples]))
             graphs += compiled["graphs"]
+            steps_graphs.append(int(compiled["graphs"]))  # which step compiled (a new shape), and
+            steps_retries.append(alloc_retries(d.device) - retries)  # which one freed the cache to allocate
         else:
             first_s = elapsed
     forward_s = 0.0
@@ -244,6 +247,7 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
            "tokens": int(statistics.median(sum(lengths) for _, lengths in times)),
            "micro_batches": len(schedule.steps[0]),
            "step_s": statistics.median(s for s, _ in times), "steps_s": [s for s, _ in times], "graphs": graphs,
+           "steps_graphs": steps_graphs, "steps_alloc_retries": steps_retries,
            "tokens_per_s": statistics.median(sum(lengths) / s for s, lengths in times),
            "mfu": statistics.median(train_flops(policy.config, lengths) / (s * d.world_size * peak)
                                     for s, lengths in times) if peak else None,
@@ -254,6 +258,11 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     if d.device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def alloc_retries(device: torch.device) -> int:
+    """How often the caching allocator has freed its cache and retried a cudaMalloc (each a device-wide sync)."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
 
 
 def main() -> None:
@@ -281,9 +290,9 @@ def main() -> None:
         print(f"device: {torch.cuda.get_device_name(d.device) if d.device.type == 'cuda' else 'cpu'}, "
               f"{d.world_size} rank(s), peak {peak_bf16_flops(d.device) or 0:.3g} FLOP/s, torch {torch.__version__}; "
               f"defaults {','.join(f'{k}={v}' for k, v in DEFAULTS.items())}")
-        print("| model | variant | tokens | micro-batches | first step s | step s | each step s | graphs compiled | "
-              "tokens/s | MFU | forward-only s | peak GB |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        print("| model | variant | tokens | micro-batches | first step s | step s | each step s | graphs compiled, each "
+              "step | allocator retries, each step | tokens/s | MFU | forward-only s | peak GB |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for m, v in itertools.product(models, variants):  # each row as it is measured: a later variant may not fit
         try:
@@ -306,7 +315,8 @@ def main() -> None:
             mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
             peak = "-" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}"
             print(f"| {r['model']} | {r['variant']} | {r['tokens']:,} | {r['micro_batches']} | {r['first_s']:.2f} | "
-                  f"{r['step_s']:.2f} | {' / '.join(f'{s:.2f}' for s in r['steps_s'])} | {r['graphs']} | "
+                  f"{r['step_s']:.2f} | {' / '.join(f'{s:.2f}' for s in r['steps_s'])} | "
+                  f"{' / '.join(map(str, r['steps_graphs']))} | {' / '.join(map(str, r['steps_alloc_retries']))} | "
                   f"{r['tokens_per_s']:,.0f} | {mfu} | {r['forward_s']:.2f} | {peak} |", flush=True)
     if d.is_main:
         for r in rows:
