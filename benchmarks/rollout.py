@@ -89,7 +89,7 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def all_weights(model: torch.nn.Module):
-    """Every parameter and buffer by HF name, as a weight sync pushes them (the model is unsharded)."""
+    """Every state_dict name and tensor (no computed buffer), as a weight sync pushes them (the model is unsharded)."""
     return iter_full_weights(model, model.dtype, 1 << 30)
 
 

@@ -45,6 +45,7 @@ from rl.parallel import copy_own_rows, expert_parallel_mesh, full_shape, own_row
 from rl.rollout import derive_seed
 from rl.train.host_adamw import HostAdamW, PinnedArena, local
 from rl.train.lora import adapter_names, apply_lora, init_adapters, trainable
+from rl.train.weights import persistent_buffers
 
 
 def build_policy(cfg: ModelConfig, mesh, device: torch.device, seed: int, max_context_len: int,
@@ -156,12 +157,7 @@ def weight_files(path: str) -> list[Path]:
 
 def _state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a checkpoint of `model` holds, by name: parameters (tied ones under each name) and persistent buffers."""
-    out = dict(model.named_parameters(remove_duplicate=False))
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for n, buf in module._buffers.items():
-            if buf is not None and n not in module._non_persistent_buffers_set:
-                out[f"{prefix}.{n}" if prefix else n] = buf
-    return out
+    return dict(model.named_parameters(remove_duplicate=False)) | dict(persistent_buffers(model))
 
 
 def _names(names: list[str]) -> str:

@@ -5,7 +5,8 @@ Each bucket's local shards are cast to the engine dtype, padded to FSDP2's chunk
 size, flattened into one buffer and gathered with a single collective; the full
 tensors are cut out of the gathered buffer, handed to the engine and freed before
 the next bucket. Tied parameters are gathered once and yielded under every name.
-Buffers (e.g. rotary tables) are not sharded and are pushed as they are. MoE experts split over ranks by expert
+Persistent buffers are not sharded and are pushed as they are; the computed ones (rotary tables, Gemma's
+`embed_scale`) are not pushed. MoE experts split over ranks by expert
 parallelism (rl/model/expert_parallel.py: plain slices, not DTensors) are gathered whole over their group.
 With LoRA (rl/train/lora.py) the engine gets each adapted layer's merged weight (W + scale * B @ A),
 never the adapters; once it holds the base, a push may send the adapted layers alone. An engine with FP8
@@ -70,8 +71,9 @@ def _check_placement(name: str, param: torch.Tensor) -> None:
 
 def iter_full_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int, only: set[str] | None = None
                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, full tensor in `dtype`) for every parameter name and buffer of `model`; `only`: the
-    parameters of those names alone, and no buffers (every rank must pass the same set)."""
+    """Yields (name, full tensor in `dtype`) for every name of `model`'s state_dict (every parameter name and
+    persistent buffer); `only`: the parameters of those names alone, and no buffers (every rank must pass the same
+    set)."""
     names_of: dict[int, list[str]] = {}
     unique: list[torch.Tensor] = []
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -113,11 +115,11 @@ def iter_full_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: 
 
 
 def persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The buffers a checkpoint holds: not a non-persistent one (Gemma's `embed_scale`, a rotary `inv_freq`),
-    which the model computes from its config and an engine's loader does not know by name."""
+    """The buffers a checkpoint holds, by their state_dict names: not a non-persistent one (Gemma's `embed_scale`,
+    a rotary `inv_freq`), which the model computes from its config and an engine's loader does not know by name."""
     for prefix, module in model.named_modules(remove_duplicate=False):
-        for name, buf in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
                 yield (f"{prefix}.{name}" if prefix else name), buf
 
 
