@@ -481,7 +481,6 @@ def main() -> None:
         from rl import parallel
 
         os.environ.setdefault("MASTER_PORT", "29641")
-        os.environ.setdefault("LOCAL_RANK", "0")
         device = parallel.init_distributed().device
     bandwidth = copy_bandwidth(device)
     rows = []

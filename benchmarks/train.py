@@ -204,7 +204,7 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
     times = []
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
-    first_s, graphs, steps_graphs, steps_retries = 0.0, 0, [], []
+    first_s, steps_graphs, steps_retries = 0.0, [], []
     for i in range(args.repeats + 1):  # the first step warms the allocator and kernels up (and compiles)
         if on["cold"] and d.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -220,7 +220,6 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
         elapsed = time.perf_counter() - t
         if i:
             times.append((elapsed, [len(s.tokens) for s in samples]))
-            graphs += compiled["graphs"]
             steps_graphs.append(int(compiled["graphs"]))  # which step compiled (a new shape), and
             steps_retries.append(alloc_retries(d.device) - retries)  # which one freed the cache to allocate
         else:
@@ -246,8 +245,8 @@ def run(model_dir: str, variant: dict[str, str], args, d: parallel.Dist) -> dict
            "first_s": first_s,
            "tokens": int(statistics.median(sum(lengths) for _, lengths in times)),
            "micro_batches": len(schedule.steps[0]),
-           "step_s": statistics.median(s for s, _ in times), "steps_s": [s for s, _ in times], "graphs": graphs,
-           "steps_graphs": steps_graphs, "steps_alloc_retries": steps_retries,
+           "step_s": statistics.median(s for s, _ in times), "steps_s": [s for s, _ in times],
+           "graphs": sum(steps_graphs), "steps_graphs": steps_graphs, "steps_alloc_retries": steps_retries,
            "tokens_per_s": statistics.median(sum(lengths) / s for s, lengths in times),
            "mfu": statistics.median(train_flops(policy.config, lengths) / (s * d.world_size * peak)
                                     for s, lengths in times) if peak else None,
@@ -290,8 +289,8 @@ def main() -> None:
         print(f"device: {torch.cuda.get_device_name(d.device) if d.device.type == 'cuda' else 'cpu'}, "
               f"{d.world_size} rank(s), peak {peak_bf16_flops(d.device) or 0:.3g} FLOP/s, torch {torch.__version__}; "
               f"defaults {','.join(f'{k}={v}' for k, v in DEFAULTS.items())}")
-        print("| model | variant | tokens | micro-batches | first step s | step s | each step s | graphs compiled, each "
-              "step | allocator retries, each step | tokens/s | MFU | forward-only s | peak GB |")
+        print("| model | variant | tokens | micro-batches | first step s | step s | each step s | "
+              "graphs compiled, each step | allocator retries, each step | tokens/s | MFU | forward-only s | peak GB |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for m, v in itertools.product(models, variants):  # each row as it is measured: a later variant may not fit

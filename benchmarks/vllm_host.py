@@ -89,9 +89,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1, help="timed calls, each printed")
     parser.add_argument("--no-sample", action="store_true", help="no call with the Python stack sampled")
     args = parser.parse_args()
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29641", RANK="0", WORLD_SIZE="1",
-                           LOCAL_RANK="0").items():
-        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", "29641")  # init_distributed sets the rest of a group of one
     device = parallel.init_distributed().device
     from transformers import AutoConfig
 
